@@ -1,0 +1,1 @@
+"""The attention worker process: KV cache, attention, router, sampling, and the forwarding engine."""

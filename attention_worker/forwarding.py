@@ -1,0 +1,169 @@
+"""REFE, the Reconfigurable Forwarding Engine: the AW side of the AW-EW datapath (Tarragon §4.2).
+
+`dispatch_layer` resolves each logical expert through the Expert Routing Table, groups a layer's
+rows by EW, sends one call per EW, and combines the results. One reader task per EW data link
+routes replies to futures by call id, so nothing here blocks the AW's event loop; a link that dies
+fails every call waiting on it with `PeerDeadError`.
+
+Legend: T tokens, k experts per token, R = T*k rows, D hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from fabric.errors import FabricError, PeerDeadError, ProtocolError
+from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello
+from fabric.routing import EwAddress, RoutingTable
+from fabric.transport.base import Connection, Transport
+
+log = logging.getLogger(__name__)
+
+
+class ExpertCallError(FabricError):
+    """The EW refused a call (e.g. the expert is not hosted there)."""
+
+    recoverable = True
+
+
+@dataclass
+class EwLink:
+    addr: EwAddress
+    control: Connection
+    data: Connection
+    pending: dict[int, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+    reader: asyncio.Task[None] | None = None
+    dead: bool = False
+
+    async def read_loop(self) -> None:
+        error: FabricError = PeerDeadError(self.addr.worker_id)
+        try:
+            while True:
+                msg = await self.data.recv()
+                fut = self.pending.pop(getattr(msg, "call_id", -1), None)
+                if fut is None or fut.done():
+                    continue
+                if isinstance(msg, ExpertResult):
+                    fut.set_result(msg.y)
+                elif isinstance(msg, ExpertError):
+                    fut.set_exception(ExpertCallError(msg.message))
+        except (PeerDeadError, ProtocolError) as exc:
+            error = exc
+        finally:
+            self.dead = True
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(error)
+            self.pending.clear()
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+        await self.control.close()
+        await self.data.close()
+
+
+class ForwardingEngine:
+    def __init__(self, aw_id: str, transport: Transport) -> None:
+        self.aw_id = aw_id
+        self.transport = transport
+        self.table: RoutingTable | None = None
+        self.links: dict[str, EwLink] = {}
+        self._ids = itertools.count(1)
+        self._active = False
+
+    async def apply_table(self, table: RoutingTable) -> None:
+        """Connects to EWs new in `table` (control and data channels) and drops the others.
+        Call between steps: a step never sees two tables."""
+        for ew_id, addr in table.expert_workers.items():
+            if ew_id not in self.links:
+                self.links[ew_id] = await self._connect(addr)
+        for ew_id in [w for w in self.links if w not in table.expert_workers]:
+            await self.links.pop(ew_id).close()
+        self.table = table
+
+    async def _connect(self, addr: EwAddress) -> EwLink:
+        control = await self.transport.connect(addr.host, addr.port)
+        data = await self.transport.connect(addr.host, addr.port)
+        await control.send(Hello(self.aw_id, "control"))
+        await data.send(Hello(self.aw_id, "data"))
+        link = EwLink(addr, control, data)
+        link.reader = asyncio.create_task(link.read_loop())
+        if self._active:
+            await control.send(AwActivity(True))
+        log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
+        return link
+
+    async def set_active(self, active: bool) -> None:
+        """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
+        if active == self._active:
+            return
+        self._active = active
+        for link in list(self.links.values()):
+            if not link.dead:
+                try:
+                    await link.control.send(AwActivity(active))
+                except PeerDeadError:
+                    pass
+
+    async def call(self, ew_id: str, layer: int, experts: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+        """One expert call to one EW: rows of `x` [R, D] grouped as `counts` per expert -> [R, D]."""
+        assert self.table is not None
+        link = self.links.get(ew_id)
+        if link is None or link.dead:
+            raise PeerDeadError(ew_id, "no live link")
+        call_id = next(self._ids)
+        fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        link.pending[call_id] = fut
+        await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x))
+        return await fut
+
+    async def expert_io(self, layer: int, expert: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Tarragon's expert_io: tokens [N, D] through one logical expert -> [N, D]."""
+        assert self.table is not None
+        ew = self.table.primary(layer, expert)
+        if ew is None:
+            raise PeerDeadError(f"layer {layer} expert {expert}", "no live replica")
+        return await self.call(ew, layer, [expert], [tokens.shape[0]], tokens)
+
+    async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], experts [T, k] int64, weights [T, k] float32 -> weighted expert sum [T, D]."""
+        assert self.table is not None
+        t, k = experts.shape
+        flat = experts.reshape(-1)  # [R]
+        order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
+        token_of_row = order // k  # [R]
+        counts = torch.bincount(flat, minlength=self.table.num_experts).tolist()
+        plan: dict[str, tuple[list[int], list[int], list[int]]] = {ew: ([], [], []) for ew in self.table.expert_workers}
+        row = 0
+        for e, n in enumerate(counts):
+            if n:
+                ew = self.table.primary(layer, e)
+                if ew is None:
+                    raise PeerDeadError(f"layer {layer} expert {e}", "no live replica")
+                es, ns, rows = plan.setdefault(ew, ([], [], []))
+                es.append(e)
+                ns.append(n)
+                rows.extend(range(row, row + n))
+            row += n
+        # Every EW gets a call, empty or not, so a sync gather policy never waits for us in vain.
+        ews = list(plan)
+        row_idx = [torch.tensor(plan[ew][2], dtype=torch.long) for ew in ews]
+        results = await asyncio.gather(
+            *(self.call(ew, layer, plan[ew][0], plan[ew][1], x[token_of_row[idx]]) for ew, idx in zip(ews, row_idx))
+        )
+        y = torch.empty(t * k, x.shape[1], dtype=x.dtype)  # [R, D] in expert order
+        for idx, out in zip(row_idx, results):
+            y[idx] = out
+        w = weights.reshape(-1)[order].to(x.dtype)  # [R]
+        return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            await link.close()
+        self.links.clear()

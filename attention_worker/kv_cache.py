@@ -1,0 +1,52 @@
+"""Paged KV cache: fixed-size blocks, a free list, and per-layer K/V storage.
+
+Legend: B blocks, S block size, K kv heads, d head dim. A token at position p of a sequence lives
+in slot `block_table[p // S] * S + p % S` of the flat [B*S, K, d] view.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fabric.model.config import ModelConfig
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, table: list[int], num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(table))
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extends `table` to hold `num_tokens`; False (and no change) if blocks ran out."""
+        need = self.blocks_needed(table, num_tokens)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            table.append(self._free.pop())
+        return True
+
+    def release(self, table: list[int]) -> None:
+        self._free.extend(reversed(table))
+        table.clear()
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, block_size: int, budget_bytes: int) -> None:
+        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.torch_dtype.itemsize
+        num_blocks = max(1, budget_bytes // per_block)
+        self.blocks = BlockManager(num_blocks, block_size)
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # [B*S, K, d]
+        self.k = [torch.zeros(shape, dtype=cfg.torch_dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=cfg.torch_dtype) for _ in range(cfg.num_layers)]
+
+    def slots(self, table: list[int], start: int, end: int) -> list[int]:
+        s = self.blocks.block_size
+        return [table[p // s] * s + p % s for p in range(start, end)]

@@ -1,0 +1,207 @@
+"""Attention worker process.
+
+Main loop: (apply a new routing table between steps) -> schedule a mixed batch -> forward it
+(attention here, experts through the REFE) -> sample -> send each gateway its tokens -> free
+finished requests. Gateway connections only enqueue submits and aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
+from attention_worker.model_runner import ModelRunner
+from attention_worker.request import Sequence
+from attention_worker.sampler import sample
+from attention_worker.scheduler import Scheduler
+from fabric.config import AttentionWorkerConfig
+from fabric.control_link import OrchestratorLink
+from fabric.process import fatal_on_error
+from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
+from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
+from fabric.messages.control import Register, RoutingUpdate, WorkerReady, WorkerStats
+from fabric.model.attention_weights import AttentionWeights
+from fabric.model.config import ModelConfig
+from fabric.routing import RoutingTable
+from fabric.transport import make_transport
+from fabric.transport.base import Connection
+
+log = logging.getLogger("attention_worker")
+
+
+class AttentionWorker:
+    def __init__(self, cfg: AttentionWorkerConfig) -> None:
+        self.cfg = cfg
+        self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
+        self.transport = make_transport(cfg.transport)
+        self.kv = KVCache(self.model, cfg.block_size, cfg.kv_cache_mib << 20)
+        self.scheduler = Scheduler(self.kv.blocks, cfg.max_batch_tokens, cfg.max_running)
+        self.refe: ForwardingEngine | None = None
+        self.runner: ModelRunner | None = None
+        self.weights: AttentionWeights | None = None
+        self.work = asyncio.Event()
+        self.new_table: RoutingTable | None = None
+        self.steps = 0
+        self.tokens_out = 0
+
+    # -- gateway connections ------------------------------------------------------------------
+    async def handle_client(self, conn: Connection) -> None:
+        mine: set[str] = set()
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, Submit):
+                    await self._submit(msg, conn, mine)
+                elif isinstance(msg, Abort):
+                    self.scheduler.remove(msg.request_id)
+                    mine.discard(msg.request_id)
+                else:
+                    raise ProtocolError(f"unexpected {msg.kind} from a client")
+        finally:
+            for rid in mine:  # the gateway is gone: nobody can receive these tokens
+                self.scheduler.remove(rid)
+
+    async def _submit(self, msg: Submit, conn: Connection, mine: set[str]) -> None:
+        try:
+            if not msg.prompt_ids and not msg.output_ids:
+                raise RequestError("empty prompt")
+            if any(not 0 <= t < self.model.vocab_size for t in msg.prompt_ids + msg.output_ids):
+                raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
+            if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
+                raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
+            self.scheduler.add(Sequence.from_submit(msg, conn))
+        except RequestError as exc:
+            await conn.send(RequestFailed(msg.request_id, str(exc), 400))
+            return
+        mine.add(msg.request_id)
+        self.work.set()
+
+    # -- main loop ----------------------------------------------------------------------------
+    async def main_loop(self, stop: asyncio.Event) -> None:
+        assert self.refe is not None and self.runner is not None
+        while not stop.is_set():
+            if self.new_table is not None:
+                table, self.new_table = self.new_table, None
+                await self.refe.apply_table(table)
+            if not self.scheduler.has_work:
+                self.work.clear()  # before the await below, so a submit arriving during it is kept
+                await self.refe.set_active(False)
+                if not self.scheduler.has_work:
+                    await _wait_any(self.work, stop)
+                continue
+            await self.refe.set_active(True)
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                await asyncio.sleep(0.001)  # everything waits for KV blocks held by nobody: cannot happen
+                continue
+            try:
+                logits = await self.runner.forward(chunks)
+            except FabricError as exc:
+                await self._fail_all(chunks, f"expert datapath failed: {exc}")
+                continue
+            await self._emit(chunks, logits)
+
+    async def _emit(self, chunks: list[Any], logits: torch.Tensor) -> None:
+        per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
+        finished: list[str] = []
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed += c.n
+            if not c.samples:
+                continue
+            token = sample(logits[row], seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids))
+            row += 1
+            reason = seq.append(token)
+            per_client[seq.client].append([seq.request_id, token, reason])
+            if reason is not None:
+                finished.append(seq.request_id)
+        for rid in finished:
+            self.scheduler.remove(rid)
+        self.steps += 1
+        self.tokens_out += row
+        for conn, outputs in per_client.items():
+            try:
+                await conn.send(StepOutput(outputs))
+            except PeerDeadError:
+                pass  # handle_client's cleanup drops its requests
+
+    async def _fail_all(self, chunks: list[Any], message: str) -> None:
+        log.error("%s", message)
+        for c in chunks:
+            self.scheduler.remove(c.seq.request_id)
+            try:
+                await c.seq.client.send(RequestFailed(c.seq.request_id, message, 503))
+            except PeerDeadError:
+                pass
+
+    def stats(self) -> dict[str, Any]:
+        b = self.kv.blocks
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": b.num_blocks - b.num_free, "kv_blocks_free": b.num_free,
+            "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
+            "outstanding_work": self.scheduler.outstanding_work(),
+        }
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+
+
+async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
+    torch.set_num_threads(cfg.threads)
+    aw = AttentionWorker(cfg)
+    t0 = time.perf_counter()
+    aw.weights = await asyncio.to_thread(AttentionWeights.load, cfg.model, aw.model)
+    log.info("loaded attention weights (%.1f MiB) in %.2fs", aw.weights.bytes_read / 2**20, time.perf_counter() - t0)
+    listener = await aw.transport.listen(cfg.host, cfg.port, aw.handle_client)
+    link = OrchestratorLink(*cfg.orchestrator_addr)
+    info = {"transport": aw.transport.name, "kv_blocks": aw.kv.blocks.num_blocks, "block_size": cfg.block_size}
+    wid = await link.connect(Register("attention", os.getpid(), cfg.host, listener.port, info))
+    aw.refe = ForwardingEngine(wid, aw.transport)
+    aw.runner = ModelRunner(aw.model, aw.weights, aw.kv, aw.refe)
+    log.info("%s listening on %s:%d (%s, %d KV blocks)", wid, cfg.host, listener.port, aw.transport.name, aw.kv.blocks.num_blocks)
+    loop_task: asyncio.Task[None] | None = None
+    try:
+        while (msg := await link.next_message(stop)) is not None:
+            if not isinstance(msg, RoutingUpdate) or not msg.table:
+                continue
+            table = RoutingTable.from_dict(msg.table)
+            if loop_task is None:
+                await aw.refe.apply_table(table)  # first table: connect before serving
+                await link.send(WorkerReady(table.epoch))
+                loop_task = asyncio.create_task(fatal_on_error(aw.main_loop(stop), stop))
+                asyncio.create_task(_report(aw, link))
+            elif aw.refe.table is None or table.epoch > aw.refe.table.epoch:
+                aw.new_table = table  # switched at the next step boundary
+                aw.work.set()
+        if link.closed.is_set() and not stop.is_set():
+            log.error("%s lost the orchestrator; exiting", wid)
+    finally:
+        stop.set()
+        if loop_task is not None:
+            loop_task.cancel()
+        await listener.close()
+        await aw.refe.close()
+        await link.close()
+
+
+async def _report(aw: AttentionWorker, link: OrchestratorLink) -> None:
+    while not link.closed.is_set():
+        await asyncio.sleep(1.0)
+        try:
+            await link.send(WorkerStats(aw.stats()))
+        except PeerDeadError:
+            return

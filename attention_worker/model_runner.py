@@ -1,0 +1,150 @@
+"""One forward step of a mixed prefill/decode batch on the AW; experts go through the REFE.
+
+Legend: T tokens in the step, Bd decode sequences, L kv length, D hidden, H heads, K kv heads,
+d head dim, V vocab. The torch work between two expert calls (one layer's attention) runs on the
+event loop: it is a few small matmuls, bounded by the step's token budget, and every layer
+yields to the loop while its expert calls are in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
+from attention_worker.request import Sequence
+from fabric.model.attention_weights import AttentionWeights, LayerWeights
+from fabric.model.config import ModelConfig
+from fabric.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route, swiglu_ffn
+
+
+@dataclass
+class Chunk:
+    """`n` tokens of `seq` starting at position `start` are fed this step."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == self.seq.num_tokens
+
+
+@dataclass
+class StepMeta:
+    ids: torch.Tensor  # [T]
+    cos: torch.Tensor  # [T, d]
+    sin: torch.Tensor  # [T, d]
+    slots: torch.Tensor  # [T] flat cache slots of the new tokens
+    dec_rows: torch.Tensor  # [Bd] rows of decode tokens
+    dec_kv: torch.Tensor  # [Bd, L] cache slots each decode token attends to (padded)
+    dec_mask: torch.Tensor  # [Bd, 1, 1, L] bool
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
+    sample_rows: torch.Tensor  # [S]
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.kv = kv
+        self.refe = refe
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _mask(self, q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Causal (and sliding-window) mask [n, L] for query positions `q_pos` [n]."""
+        kv_pos = torch.arange(kv_len)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if self.cfg.sliding_window:
+            mask &= kv_pos[None, :] > q_pos[:, None] - self.cfg.sliding_window
+        return mask
+
+    def prepare(self, chunks: list[Chunk]) -> StepMeta:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        dec_rows: list[int] = []
+        dec_lens: list[int] = []
+        dec_tables: list[list[int]] = []
+        prefills = []
+        sample_rows = []
+        for c in chunks:
+            row = len(ids)
+            ids.extend(c.seq.token_at(p) for p in range(c.start, c.start + c.n))
+            positions.extend(range(c.start, c.start + c.n))
+            slots.extend(self.kv.slots(c.seq.block_table, c.start, c.start + c.n))
+            end = c.start + c.n
+            if c.n == 1:
+                dec_rows.append(row)
+                dec_lens.append(end)
+                dec_tables.append(c.seq.block_table)
+            else:
+                kv_slots = torch.tensor(self.kv.slots(c.seq.block_table, 0, end), dtype=torch.long)
+                prefills.append((row, c.n, kv_slots, self._mask(torch.arange(c.start, end), end)))
+            if c.samples:
+                sample_rows.append(row + c.n - 1)
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype)
+        lmax = max(dec_lens, default=0)
+        dec_kv = torch.zeros(len(dec_rows), lmax, dtype=torch.long)
+        dec_mask = torch.zeros(len(dec_rows), 1, 1, lmax, dtype=torch.bool)
+        for i, (length, table) in enumerate(zip(dec_lens, dec_tables)):
+            dec_kv[i, :length] = torch.tensor(self.kv.slots(table, 0, length), dtype=torch.long)
+            dec_mask[i, 0, 0, :] = self._mask(torch.tensor([length - 1]), lmax)[0] & (torch.arange(lmax) < length)
+        return StepMeta(
+            torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
+            torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )
+
+    async def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Runs the step; returns logits [S, V] (float32) for the chunks that sample, in order."""
+        meta = self.prepare(chunks)
+        h = self.w.embed[meta.ids]  # [T, D]
+        for i, lw in enumerate(self.w.layers):
+            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps), meta)
+            x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps)
+            if lw.dense is not None:
+                h = h + swiglu_ffn(x, *lw.dense)
+            else:
+                assert lw.router is not None
+                weights, experts = route(F.linear(x, lw.router), self.cfg.top_k, self.cfg.norm_topk_prob)
+                h = h + await self.refe.dispatch_layer(i, x, experts, weights)
+        last = rms_norm(h[meta.sample_rows], self.w.norm, self.cfg.rms_norm_eps)  # [S, D]
+        return F.linear(last, self.w.lm_head).float()  # [S, V]
+
+    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, (H + 2K) d]
+        q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        if lw.q_norm is not None and lw.k_norm is not None:
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, meta.cos, meta.sin)
+        k = apply_rope(k, meta.cos, meta.sin)
+        kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
+        kc[meta.slots] = k
+        vc[meta.slots] = v
+        out = torch.empty_like(q)  # [T, H, d]
+        if meta.dec_rows.numel():
+            qd = q[meta.dec_rows].unsqueeze(2)  # [Bd, H, 1, d]
+            kd = kc[meta.dec_kv].transpose(1, 2)  # [Bd, K, L, d]
+            vd = vc[meta.dec_kv].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, enable_gqa=True)
+            out[meta.dec_rows] = od.squeeze(2)
+        for row, n, kv_slots, mask in meta.prefills:
+            qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+            kp = kc[kv_slots].transpose(0, 1).unsqueeze(0)  # [1, K, L, d]
+            vp = vc[kv_slots].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            out[row : row + n] = op[0].transpose(0, 1)
+        return F.linear(out.reshape(t, -1), lw.o_proj)

@@ -1,0 +1,65 @@
+"""Per-request state on an AW."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.messages.client import Submit
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """`num_computed` tokens of `prompt_ids + output_ids` have their KV in this AW's cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    max_tokens: int  # total output tokens, counting any already in output_ids
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    client: Any = None  # the connection that receives this request's tokens
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @classmethod
+    def from_submit(cls, msg: Submit, client: Any) -> Sequence:
+        return cls(
+            msg.request_id, list(msg.prompt_ids), list(msg.output_ids), msg.max_tokens, msg.temperature,
+            msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, client,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def remaining_work(self) -> int:
+        """Tokens still to prefill plus tokens still to decode (for load-aware routing)."""
+        return (self.num_tokens - self.num_computed) + (self.max_tokens - len(self.output_ids))
+
+    def append(self, token: int) -> str | None:
+        """Records a sampled token; returns the finish reason if the request is done."""
+        self.output_ids.append(token)
+        if not self.ignore_eos and token in self.stop_token_ids:
+            return "stop"
+        if len(self.output_ids) >= self.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,57 @@
+"""Runs a gathered batch: rows grouped by (layer, expert) across calls, each expert once.
+
+Legend: R rows of one call, N rows of one expert across calls, D hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fabric.model.checkpoint import Checkpoint, load_expert
+from fabric.model.config import ModelConfig
+from fabric.model.ops import swiglu_ffn
+from expert_worker.gather import PendingCall
+
+
+class ExpertExecutor:
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.experts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.tokens_by_expert: dict[tuple[int, int], int] = {}
+        self.bytes_loaded = 0
+
+    def load(self, model_dir: str | Path, units: list[tuple[int, int]]) -> None:
+        """Reads only these experts' tensors (blocking; call from a thread)."""
+        ckpt = Checkpoint(model_dir, self.cfg.torch_dtype)
+        for layer, expert in units:
+            self.experts[(layer, expert)] = load_expert(ckpt, self.cfg, layer, expert)
+            self.tokens_by_expert.setdefault((layer, expert), 0)
+        self.bytes_loaded = ckpt.bytes_read
+
+    def missing(self, call_layer: int, experts: list[int]) -> list[int]:
+        return [e for e in experts if (call_layer, e) not in self.experts]
+
+    def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
+        """One output [R, D] per call, rows in the call's order."""
+        outs = [torch.empty_like(p.call.x) for p in batch]
+        # (layer, expert) -> list of (call index, row start, row count)
+        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for ci, p in enumerate(batch):
+            start = 0
+            for e, n in zip(p.call.experts, p.call.counts):
+                if n:
+                    groups.setdefault((p.call.layer, e), []).append((ci, start, n))
+                start += n
+        for unit, parts in groups.items():
+            gate, up, down = self.experts[unit]
+            xs = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
+            x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [N, D]
+            y = swiglu_ffn(x, gate, up, down)  # [N, D]
+            self.tokens_by_expert[unit] += x.shape[0]
+            offset = 0
+            for ci, s, n in parts:
+                outs[ci][s : s + n] = y[offset : offset + n]
+                offset += n
+        return outs

@@ -1,0 +1,145 @@
+"""Expert worker process.
+
+Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
+over the rows of all calls in the batch -> send each AW its results. Connection handlers only
+validate and enqueue; the torch work happens in the main loop between I/O (one batch is a few
+small matmuls, well under the liveness-probe interval).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import torch
+
+from fabric.config import ExpertWorkerConfig
+from fabric.control_link import OrchestratorLink
+from fabric.process import fatal_on_error
+from fabric.errors import PeerDeadError, ProtocolError
+from fabric.messages.control import AssignExperts, Register, WorkerReady, WorkerStats
+from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
+from fabric.model.config import ModelConfig
+from fabric.transport import make_transport
+from fabric.transport.base import Connection
+from expert_worker.executor import ExpertExecutor
+from expert_worker.gather import PendingCall, make_policy
+
+log = logging.getLogger("expert_worker")
+
+
+class ExpertWorker:
+    def __init__(self, cfg: ExpertWorkerConfig) -> None:
+        self.cfg = cfg
+        self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
+        self.executor = ExpertExecutor(self.model)
+        self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
+        self.transport = make_transport(cfg.transport)
+        self.pending: list[PendingCall] = []
+        self.active_aws: set[str] = set()
+        self.wakeup = asyncio.Event()
+        self.batches = 0
+
+    # -- connection handlers ------------------------------------------------------------------
+    async def handle(self, conn: Connection) -> None:
+        hello = await conn.recv()
+        if not isinstance(hello, Hello) or hello.channel not in ("control", "data"):
+            raise ProtocolError(f"expected hello, got {hello.kind}")
+        if hello.channel == "control":
+            await self._control_loop(hello.aw_id, conn)
+        else:
+            await self._data_loop(hello.aw_id, conn)
+
+    async def _control_loop(self, aw_id: str, conn: Connection) -> None:
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, AwActivity):
+                    (self.active_aws.add if msg.active else self.active_aws.discard)(aw_id)
+                    self.wakeup.set()
+                elif isinstance(msg, Ping):
+                    await conn.send(Pong(msg.nonce))
+                else:
+                    raise ProtocolError(f"unexpected {msg.kind} on the control channel")
+        finally:
+            self.active_aws.discard(aw_id)  # never wait for an AW whose link is gone
+            self.wakeup.set()
+
+    async def _data_loop(self, aw_id: str, conn: Connection) -> None:
+        while True:
+            msg = await conn.recv()
+            if not isinstance(msg, ExpertCall):
+                raise ProtocolError(f"unexpected {msg.kind} on the data channel")
+            self._validate(msg)
+            missing = self.executor.missing(msg.layer, msg.experts)
+            if missing:
+                await conn.send(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
+                continue
+            self.active_aws.add(aw_id)
+            self.pending.append(PendingCall(aw_id, conn, msg))
+            self.wakeup.set()
+
+    def _validate(self, call: ExpertCall) -> None:
+        x = call.x
+        if len(call.experts) != len(call.counts) or any(n < 0 for n in call.counts):
+            raise ProtocolError("expert_call: experts and counts disagree")
+        if x.dim() != 2 or x.shape[1] != self.model.hidden_size or x.dtype != self.model.torch_dtype:
+            raise ProtocolError(f"expert_call: x has shape {tuple(x.shape)} {x.dtype}")
+        if sum(call.counts) != x.shape[0]:
+            raise ProtocolError("expert_call: counts do not add up to the rows of x")
+
+    # -- main loop ----------------------------------------------------------------------------
+    async def main_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
+            if not batch:
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), wait if wait is not None else 1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            chosen = {id(p) for p in batch}
+            self.pending = [p for p in self.pending if id(p) not in chosen]
+            outputs = self.executor.run(batch)
+            self.batches += 1
+            for p, y in zip(batch, outputs):
+                try:
+                    await p.conn.send(ExpertResult(p.call.call_id, y))
+                except PeerDeadError:
+                    pass  # that AW is gone; its calls are replayed elsewhere
+
+    async def report_stats(self, link: OrchestratorLink) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
+            await link.send(WorkerStats({"batches": self.batches, "tokens_by_expert": tokens}))
+
+
+async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
+    torch.set_num_threads(cfg.threads)
+    ew = ExpertWorker(cfg)
+    listener = await ew.transport.listen(cfg.host, cfg.port, ew.handle)
+    link = OrchestratorLink(*cfg.orchestrator_addr)
+    info = {"transport": ew.transport.name, "gather": cfg.gather}
+    wid = await link.connect(Register("expert", os.getpid(), cfg.host, listener.port, info))
+    log.info("%s listening on %s:%d (%s)", wid, cfg.host, listener.port, ew.transport.name)
+    tasks = [asyncio.create_task(fatal_on_error(ew.main_loop(stop), stop))]
+    try:
+        while (msg := await link.next_message(stop)) is not None:
+            if isinstance(msg, AssignExperts):
+                units = [(int(u[0]), int(u[1])) for u in msg.experts]
+                t0 = time.perf_counter()
+                await asyncio.to_thread(ew.executor.load, cfg.model, units)
+                log.info("%s loaded %d experts (%.1f MiB) in %.2fs", wid, len(units), ew.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
+                await link.send(WorkerReady(0))
+                tasks.append(asyncio.create_task(ew.report_stats(link)))
+        if link.closed.is_set() and not stop.is_set():
+            log.error("%s lost the orchestrator; exiting", wid)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await listener.close()
+        await link.close()

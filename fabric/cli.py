@@ -1,0 +1,138 @@
+"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`.
+
+Each subcommand's flags map 1:1 onto the fields of its config dataclass (fabric/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig, ServeConfig
+from fabric.errors import ConfigError, FabricError
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--orchestrator", required=True, metavar="HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on and to advertise")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port")
+    p.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-fabric", description="Resilient serving fabric for MoE models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start every role on this machine and serve the OpenAI API")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: a cached demo model)")
+    s.add_argument("--attention-workers", type=int, default=2)
+    s.add_argument("--expert-workers", type=int, default=2)
+    s.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--orchestrator-port", type=int, default=0)
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    s.add_argument("--gather", choices=["sync", "threshold"], default="sync")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--ready-timeout", type=float, default=300.0)
+
+    o = sub.add_parser("orchestrator", help="run the orchestrator")
+    o.add_argument("--model", required=True)
+    o.add_argument("--expert-workers", type=int, required=True, help="EWs to wait for before placing experts")
+    o.add_argument("--host", default="127.0.0.1")
+    o.add_argument("--port", type=int, default=0)
+    o.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    o.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+    g = sub.add_parser("gateway", help="run the HTTP gateway")
+    g.add_argument("--model", required=True)
+    g.add_argument("--orchestrator", required=True, metavar="HOST:PORT")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+    a = sub.add_parser("attention-worker", help="run one attention worker")
+    _worker_flags(a)
+    a.add_argument("--block-size", type=int, default=16)
+    a.add_argument("--kv-cache-mib", type=int, default=256)
+    a.add_argument("--max-batch-tokens", type=int, default=512)
+    a.add_argument("--max-running", type=int, default=64)
+
+    e = sub.add_parser("expert-worker", help="run one expert worker")
+    _worker_flags(e)
+    e.add_argument("--gather", choices=["sync", "threshold"], default="sync")
+    e.add_argument("--min-batch-tokens", type=int, default=1)
+    e.add_argument("--max-wait-ms", type=float, default=20.0)
+
+    d = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
+    d.add_argument("out")
+    d.add_argument("--arch", choices=["mixtral", "qwen3_moe"], default="mixtral")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    return parser
+
+
+def _fields(args: argparse.Namespace, *drop: str) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("command", *drop)}
+
+
+def _role(role: str, coro: Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]], cfg: Any) -> int:
+    from fabric.process import run, watch_parent
+
+    watch_parent(getattr(cfg, "parent_pid", None))
+    return run(lambda stop: coro(cfg, stop), role)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"moe-fabric: {exc}", file=sys.stderr)
+        return 2
+    except FabricError as exc:
+        print(f"moe-fabric: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "demo-model":
+        from fabric.model.demo import write_demo_model
+
+        path = write_demo_model(args.out, arch=args.arch, seed=args.seed, size=args.size, dtype=args.dtype)
+        print(path)
+        return 0
+    if cmd == "serve":
+        from fabric.launcher import serve
+
+        return serve(ServeConfig(**_fields(args)))
+    if cmd == "orchestrator":
+        from orchestrator.main import serve as orch
+
+        return _role("orchestrator", orch, OrchestratorConfig(**_fields(args)))
+    if cmd == "gateway":
+        from gateway.main import serve as gw
+
+        return _role("gateway", gw, GatewayConfig(**_fields(args)))
+    if cmd == "attention-worker":
+        from attention_worker.main import serve as aw
+
+        return _role("attention-worker", aw, AttentionWorkerConfig(**_fields(args)))
+    from expert_worker.main import serve as ew
+
+    return _role("expert-worker", ew, ExpertWorkerConfig(**_fields(args)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Frozen per-role configs. CLI flags map 1:1 onto these fields (see fabric/cli.py); the launcher
+gives each spawned process its own copy via `dataclasses.replace`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabric.errors import ConfigError
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _check_port(port: int, name: str) -> None:
+    if not 0 <= port < 65536:
+        raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Fields every worker role shares."""
+
+    model: str
+    orchestrator: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    transport: str = "tcp"
+    dtype: str | None = None
+    threads: int = 1
+    parent_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        parse_hostport(self.orchestrator)
+        _check_port(self.port, "port")
+        if self.transport not in ("tcp", "ucx", "auto"):
+            raise ConfigError(f"unknown transport {self.transport!r}")
+        if self.threads < 1:
+            raise ConfigError("threads must be >= 1")
+
+    @property
+    def orchestrator_addr(self) -> tuple[str, int]:
+        return parse_hostport(self.orchestrator)
+
+
+@dataclass(frozen=True)
+class ExpertWorkerConfig(WorkerConfig):
+    gather: str = "sync"  # "sync": wait for every active AW; "threshold": min batch or max wait
+    min_batch_tokens: int = 1
+    max_wait_ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gather not in ("sync", "threshold"):
+            raise ConfigError(f"unknown gather policy {self.gather!r}; choose sync or threshold")
+        if self.max_wait_ms < 0 or self.min_batch_tokens < 1:
+            raise ConfigError("max_wait_ms must be >= 0 and min_batch_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class AttentionWorkerConfig(WorkerConfig):
+    block_size: int = 16
+    kv_cache_mib: int = 256
+    max_batch_tokens: int = 512  # token budget of one step (chunked prefill + decodes)
+    max_running: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str
+    orchestrator: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    transport: str = "tcp"
+    served_model_name: str | None = None
+    parent_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        parse_hostport(self.orchestrator)
+        _check_port(self.port, "port")
+
+    @property
+    def orchestrator_addr(self) -> tuple[str, int]:
+        return parse_hostport(self.orchestrator)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    model: str
+    expert_workers: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_file: str | None = None
+    parent_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "port")
+        if self.expert_workers < 1:
+            raise ConfigError("the cluster needs at least one expert worker")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    attention_workers: int = 2
+    expert_workers: int = 2
+    transport: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    orchestrator_port: int = 0
+    dtype: str | None = None
+    gather: str = "sync"
+    served_model_name: str | None = None
+    ready_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.attention_workers < 1 or self.expert_workers < 1:
+            raise ConfigError("serve needs at least one attention worker and one expert worker")
+        _check_port(self.port, "port")
+        _check_port(self.orchestrator_port, "orchestrator_port")

@@ -1,0 +1,44 @@
+"""Typed errors. Each says whether the caller can recover from it.
+
+A peer's death is an expected event (`PeerDeadError`, recoverable: reroute or replay); a malformed
+frame closes one connection (`ProtocolError`, recoverable for the process); bad configuration or an
+unreadable checkpoint stops the process at start-up (`ConfigError`, `ModelFormatError`, fatal).
+"""
+
+from __future__ import annotations
+
+
+class FabricError(Exception):
+    """Base class. `recoverable` tells whether the process can keep serving after it."""
+
+    recoverable: bool = False
+
+
+class ConfigError(FabricError):
+    """Invalid configuration or command-line flags."""
+
+
+class ModelFormatError(FabricError):
+    """A checkpoint directory that cannot be served (missing files, unsupported architecture)."""
+
+
+class ProtocolError(FabricError):
+    """A peer sent a malformed, truncated or oversized frame; only that connection is closed."""
+
+    recoverable = True
+
+
+class PeerDeadError(FabricError):
+    """The connection to a peer closed or reset; in-flight calls to it must be rerouted."""
+
+    recoverable = True
+
+    def __init__(self, peer: str, reason: str = "connection closed") -> None:
+        super().__init__(f"peer {peer} is dead: {reason}")
+        self.peer = peer
+
+
+class RequestError(FabricError):
+    """A single request cannot be served (bad parameters, too long); the request fails, not the process."""
+
+    recoverable = True

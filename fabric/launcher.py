@@ -1,0 +1,162 @@
+"""`moe-fabric serve`: every role as its own OS process on this machine.
+
+Order: orchestrator (reports its port through a file) -> EWs -> AWs -> gateway; ready when
+`GET /v1/models` answers 200. Ctrl-C/SIGTERM stops the children (SIGTERM, then SIGKILL after a
+grace period). Children die with the launcher even if it is SIGKILLed (PDEATHSIG plus a
+parent-pid watch), so no orphans are left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from fabric.config import ServeConfig
+from fabric.errors import FabricError
+from fabric.process import die_with_parent
+from fabric.transport import resolve_transport_name
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric"
+    return cache / "demo-mixtral-tiny-seed0"
+
+
+def ensure_demo_model() -> Path:
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        from fabric.model.demo import write_demo_model
+
+        print(f"writing the demo model to {path} ...", file=sys.stderr)
+        write_demo_model(path, arch="mixtral", seed=0, size="tiny")
+    return path
+
+
+class Fabric:
+    """The set of child processes of one `serve`; usable from tests and benchmarks too."""
+
+    def __init__(self, cfg: ServeConfig, extra_args: dict[str, list[str]] | None = None, log_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.model = cfg.model or str(ensure_demo_model())
+        self.transport = resolve_transport_name(cfg.transport)
+        self.extra = extra_args or {}
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.log_dir = log_dir
+        self.orchestrator_port = 0
+        self.port = cfg.port
+
+    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "fabric.cli", role, *args, "--parent-pid", str(os.getpid()), *self.extra.get(role, [])]
+        out = open(Path(self.log_dir) / f"{name}.log", "wb") if self.log_dir else None  # noqa: SIM115
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self.procs.append((name, proc))
+
+    def _check_children(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise FabricError(f"{name} exited with code {proc.returncode} during start-up")
+
+    def start(self) -> None:
+        cfg = self.cfg
+        with tempfile.TemporaryDirectory() as tmp:
+            port_file = Path(tmp) / "orchestrator.port"
+            self._spawn("orchestrator", "orchestrator", [
+                "--model", self.model, "--expert-workers", str(cfg.expert_workers), "--host", cfg.host,
+                "--port", str(cfg.orchestrator_port), "--port-file", str(port_file)])
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                self._check_children()
+                if time.monotonic() > deadline:
+                    raise FabricError("the orchestrator did not start within 60s")
+                time.sleep(0.05)
+            self.orchestrator_port = int(port_file.read_text())
+        orch = f"{cfg.host}:{self.orchestrator_port}"
+        common = ["--model", self.model, "--orchestrator", orch, "--host", cfg.host, "--transport", self.transport]
+        dtype = ["--dtype", cfg.dtype] if cfg.dtype else []
+        for i in range(cfg.expert_workers):
+            self._spawn(f"expert-worker-{i}", "expert-worker", [*common, *dtype, "--gather", cfg.gather])
+        for i in range(cfg.attention_workers):
+            self._spawn(f"attention-worker-{i}", "attention-worker", [*common, *dtype])
+        name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
+        self._spawn("gateway", "gateway", [*common[:4], "--host", cfg.host, "--port", str(cfg.port), "--transport", self.transport, *name])
+
+    def wait_ready(self, timeout: float) -> None:
+        url = f"http://{self.cfg.host}:{self.port}/v1/models"
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_children()
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Idempotent: SIGTERM everything (gateway first), then SIGKILL what is left after `grace`."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Fabric:
+        try:
+            self.start()
+            self.wait_ready(self.cfg.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(cfg: ServeConfig) -> int:
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    fabric = Fabric(cfg)
+    try:
+        fabric.start()
+        fabric.wait_ready(cfg.ready_timeout)
+        print(
+            f"moe-fabric ready: http://{cfg.host}:{cfg.port}/v1 (model {fabric.model}, "
+            f"{cfg.attention_workers} AW + {cfg.expert_workers} EW over {fabric.transport}; "
+            f"cluster view at http://{cfg.host}:{fabric.orchestrator_port}/cluster)",
+            flush=True,
+        )
+        while True:
+            for name, proc in fabric.procs:
+                if proc.poll() is not None:
+                    print(f"moe-fabric: {name} exited with code {proc.returncode}", file=sys.stderr)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("moe-fabric: stopping", file=sys.stderr)
+        return 0
+    except FabricError as exc:
+        print(f"moe-fabric: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        fabric.stop()

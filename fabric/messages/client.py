@@ -1,0 +1,51 @@
+"""Gateway <-> AW channel: whole requests in, per-step token deltas out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.messages.base import Message, register
+
+
+@register
+@dataclass
+class Submit(Message):
+    """A request's full state, sent once. `output_ids` is non-empty when a request resumes."""
+
+    kind = "submit"
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    output_ids: list[int]
+
+
+@register
+@dataclass
+class Abort(Message):
+    kind = "abort"
+    request_id: str
+
+
+@register
+@dataclass
+class StepOutput(Message):
+    """One AW step: for each request that produced a token, [request_id, token, finish_reason|None]."""
+
+    kind = "step_output"
+    outputs: list[list[Any]]
+
+
+@register
+@dataclass
+class RequestFailed(Message):
+    kind = "request_failed"
+    request_id: str
+    message: str
+    status: int

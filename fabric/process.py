@@ -1,0 +1,87 @@
+"""Process plumbing every role uses: logging, uvloop, signals, and never outliving the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("MOE_FABRIC_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def die_with_parent() -> None:
+    """preexec_fn for children: the kernel sends SIGTERM when the launcher dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def watch_parent(parent_pid: int | None) -> None:
+    """Portable backstop to PDEATHSIG: exit when `parent_pid` is gone (re-parented)."""
+    if not parent_pid:
+        return
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+class MainLoopFailed(Exception):
+    """A process's main loop raised; the process exits non-zero after cleanup."""
+
+
+async def fatal_on_error(coro: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
+    """Runs a main loop; an unexpected exception is logged with its traceback and stops the process."""
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logging.getLogger("main_loop").exception("main loop failed; shutting down")
+        stop.set()
+        raise
+
+
+def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -> int:
+    """Runs `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event. Returns an exit code."""
+    setup_logging(role)
+    log = logging.getLogger(role)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover
+        pass
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    try:
+        asyncio.run(runner())
+    except Exception:
+        log.exception("%s failed", role)
+        return 1
+    return 0

@@ -1,0 +1,33 @@
+"""Transport registry: `tcp` (asyncio streams) and `ucx` (ucxx); `auto` resolves once per process."""
+
+from __future__ import annotations
+
+from fabric.errors import ConfigError
+from fabric.transport.base import Connection, Listener, Transport
+from fabric.wire import DEFAULT_LIMITS, WireLimits
+
+__all__ = ["Connection", "Listener", "Transport", "make_transport", "resolve_transport_name"]
+
+TRANSPORTS = ("tcp", "ucx", "auto")
+
+
+def resolve_transport_name(name: str) -> str:
+    """`auto` -> `ucx` when UCX reports an RDMA-capable transport, else `tcp`."""
+    if name not in TRANSPORTS:
+        raise ConfigError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
+    if name != "auto":
+        return name
+    from fabric.transport.ucx import rdma_available
+
+    return "ucx" if rdma_available() else "tcp"
+
+
+def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS) -> Transport:
+    resolved = resolve_transport_name(name)
+    if resolved == "ucx":
+        from fabric.transport.ucx import UcxTransport
+
+        return UcxTransport(limits)
+    from fabric.transport.tcp import TcpTransport
+
+    return TcpTransport(limits)

@@ -1,0 +1,94 @@
+"""The transport interface: listeners and message connections, whatever carries the bytes.
+
+Contract: `send` queues one whole message (prefix, header, frames) and returns once the transport
+owns the bytes; `recv` returns the next whole message or raises `PeerDeadError` (closed, reset) or
+`ProtocolError` (malformed, truncated, oversized; the connection is then unusable and is closed).
+Neither ever raises anything else for a peer's misbehaviour.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from fabric.errors import PeerDeadError, ProtocolError
+from fabric.messages.base import Message, decode_message, encode_message
+from fabric.wire import DEFAULT_LIMITS, WireLimits, parse_body, parse_prefix
+
+log = logging.getLogger(__name__)
+
+
+class Connection(abc.ABC):
+    def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS) -> None:
+        self.peer = peer
+        self.limits = limits
+        self.closed = False
+
+    async def send(self, msg: Message) -> None:
+        header, frames = encode_message(msg)
+        await self.send_raw(header, frames)
+
+    async def recv(self) -> Message:
+        """Next message. Malformed input closes this connection and raises ProtocolError."""
+        try:
+            prefix = await self._read_prefix()
+            header_len, n_frames, body_len = parse_prefix(prefix, self.limits)
+            body = await self._read_body(body_len)
+            header, frames = parse_body(body, header_len, n_frames, self.limits)
+            return decode_message(header, frames)
+        except ProtocolError:
+            await self.close()
+            raise
+
+    @abc.abstractmethod
+    async def send_raw(self, header: dict, frames: list[memoryview]) -> None: ...
+
+    @abc.abstractmethod
+    async def _read_prefix(self) -> bytes: ...
+
+    @abc.abstractmethod
+    async def _read_body(self, n: int) -> bytes | bytearray: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Idempotent."""
+
+
+class Listener(abc.ABC):
+    port: int
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener:
+        """Serves `handler(conn)` for each accepted connection (see `guarded`)."""
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
+        """Raises PeerDeadError if the peer cannot be reached within `timeout`."""
+
+
+async def guarded(handler: Handler, conn: Connection) -> None:
+    """Runs a connection handler so that a misbehaving peer only ever loses its own connection."""
+    try:
+        await handler(conn)
+    except ProtocolError as exc:
+        log.error("closing connection from %s: %s", conn.peer, exc)
+    except PeerDeadError:
+        pass
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("connection handler for %s failed", conn.peer)
+    finally:
+        await conn.close()

@@ -1,0 +1,127 @@
+"""Wire format of every fabric message: a fixed prefix, a msgpack header, raw tensor frames.
+
+    prefix  = magic b"MoF1" | u32 header_len | u32 n_frames | u64 body_len      (20 bytes)
+    body    = n_frames x u64 frame_len | header (msgpack map) | frame 0 | frame 1 | ...
+
+The prefix lets a reader check every length against `WireLimits` *before* it allocates or reads
+the body, so an oversized length header costs nothing. msgpack never carries code (no pickle), and
+the decoded header is walked once to enforce a nesting-depth limit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from fabric.errors import ProtocolError
+
+MAGIC = b"MoF1"
+PREFIX = struct.Struct("<4sIIQ")
+PREFIX_SIZE = PREFIX.size
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Upper bounds a decoder enforces; a frame beyond any of them closes its connection."""
+
+    max_header_bytes: int = 1 << 20
+    max_frames: int = 64
+    max_body_bytes: int = 512 << 20
+    max_depth: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.max_header_bytes, self.max_frames, self.max_body_bytes, self.max_depth) <= 0:
+            raise ValueError("wire limits must be positive")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+def encode(header: dict[str, Any], frames: list[memoryview | bytes] | None = None) -> list[bytes | memoryview]:
+    """Returns the buffers of one message, in order; frames are not copied."""
+    frames = frames or []
+    head = msgpack.packb(header, use_bin_type=True)
+    lens = [memoryview(f).nbytes for f in frames]
+    lens_raw = struct.pack(f"<{len(lens)}Q", *lens)
+    body_len = len(lens_raw) + len(head) + sum(lens)
+    prefix = PREFIX.pack(MAGIC, len(head), len(frames), body_len)
+    return [prefix, lens_raw, head, *frames]
+
+
+def encode_bytes(header: dict[str, Any], frames: list[memoryview | bytes] | None = None) -> bytes:
+    """One contiguous buffer (for transports that send whole messages, e.g. websockets)."""
+    return b"".join(bytes(b) if isinstance(b, memoryview) else b for b in encode(header, frames))
+
+
+def parse_prefix(raw: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[int, int, int]:
+    """Validates a prefix; returns (header_len, n_frames, body_len)."""
+    if len(raw) != PREFIX_SIZE:
+        raise ProtocolError(f"truncated prefix ({len(raw)} bytes)")
+    magic, header_len, n_frames, body_len = PREFIX.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if header_len == 0 or header_len > limits.max_header_bytes:
+        raise ProtocolError(f"header length {header_len} outside (0, {limits.max_header_bytes}]")
+    if n_frames > limits.max_frames:
+        raise ProtocolError(f"{n_frames} frames exceed the limit of {limits.max_frames}")
+    if body_len > limits.max_body_bytes:
+        raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body_bytes}")
+    if body_len < 8 * n_frames + header_len:
+        raise ProtocolError("body length smaller than its header and frame table")
+    return header_len, n_frames, body_len
+
+
+def parse_body(
+    body: bytes | bytearray | memoryview, header_len: int, n_frames: int, limits: WireLimits = DEFAULT_LIMITS
+) -> tuple[dict[str, Any], list[memoryview]]:
+    """Splits a body into its decoded header and zero-copy frame views."""
+    view = memoryview(body)
+    table = 8 * n_frames
+    lens = struct.unpack(f"<{n_frames}Q", view[:table]) if n_frames else ()
+    if table + header_len + sum(lens) != view.nbytes:
+        raise ProtocolError("frame lengths do not add up to the body length")
+    header = decode_header(view[table : table + header_len], limits)
+    frames = []
+    offset = table + header_len
+    for n in lens:
+        frames.append(view[offset : offset + n])
+        offset += n
+    return header, frames
+
+
+def decode_bytes(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], list[memoryview]]:
+    """Inverse of `encode_bytes`."""
+    header_len, n_frames, body_len = parse_prefix(bytes(data[:PREFIX_SIZE]), limits)
+    if len(data) != PREFIX_SIZE + body_len:
+        raise ProtocolError(f"message of {len(data)} bytes does not match its prefix")
+    return parse_body(memoryview(data)[PREFIX_SIZE:], header_len, n_frames, limits)
+
+
+def decode_header(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=False,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable header: {exc}") from exc
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise ProtocolError("header is not a map with a string 'kind'")
+    _check_depth(header, limits.max_depth)
+    return header
+
+
+def _check_depth(obj: Any, budget: int) -> None:
+    if budget < 0:
+        raise ProtocolError("header nested too deeply")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_depth(k, budget - 1)
+            _check_depth(v, budget - 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_depth(v, budget - 1)

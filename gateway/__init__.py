@@ -1,0 +1,1 @@
+"""The gateway process: the OpenAI-compatible HTTP front door; spreads requests over AWs."""

@@ -1,0 +1,1 @@
+"""The orchestrator process: registration, expert placement, the routing table, `GET /cluster`."""
