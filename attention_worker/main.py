@@ -24,7 +24,7 @@ from attention_worker.sampler import sample
 from attention_worker.scheduler import Scheduler
 from fabric.config import AttentionWorkerConfig
 from fabric.control_link import OrchestratorLink
-from fabric.process import fatal_on_error
+from fabric.process import fatal_on_error, mark_failed
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
 from fabric.messages.control import Register, RoutingUpdate, WorkerReady, WorkerStats
@@ -189,6 +189,7 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
                 aw.work.set()
         if link.closed.is_set() and not stop.is_set():
             log.error("%s lost the orchestrator; exiting", wid)
+            mark_failed()
     finally:
         stop.set()
         if loop_task is not None:

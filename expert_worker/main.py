@@ -17,7 +17,7 @@ import torch
 
 from fabric.config import ExpertWorkerConfig
 from fabric.control_link import OrchestratorLink
-from fabric.process import fatal_on_error
+from fabric.process import fatal_on_error, mark_failed
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.control import AssignExperts, Register, WorkerReady, WorkerStats
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
@@ -109,7 +109,7 @@ class ExpertWorker:
                 try:
                     await p.conn.send(ExpertResult(p.call.call_id, y))
                 except PeerDeadError:
-                    pass  # that AW is gone; its calls are replayed elsewhere
+                    pass  # that AW is gone; nobody waits for these rows
 
     async def report_stats(self, link: OrchestratorLink) -> None:
         while True:
@@ -138,6 +138,7 @@ async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
                 tasks.append(asyncio.create_task(ew.report_stats(link)))
         if link.closed.is_set() and not stop.is_set():
             log.error("%s lost the orchestrator; exiting", wid)
+            mark_failed()
     finally:
         for t in tasks:
             t.cancel()

@@ -8,6 +8,7 @@ parent-pid watch), so no orphans are left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -87,15 +88,24 @@ class Fabric:
         name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         self._spawn("gateway", "gateway", [*common[:4], "--host", cfg.host, "--port", str(cfg.port), "--transport", self.transport, *name])
 
+    def _all_alive(self) -> bool:
+        url = f"http://{self.cfg.host}:{self.orchestrator_port}/cluster"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            workers = json.loads(r.read())["workers"]
+        alive = [w["role"] for w in workers if w["state"] == "alive"]
+        return alive.count("attention") == self.cfg.attention_workers and alive.count("expert") == self.cfg.expert_workers
+
     def wait_ready(self, timeout: float) -> None:
+        """Ready: every worker registered and alive, and the gateway answers `GET /v1/models`."""
         url = f"http://{self.cfg.host}:{self.port}/v1/models"
         deadline = time.monotonic() + timeout
         while True:
             self._check_children()
             try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
+                if self._all_alive():
+                    with urllib.request.urlopen(url, timeout=2) as r:
+                        if r.status == 200:
+                            return
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             if time.monotonic() > deadline:

@@ -45,8 +45,12 @@ def watch_parent(parent_pid: int | None) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-class MainLoopFailed(Exception):
-    """A process's main loop raised; the process exits non-zero after cleanup."""
+_failed = threading.Event()  # set when the process must exit non-zero after its cleanup
+
+
+def mark_failed() -> None:
+    """The process cannot go on (main loop crashed, orchestrator lost): exit non-zero."""
+    _failed.set()
 
 
 async def fatal_on_error(coro: Coroutine[Any, Any, None], stop: asyncio.Event) -> None:
@@ -57,8 +61,8 @@ async def fatal_on_error(coro: Coroutine[Any, Any, None], stop: asyncio.Event) -
         raise
     except Exception:
         logging.getLogger("main_loop").exception("main loop failed; shutting down")
+        mark_failed()
         stop.set()
-        raise
 
 
 def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -> int:
@@ -84,4 +88,4 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -
     except Exception:
         log.exception("%s failed", role)
         return 1
-    return 0
+    return 1 if _failed.is_set() else 0

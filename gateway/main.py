@@ -19,6 +19,7 @@ from aiohttp import web
 
 from fabric.config import GatewayConfig
 from fabric.control_link import OrchestratorLink
+from fabric.process import mark_failed
 from fabric.errors import PeerDeadError
 from fabric.messages.client import Submit
 from fabric.messages.control import Register, RoutingUpdate
@@ -179,6 +180,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
                 await gw.pool.update(msg.workers)
         if link.closed.is_set() and not stop.is_set():
             log.error("%s lost the orchestrator; exiting", wid)
+            mark_failed()
     finally:
         await gw.pool.close()
         await link.close()

@@ -87,7 +87,7 @@ async def guarded(handler: Handler, conn: Connection) -> None:
     except PeerDeadError:
         pass
     except asyncio.CancelledError:
-        raise
+        pass  # shutdown: the connection task ends here, quietly
     except Exception:
         log.exception("connection handler for %s failed", conn.peer)
     finally:

@@ -11,7 +11,7 @@ import asyncio
 import os
 from typing import Any
 
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric.errors import ConfigError, PeerDeadError, ProtocolError
 from fabric.transport.base import Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
@@ -22,7 +22,7 @@ def _ucxx() -> Any:
     try:
         import ucxx
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise RuntimeError("the ucx transport needs the [ucx] extra: pip install 'moe-fabric[ucx]'") from exc
+        raise ConfigError("the ucx transport needs the [ucx] extra: pip install 'moe-fabric[ucx]'") from exc
     return ucxx
 
 
@@ -31,7 +31,7 @@ def rdma_available() -> bool:
     try:
         ucxx = _ucxx()
         transports = ucxx.get_active_transports()
-    except Exception:
+    except Exception:  # no ucxx, or UCX cannot start here: not RDMA-capable either way
         return False
     return any(t.split("_")[0] in {"rc", "ud", "dc", "ib", "srd"} for t in transports)
 

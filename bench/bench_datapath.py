@@ -1,0 +1,299 @@
+"""Data-path benchmark: the fabric over tcp/ucx vs transformers `generate` vs this machine's compute limit.
+
+All systems run alternately in one process run on the same `bench` demo weights, `--repeats` times each; the
+table reports medians. Example (the full run):
+
+    python bench/bench_datapath.py --concurrency 1,16 --tokens 128 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from fabric.config import ServeConfig
+from fabric.launcher import Fabric
+from fabric.model.config import ModelConfig
+from fabric.model.demo import write_demo_model
+
+HF = "transformers generate"
+LIMIT = "compute limit"
+Stats = dict[str, float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts: list[list[int]] = torch.randint(3, vocab, (n, length), generator=gen).tolist()  # 0-2 are special
+    return prompts
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs) or [float("nan")]
+    pos = q / 100 * (len(s) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(n_tokens: int, wall: float, gaps: list[float]) -> Stats:
+    return {"tok_s": n_tokens / wall, "tbt_p50_ms": pct(gaps, 50) * 1e3, "tbt_p99_ms": pct(gaps, 99) * 1e3,
+            "tokens": n_tokens, "wall_s": wall}
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> tuple[list[float], int]:
+    """One streaming completion; returns the arrival time of every token chunk and the token count."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    times: list[float] = []
+    n = 0
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            now = time.perf_counter()
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line[6:] == b"[DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            ids = chunk["choices"][0].get("token_ids") or []
+            if ids:
+                times.append(now)
+                n += len(ids)
+    return times, n
+
+
+async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
+    n = sum(k for _, k in results)
+    if n != len(prompts) * tokens:
+        raise RuntimeError(f"expected {len(prompts) * tokens} tokens, got {n}")
+    end = max(times[-1] for times, _ in results)
+    gaps = [b - a for times, _ in results for a, b in zip(times, times[1:], strict=False)]
+    return summarize(n, end - t0, gaps)
+
+
+def run_fabric(model: Path, transport: str, concs: list[int], prompts: list[list[int]], tokens: int,
+               log_root: str) -> dict[int, Stats]:
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport=transport,
+                      port=free_port(), ready_timeout=300)
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-", dir=log_root)
+    url = f"http://{cfg.host}:{cfg.port}/v1/completions"
+    t = time.perf_counter()
+    with Fabric(cfg, log_dir=log_dir):
+        print(f"  fabric {transport}: ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
+        asyncio.run(fabric_round(url, prompts[:1], tokens))  # warm-up
+        out: dict[int, Stats] = {}
+        for c in concs:
+            out[c] = asyncio.run(fabric_round(url, prompts[:c], tokens))
+            print(f"  fabric {transport} C={c}: {out[c]['tok_s']:.1f} tok/s", flush=True)
+    return out
+
+
+def load_hf(model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+
+def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -> Stats:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        """Called once per decoding step, right after the forward pass that produced the step's logits."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    ids, clock = torch.tensor(prompts, dtype=torch.long), StepClock()
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                          min_new_tokens=tokens, logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
+    wall = time.perf_counter() - t0
+    torch.set_num_threads(default_threads)
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    assert n == len(prompts) * tokens, f"generate produced {n} tokens, expected {len(prompts) * tokens}"
+    return summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)])
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
+    """Best fp32 GFLOP/s of an [m, k] x [k, n] matmul; small shapes loop so one timing lasts ~0.1 s."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    flops = 2.0 * m * k * n
+    inner = max(1, int(2e8 // flops))
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t) / inner)
+    return flops / best / 1e9
+
+
+def median_stats(runs: list[Stats]) -> Stats:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def f(x: float | None, spec: str) -> str:
+        return "–" if x is None or x != x else format(x, spec)
+
+    lines = ["| system | concurrency | output tok/s | TBT p50 ms | TBT p99 ms | tok/s vs transformers |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['concurrency']} | {f(r['tok_s'], '.1f')} | {f(r.get('tbt_p50_ms'), '.2f')}"
+                     f" | {f(r.get('tbt_p99_ms'), '.2f')} | {f(r.get('vs_transformers'), '.2f')}x |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], concs: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, s in enumerate(systems):
+        vals = {r["concurrency"]: r["tok_s"] for r in rows if r["system"] == s}
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(concs))]
+        ax.bar(xs, [vals.get(c, 0.0) for c in concs], width, label=s)
+    ax.set_xticks(range(len(concs)), [f"C={c}" for c in concs])
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (median, log scale)")
+    ax.set_title("moe-fabric data path vs transformers generate (bench demo model, fp32 CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scan_logs(log_root: str) -> list[str]:
+    notes = []
+    for p in sorted(Path(log_root).rglob("*.log")):
+        bad = [ln for ln in p.read_text(errors="replace").splitlines()
+               if any(w in ln for w in ("Traceback", "ERROR", "Error", "WARNING", "Exception"))]
+        if bad:
+            notes.append(f"{p}: {len(bad)} suspicious line(s), first: {bad[0].strip()[:200]}")
+    return notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated numbers of concurrent streams")
+    ap.add_argument("--transports", default="tcp,ucx")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-threads", type=int, default=0, help="torch threads for generate (0 = torch default)")
+    args = ap.parse_args()
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if "ucx" in transports:
+        try:
+            import ucxx  # noqa: F401
+        except ImportError as exc:
+            print(f"note: skipping the ucx fabric ({exc})")
+            transports.remove("ucx")
+
+    model = args.model_dir
+    if not (model / "config.json").exists():
+        print(f"writing the bench demo model to {model} ...", flush=True)
+        write_demo_model(model, arch="mixtral", size="bench")
+    mcfg = ModelConfig.from_dir(model)
+    active = mcfg.active_params_per_token()
+    prompts = make_prompts(max(concs), args.prompt_len, mcfg.vocab_size, args.seed)
+    print(f"model {model}: {active / 1e6:.1f}M active params/token; torch threads {torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
+    hf = load_hf(model)
+    hf_round(hf, prompts[:1], args.tokens, args.hf_threads)  # warm-up
+    log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
+    systems = [f"fabric {t}" for t in transports] + [HF]
+    raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
+    rates: list[dict[str, float]] = []
+    errors: list[str] = []
+    for rep in range(args.repeats):
+        print(f"repeat {rep + 1}/{args.repeats}", flush=True)
+        for t in transports:
+            try:
+                for c, stats in run_fabric(model, t, concs, prompts, args.tokens, log_root).items():
+                    raw[f"fabric {t}"][c].append(stats)
+            except Exception as exc:  # keep the other systems' numbers; the table shows gaps
+                errors.append(f"repeat {rep + 1} fabric {t}: {type(exc).__name__}: {exc}")
+                print(f"  ERROR {errors[-1]}", flush=True)
+        for c in concs:
+            raw[HF][c].append(hf_round(hf, prompts[:c], args.tokens, args.hf_threads))
+            print(f"  transformers C={c}: {raw[HF][c][-1]['tok_s']:.1f} tok/s", flush=True)
+        rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+        rate.update({f"{c}x512x4096": matmul_gflops(c, 512, 4096) for c in concs})
+        rates.append(rate)
+
+    best = max(r["1024x1024x1024"] for r in rates)
+    bound = best * 1e9 / (2 * active)
+    rows: list[dict[str, Any]] = []
+    for s in [*systems, LIMIT]:
+        for c in concs:
+            st: dict[str, Any] = {"tok_s": bound} if s == LIMIT else dict(median_stats(raw[s][c]))
+            if not st:
+                continue
+            hf_tok = statistics.median(r["tok_s"] for r in raw[HF][c]) if raw[HF][c] else None
+            st["vs_transformers"] = st["tok_s"] / hf_tok if hf_tok else None
+            rows.append({"system": s, "concurrency": c, "repeats": len(raw[s][c]) if s != LIMIT else len(rates), **st})
+
+    print(f"\n`{command}`\n")
+    print(table(rows))
+    print(f"\ncompute limit: best fp32 matmul {best:.1f} GFLOP/s (1024^3) / (2 x {active / 1e6:.1f}M active params)")
+    for c in concs:
+        print(f"  [{c}, 512] x [512, 4096] matmul: best {max(r[f'{c}x512x4096'] for r in rates):.1f} GFLOP/s")
+    notes = scan_logs(log_root)
+    for line in errors + notes:
+        print(f"note: {line}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"command": command, "args": {k: str(v) for k, v in vars(args).items()}, "model": str(model),
+              "active_params_per_token": active, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
+              "matmul_gflops": rates, "rows": rows, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
+              "errors": errors, "log_notes": notes, "log_dir": log_root}
+    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, concs, args.out / "datapath_tok_s.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'datapath_tok_s.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Starts one host's share of a two-host moe-fabric cluster and keeps it in the foreground.
+#
+#   host A:  HOST_A=10.0.0.1 MODEL_DIR=/srv/models/m ./two-hosts.sh a
+#            orchestrator, gateway, one attention worker, one expert worker
+#   host B:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 MODEL_DIR=/srv/models/m ./two-hosts.sh b
+#            one attention worker, one expert worker
+#
+# Ctrl-C (or SIGTERM) stops every process this script started. If any of them exits, the script
+# stops the others and exits with that process's code. See deploy/README.md.
+set -euo pipefail
+
+usage() {
+    cat >&2 <<'EOF'
+usage: two-hosts.sh a|b
+
+required environment:
+  MODEL_DIR      checkpoint directory on this host (must contain config.json)
+  HOST_A         address of host A that host B can reach (orchestrator, A's workers)
+  HOST_B         address of host B that host A can reach (role b only)
+
+optional environment (defaults shown):
+  ORCH_PORT=7000  GATEWAY_PORT=8000  AW_PORT=7100  EW_PORT=7200
+  ORCH_BIND=0.0.0.0  GATEWAY_BIND=0.0.0.0   (role a: where the HTTP servers listen)
+  TRANSPORT=tcp (tcp|ucx)  DTYPE= (float32|bfloat16; empty = the checkpoint's)
+  THREADS=1  GATHER=sync (sync|threshold)  ORCH_WAIT=60  MOE_FABRIC=moe-fabric
+EOF
+    exit 2
+}
+
+die() {
+    echo "two-hosts.sh: $*" >&2
+    exit 2
+}
+
+require() {  # require NAME WHY
+    [[ -n "${!1:-}" ]] || die "$1 is not set: $2"
+}
+
+check_port() {
+    [[ "${!1}" =~ ^[0-9]+$ ]] && ((10#${!1} >= 1 && 10#${!1} <= 65535)) || die "$1 must be a port in 1..65535, got '${!1}'"
+}
+
+check_advertised() {  # a worker's --host is also the address peers dial
+    case "${!1}" in
+        0.0.0.0 | :: | "[::]") die "$1=${!1} cannot be dialled by peers; use this host's reachable address" ;;
+    esac
+}
+
+[[ $# -eq 1 ]] || usage
+ROLE=$1
+[[ "$ROLE" == a || "$ROLE" == b ]] || usage
+
+require MODEL_DIR "set it to the checkpoint directory (the same model must exist on both hosts)"
+[[ -f "$MODEL_DIR/config.json" ]] || die "MODEL_DIR=$MODEL_DIR has no config.json"
+require HOST_A "set it to host A's address (the orchestrator's), e.g. HOST_A=10.0.0.1"
+check_advertised HOST_A
+if [[ "$ROLE" == b ]]; then
+    require HOST_B "set it to this host's address as host A sees it, e.g. HOST_B=10.0.0.2"
+    check_advertised HOST_B
+fi
+
+ORCH_PORT=${ORCH_PORT:-7000}
+GATEWAY_PORT=${GATEWAY_PORT:-8000}
+AW_PORT=${AW_PORT:-7100}
+EW_PORT=${EW_PORT:-7200}
+ORCH_BIND=${ORCH_BIND:-0.0.0.0}
+GATEWAY_BIND=${GATEWAY_BIND:-0.0.0.0}
+TRANSPORT=${TRANSPORT:-tcp}
+DTYPE=${DTYPE:-}
+THREADS=${THREADS:-1}
+GATHER=${GATHER:-sync}
+ORCH_WAIT=${ORCH_WAIT:-60}
+MOE_FABRIC=${MOE_FABRIC:-moe-fabric}
+
+for p in ORCH_PORT GATEWAY_PORT AW_PORT EW_PORT; do check_port "$p"; done
+# `auto` is refused: every process would choose for itself, and two hosts may choose differently.
+[[ "$TRANSPORT" == tcp || "$TRANSPORT" == ucx ]] || die "TRANSPORT must be tcp or ucx, got '$TRANSPORT'"
+[[ -z "$DTYPE" || "$DTYPE" == float32 || "$DTYPE" == bfloat16 ]] || die "DTYPE must be float32, bfloat16 or empty"
+[[ "$GATHER" == sync || "$GATHER" == threshold ]] || die "GATHER must be sync or threshold, got '$GATHER'"
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "THREADS must be a positive integer, got '$THREADS'"
+[[ "$ORCH_WAIT" =~ ^[0-9]+$ ]] || die "ORCH_WAIT must be a number of seconds, got '$ORCH_WAIT'"
+command -v "$MOE_FABRIC" >/dev/null || die "'$MOE_FABRIC' not found; activate the venv or set MOE_FABRIC"
+
+ORCH="$HOST_A:$ORCH_PORT"
+SELF=$([[ "$ROLE" == a ]] && echo "$HOST_A" || echo "$HOST_B")
+dtype_args=()
+[[ -n "$DTYPE" ]] && dtype_args=(--dtype "$DTYPE")
+worker_args=(--model "$MODEL_DIR" --orchestrator "$ORCH" --host "$SELF" --transport "$TRANSPORT"
+             --threads "$THREADS" ${dtype_args[@]+"${dtype_args[@]}"})
+
+echo "two-hosts.sh: role $ROLE on $SELF; orchestrator $ORCH; transport $TRANSPORT;" \
+     "AW port $AW_PORT, EW port $EW_PORT; model $MODEL_DIR" >&2
+
+PIDS=()
+NAMES=()
+
+start() {  # start NAME CMD...
+    local name=$1
+    shift
+    echo "+ $*" >&2
+    "$@" &
+    PIDS+=($!)
+    NAMES+=("$name")
+}
+
+stop_all() {
+    trap - INT TERM EXIT
+    local i pid deadline=$((SECONDS + 10))
+    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do  # reverse start order: gateway first
+        kill -TERM "${PIDS[i]}" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        while kill -0 "$pid" 2>/dev/null; do
+            if ((SECONDS >= deadline)); then
+                echo "two-hosts.sh: pid $pid did not stop; killing it" >&2
+                kill -KILL "$pid" 2>/dev/null || true
+                break
+            fi
+            sleep 0.2
+        done
+    done
+    wait 2>/dev/null || true
+}
+
+trap 'echo "two-hosts.sh: stopping" >&2; stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
+trap stop_all EXIT
+
+orchestrator_up() {
+    (exec 3<>"/dev/tcp/$HOST_A/$ORCH_PORT") 2>/dev/null
+}
+
+wait_for_orchestrator() {
+    local deadline=$((SECONDS + ORCH_WAIT))
+    until orchestrator_up; do
+        if [[ "$ROLE" == a ]] && ! kill -0 "${PIDS[0]}" 2>/dev/null; then
+            die "the orchestrator exited during start-up"
+        fi
+        ((SECONDS < deadline)) || die "no orchestrator at $ORCH after ${ORCH_WAIT}s (start host A first; check firewalls)"
+        sleep 0.5
+    done
+}
+
+if [[ "$ROLE" == a ]]; then
+    start orchestrator "$MOE_FABRIC" orchestrator --model "$MODEL_DIR" --expert-workers 2 \
+        --host "$ORCH_BIND" --port "$ORCH_PORT"
+fi
+# Workers give up on the orchestrator after 30 s, so do not start them before it answers.
+wait_for_orchestrator
+start expert-worker "$MOE_FABRIC" expert-worker "${worker_args[@]}" --port "$EW_PORT" --gather "$GATHER"
+start attention-worker "$MOE_FABRIC" attention-worker "${worker_args[@]}" --port "$AW_PORT"
+if [[ "$ROLE" == a ]]; then
+    start gateway "$MOE_FABRIC" gateway --model "$MODEL_DIR" --orchestrator "$ORCH" \
+        --host "$GATEWAY_BIND" --port "$GATEWAY_PORT" --transport "$TRANSPORT"
+    echo "two-hosts.sh: cluster view: curl http://$HOST_A:$ORCH_PORT/cluster" >&2
+    echo "two-hosts.sh: the gateway answers once host B is up: curl http://$HOST_A:$GATEWAY_PORT/v1/models" >&2
+fi
+
+# Block until the first process exits (wait -n needs bash >= 4.3), then stop the others.
+set +e
+wait -n
+rc=$?
+set -e
+for i in "${!PIDS[@]}"; do
+    if ! kill -0 "${PIDS[i]}" 2>/dev/null; then
+        echo "two-hosts.sh: ${NAMES[i]} (pid ${PIDS[i]}) exited (status $rc); stopping the rest" >&2
+        break
+    fi
+done
+stop_all
+exit "$rc"

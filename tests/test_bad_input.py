@@ -1,0 +1,115 @@
+"""Random bytes, truncated frames and oversized length headers thrown at the internal ports of AWs,
+EWs and the orchestrator: each bad connection is closed, every process keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from pathlib import Path
+
+import aiohttp
+import msgpack
+
+from fabric.messages.base import encode_message
+from fabric.messages.expert import ExpertCall, Hello
+from fabric.wire import MAGIC, PREFIX, encode, encode_bytes
+from tests.conftest import running_fabric
+from tests.helpers import get_json, post_json
+
+import torch
+
+
+def prefix(header_len: int, n_frames: int, body_len: int, magic: bytes = MAGIC) -> bytes:
+    return PREFIX.pack(magic, header_len, n_frames, body_len)
+
+
+def msg_bytes(header: dict, frames: list[bytes] | None = None) -> bytes:
+    return b"".join(bytes(b) for b in encode(header, frames or []))
+
+
+def nested(depth: int) -> object:
+    obj: object = 1
+    for _ in range(depth):
+        obj = [obj]
+    return obj
+
+
+def hello_then(payload: bytes) -> bytes:
+    header, frames = encode_message(Hello("fuzzer", "data"))
+    return msg_bytes(header, [bytes(f) for f in frames]) + payload
+
+
+def bad_payloads() -> list[bytes]:
+    rng = os.urandom
+    bad_call = ExpertCall(1, 1, 0, [0], [5], torch.zeros(3, 64))  # counts disagree with rows
+    header, frames = encode_message(bad_call)
+    wrong_shape = dict(header, x=["float32", [1000, 1000], 0])  # frame far smaller than the shape
+    return [
+        rng(4096),
+        prefix(100, 0, 100)[:10],  # truncated prefix
+        prefix(100, 0, 5000) + b"\x81" * 50,  # truncated body
+        prefix(2**31, 0, 2**31),  # oversized header length
+        prefix(10, 2**20, 2**40),  # oversized frame count and body
+        prefix(10, 0, 10, magic=b"XXXX") + b"0" * 10,  # bad magic
+        prefix(4, 0, 4) + b"\xc1\xc1\xc1\xc1",  # undecodable msgpack
+        msg_bytes({"kind": "no-such-kind"}),
+        msg_bytes({"kind": "hello", "aw_id": 5, "channel": [1]}),  # wrong field types
+        msg_bytes({"kind": "hello", "aw_id": "x", "channel": nested(100)}),  # too deep
+        msg_bytes({"nokind": 1}),
+        hello_then(msg_bytes(header, [bytes(f) for f in frames])),
+        hello_then(msg_bytes(wrong_shape, [bytes(f) for f in frames])),
+        hello_then(rng(2048)),
+        struct.pack("<4sIIQ", MAGIC, 8, 1, 7) + b"\x00" * 7,  # lengths that do not add up
+    ]
+
+
+def throw(port: int, payload: bytes) -> None:
+    """Sends `payload`, half-closes, and waits until the server closes (or 5 s pass)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except (ConnectionError, TimeoutError, OSError):
+            pass
+
+
+async def throw_ws(port: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        for payload in [os.urandom(512), encode_bytes({"kind": "register", "role": "boss"}), b"x" * (2 << 20),
+                        msgpack.packb({"kind": "register"})]:
+            try:
+                async with session.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
+                    await ws.send_bytes(payload)
+                    await asyncio.wait_for(ws.receive(), 5)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+        async with session.post(f"http://127.0.0.1:{port}/ws", data=os.urandom(1000)) as r:
+            assert r.status >= 400
+
+
+def test_internal_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
+        base = f"http://127.0.0.1:{fabric.port}/v1/completions"
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        status, before = post_json(base, body)
+        assert status == 200
+        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+        ports = [w["port"] for w in cluster["workers"] if w["role"] in ("attention", "expert")]
+        assert len(ports) == 5
+        for port in ports:
+            for payload in bad_payloads():
+                throw(port, payload)
+        for payload in [os.urandom(3000), b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", b"\x00" * 100]:
+            throw(fabric.orchestrator_port, payload)
+        asyncio.run(throw_ws(fabric.orchestrator_port))
+        assert all(proc.poll() is None for _, proc in fabric.procs), "a process died"
+        status, after = post_json(base, body)
+        assert status == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+        assert all(w["state"] == "alive" for w in cluster["workers"] if w["role"] != "gateway" or True), cluster
+    logs = "\n".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert "closing connection from" in logs  # the bad connections were logged, not silently dropped

@@ -1,0 +1,84 @@
+"""Greedy tokens of the multi-process fabric equal transformers' `generate` on the same weights.
+
+2 AWs + 3 EWs, many concurrent requests (streaming and not), a small step token budget so long
+prompts are prefilled in chunks mixed with other requests' decodes; over tcp and ucx.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import running_fabric
+from tests.helpers import get_json, post_json, stream_completion
+
+TIE = 1e-4
+
+
+def reference(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for prompt, n in zip(prompts, lengths):
+        with torch.no_grad():
+            g = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out.append((g.sequences[0, len(prompt):].tolist(), torch.stack(g.logits)[:, 0, :]))
+    return out
+
+
+def assert_matches(got: list[int], want: list[int], logits: torch.Tensor, label: str) -> None:
+    """Equal, or first differing where the reference's top-2 logits are within TIE (a near-tie)."""
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top2 = torch.topk(logits[i], 2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < TIE, f"{label}: token {i} is {a}, transformers gives {b} (top-2 gap {gap:.2e})"
+            return
+
+
+def run_requests(base: str, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    def one(i: int) -> list[int]:
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        if i % 2:
+            events = stream_completion(f"{base}/v1/completions", body)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            return [t for e in events for t in e["choices"][0]["token_ids"]]
+        status, resp = post_json(f"{base}/v1/completions", body)
+        assert status == 200, resp
+        return resp["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_greedy_parity(arch: str, transport: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
+    if transport == "ucx":
+        pytest.importorskip("ucxx", reason="the [ucx] extra is part of the test install")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.choice([3, 9, 17, 40, 70]))] for _ in range(16)]
+    lengths = [rng.randrange(8, 20) for _ in prompts]
+    model = hf_models[arch]
+    expected = reference(model, prompts, lengths)
+    extra = {"attention-worker": ["--max-batch-tokens", "24"]}
+    with running_fabric(model, tmp_path, transport=transport, aws=2, ews=3, extra=extra) as fabric:
+        base = f"http://127.0.0.1:{fabric.port}"
+        got = run_requests(base, prompts, lengths)
+        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+    for i, (tokens, (want, logits)) in enumerate(zip(got, expected)):
+        assert_matches(tokens, want, logits, f"{arch}/{transport} request {i}")
+    aws = [w for w in cluster["workers"] if w["role"] == "attention"]
+    ews = [w for w in cluster["workers"] if w["role"] == "expert"]
+    assert len(aws) == 2 and len(ews) == 3 and all(w["state"] == "alive" for w in aws + ews)
+    assert all(w["info"]["transport"] == transport for w in aws + ews)
+    # every expert placed on exactly one EW, EWs balanced by count
+    counts = sorted(len(w["experts"]) for w in ews)
+    assert sum(counts) == 3 * 6 and counts[-1] - counts[0] <= 1

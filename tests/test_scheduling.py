@@ -1,0 +1,121 @@
+"""Scheduler, KV block manager, sampler, gather policies, routing table, placement: no sockets."""
+
+from __future__ import annotations
+
+import torch
+
+from attention_worker.kv_cache import BlockManager
+from attention_worker.request import Sequence
+from attention_worker.sampler import sample
+from attention_worker.scheduler import Scheduler
+from expert_worker.gather import PendingCall, SyncPolicy, ThresholdPolicy
+from fabric.messages.expert import ExpertCall
+from fabric.routing import EwAddress, RoutingTable
+from orchestrator.placement import BalancedPlanner
+
+
+def seq(rid: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(range(3, 3 + prompt_len)), [], max_tokens, 0.0, 1.0, -1, 0, frozenset({2}), False)
+
+
+def run_step(sched: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
+    """Simulates one model step: advance computed tokens, sample `token` where a chunk ends."""
+    chunks = sched.schedule()
+    for c in chunks:
+        c.seq.num_computed += c.n
+        if c.samples and c.seq.append(token) is not None:
+            sched.remove(c.seq.request_id)
+    return [(c.seq.request_id, c.start, c.n) for c in chunks]
+
+
+def test_chunked_prefill_mixes_with_decodes_under_budget() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_batch_tokens=8, max_running=8)
+    sched.add(seq("a", 3))
+    assert run_step(sched) == [("a", 0, 3)]
+    sched.add(seq("b", 20))
+    # a decodes one token, b's prompt is prefilled in chunks of the remaining budget
+    assert run_step(sched) == [("a", 3, 1), ("b", 0, 7)]
+    assert run_step(sched) == [("a", 4, 1), ("b", 7, 7)]
+    assert run_step(sched) == [("a", 5, 1), ("b", 14, 6)]
+    assert "a" not in sched.by_id  # finished after 4 tokens, blocks returned
+    assert run_step(sched) == [("b", 20, 1)]
+
+
+def test_blocks_freed_on_remove_and_preemption_recomputes() -> None:
+    blocks = BlockManager(6, 4)  # 24 token slots
+    sched = Scheduler(blocks, max_batch_tokens=64, max_running=8)
+    sched.add(seq("a", 10, max_tokens=8))
+    sched.add(seq("b", 10, max_tokens=8))
+    run_step(sched)  # a: 3 blocks, b: 3 blocks
+    assert blocks.num_free == 0
+    run_step(sched)  # a and b fit their 11th token in their third block
+    run_step(sched)  # a's 12th token fits too (12 slots) ...
+    run_step(sched)  # ... its 13th needs a 4th block: b (newest) is preempted
+    b = sched.by_id["b"]
+    assert sched.preemptions == 1 and b.status.value == "waiting" and b.num_computed == 0 and not b.block_table
+    assert len(b.output_ids) == 3  # kept: b re-prefills prompt + its 3 tokens, then continues
+    for _ in range(20):
+        if not sched.has_work:
+            break
+        run_step(sched)
+    assert not sched.has_work and len(b.output_ids) == 8 and b.finish_reason is None
+    assert blocks.num_free == 6
+
+
+def test_request_larger_than_the_cache_is_refused() -> None:
+    import pytest
+
+    from fabric.errors import RequestError
+
+    sched = Scheduler(BlockManager(2, 4), max_batch_tokens=64, max_running=8)
+    with pytest.raises(RequestError, match="KV blocks"):
+        sched.add(seq("big", 10, max_tokens=4))
+
+
+def test_seeded_sampling_depends_only_on_seed_and_index() -> None:
+    logits = torch.randn(100)
+    a = [sample(logits, 0.8, 0.9, 50, seed=42, index=i) for i in range(20)]
+    b = [sample(logits.clone(), 0.8, 0.9, 50, seed=42, index=i) for i in range(20)]
+    c = [sample(logits, 0.8, 0.9, 50, seed=43, index=i) for i in range(20)]
+    assert a == b and a != c
+    assert sample(logits, 0.0, 1.0, -1, 1, 0) == int(torch.argmax(logits))
+    # top_k=3 never picks outside the top 3
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert all(sample(logits, 1.5, 1.0, 3, 5, i) in top3 for i in range(50))
+
+
+def pending(aw: str, layer: int, rows: int) -> PendingCall:
+    return PendingCall(aw, None, ExpertCall(1, 1, layer, [0], [rows], torch.zeros(rows, 4)))  # type: ignore[arg-type]
+
+
+def test_sync_policy_waits_for_every_active_aw() -> None:
+    policy = SyncPolicy(max_wait=0.05)
+    p1 = pending("aw-0", 0, 2)
+    run, wait = policy.select([p1], {"aw-0", "aw-1"}, p1.arrived)
+    assert run == [] and wait is not None and wait > 0
+    p2 = pending("aw-1", 0, 3)
+    run, _ = policy.select([p1, p2], {"aw-0", "aw-1"}, p2.arrived)
+    assert run == [p1, p2]
+    # a dead/idle AW is not waited for; a straggler is bounded by max_wait
+    assert policy.select([p1], {"aw-0"}, p1.arrived)[0] == [p1]
+    assert policy.select([p1], {"aw-0", "aw-1"}, p1.arrived + 0.06)[0] == [p1]
+
+
+def test_threshold_policy_per_layer() -> None:
+    policy = ThresholdPolicy(min_tokens=4, max_wait=1.0)
+    a, b = pending("aw-0", 0, 3), pending("aw-1", 1, 5)
+    run, wait = policy.select([a, b], set(), a.arrived)
+    assert run == [b] and wait is not None
+    assert policy.select([a], set(), a.arrived + 1.5)[0] == [a]
+
+
+def test_routing_table_and_balanced_placement() -> None:
+    units = [(layer, e) for layer in range(3) for e in range(6)]
+    placement = BalancedPlanner().place(units, ["ew-0", "ew-1", "ew-2", "ew-3"])
+    counts = [sum(1 for r in placement.values() if r == [w]) for w in ["ew-0", "ew-1", "ew-2", "ew-3"]]
+    assert sorted(counts) == [4, 4, 5, 5]
+    table = RoutingTable(3, 3, 6, {(0, 0): ("ew-1", "ew-2")}, {"ew-1": EwAddress("ew-1", "h", 1), "ew-2": EwAddress("ew-2", "h", 2)})
+    assert table.primary(0, 0) == "ew-1"
+    assert table.primary(0, 0, {"ew-1"}) == "ew-2"
+    assert table.primary(0, 0, {"ew-1", "ew-2"}) is None
+    assert RoutingTable.from_dict(table.to_dict()) == table
