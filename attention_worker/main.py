@@ -24,12 +24,12 @@ from attention_worker.sampler import sample
 from attention_worker.scheduler import Scheduler
 from fabric.config import AttentionWorkerConfig
 from fabric.control_link import OrchestratorLink
-from fabric.process import fatal_on_error, mark_failed
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
 from fabric.messages.control import Register, RoutingUpdate, WorkerReady, WorkerStats
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
+from fabric.process import fatal_on_error, mark_failed
 from fabric.routing import RoutingTable
 from fabric.transport import make_transport
 from fabric.transport.base import Connection

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from expert_worker.gather import PendingCall
 from fabric.model.checkpoint import Checkpoint, load_expert
 from fabric.model.config import ModelConfig
 from fabric.model.ops import swiglu_ffn
-from expert_worker.gather import PendingCall
 
 
 class ExpertExecutor:

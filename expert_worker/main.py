@@ -15,17 +15,17 @@ import time
 
 import torch
 
+from expert_worker.executor import ExpertExecutor
+from expert_worker.gather import PendingCall, make_policy
 from fabric.config import ExpertWorkerConfig
 from fabric.control_link import OrchestratorLink
-from fabric.process import fatal_on_error, mark_failed
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.control import AssignExperts, Register, WorkerReady, WorkerStats
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
+from fabric.process import fatal_on_error, mark_failed
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
-from expert_worker.executor import ExpertExecutor
-from expert_worker.gather import PendingCall, make_policy
 
 log = logging.getLogger("expert_worker")
 
@@ -98,7 +98,7 @@ class ExpertWorker:
                 self.wakeup.clear()
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), wait if wait is not None else 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             chosen = {id(p) for p in batch}

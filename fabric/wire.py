@@ -11,6 +11,7 @@ the decoded header is walked once to enforce a nesting-depth limit.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,9 @@ class WireLimits:
 DEFAULT_LIMITS = WireLimits()
 
 
-def encode(header: dict[str, Any], frames: list[memoryview | bytes] | None = None) -> list[bytes | memoryview]:
+def encode(header: dict[str, Any], frames: Sequence[memoryview | bytes] | None = None) -> list[bytes | memoryview]:
     """Returns the buffers of one message, in order; frames are not copied."""
-    frames = frames or []
+    frames = list(frames or [])
     head = msgpack.packb(header, use_bin_type=True)
     lens = [memoryview(f).nbytes for f in frames]
     lens_raw = struct.pack(f"<{len(lens)}Q", *lens)
@@ -51,7 +52,7 @@ def encode(header: dict[str, Any], frames: list[memoryview | bytes] | None = Non
     return [prefix, lens_raw, head, *frames]
 
 
-def encode_bytes(header: dict[str, Any], frames: list[memoryview | bytes] | None = None) -> bytes:
+def encode_bytes(header: dict[str, Any], frames: Sequence[memoryview | bytes] | None = None) -> bytes:
     """One contiguous buffer (for transports that send whole messages, e.g. websockets)."""
     return b"".join(bytes(b) if isinstance(b, memoryview) else b for b in encode(header, frames))
 

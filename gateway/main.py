@@ -19,11 +19,11 @@ from aiohttp import web
 
 from fabric.config import GatewayConfig
 from fabric.control_link import OrchestratorLink
-from fabric.process import mark_failed
 from fabric.errors import PeerDeadError
 from fabric.messages.client import Submit
 from fabric.messages.control import Register, RoutingUpdate
 from fabric.model.config import ModelConfig
+from fabric.process import mark_failed
 from fabric.transport import make_transport
 from gateway.aw_pool import AwClient, AwPool, Pending
 from gateway.detokenizer import IncrementalDetokenizer

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import aiohttp
 import msgpack
+import torch
 
 from fabric.messages.base import encode_message
 from fabric.messages.expert import ExpertCall, Hello
 from fabric.wire import MAGIC, PREFIX, encode, encode_bytes
 from tests.conftest import running_fabric
 from tests.helpers import get_json, post_json
-
-import torch
 
 
 def prefix(header_len: int, n_frames: int, body_len: int, magic: bytes = MAGIC) -> bytes:
@@ -85,7 +84,7 @@ async def throw_ws(port: int) -> None:
                 async with session.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
                     await ws.send_bytes(payload)
                     await asyncio.wait_for(ws.receive(), 5)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
         async with session.post(f"http://127.0.0.1:{port}/ws", data=os.urandom(1000)) as r:
             assert r.status >= 400

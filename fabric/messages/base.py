@@ -82,7 +82,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 def decode_message(header: dict[str, Any], frames: list[memoryview]) -> Message:

@@ -49,7 +49,8 @@ def _load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> LayerWeights:
         bias = torch.cat([ckpt.get(f"{p}.self_attn.{n}_proj.bias") for n in "qkv"])
     router = dense = None
     if i in cfg.dense_layers:
-        dense = tuple(ckpt.get(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))  # type: ignore[assignment]
+        gate, up, down = (ckpt.get(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        dense = (gate, up, down)
     else:
         router = ckpt.get(f"{moe_prefix(cfg, i)}.gate.weight")
     return LayerWeights(

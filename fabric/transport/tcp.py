@@ -84,6 +84,6 @@ class TcpTransport(Transport):
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise PeerDeadError(f"tcp://{host}:{port}", f"connect failed: {exc}") from exc
         return TcpConnection(reader, writer, self.limits)

@@ -1,0 +1,14 @@
+# Sourced by the scripts: create (or reuse) a virtual environment and install the project into it.
+# Usage: . scripts/_venv.sh VENV_DIR EXTRAS
+set -euo pipefail
+venv="$1"
+extras="$2"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "creating $venv" >&2
+  python3 -m venv "$venv"
+fi
+# torch first, pinned to the CPU build on disk: a bare 'torch' requirement would pull a CUDA build.
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  "$venv/bin/pip" install -q torch==2.13.0
+fi
+"$venv/bin/pip" install -q -e ".[$extras]"
