@@ -150,6 +150,8 @@ class AttentionWorker:
             "kv_blocks_used": b.num_blocks - b.num_free, "kv_blocks_free": b.num_free,
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
             "outstanding_work": self.scheduler.outstanding_work(),
+            "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
+            "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
         }
 
 

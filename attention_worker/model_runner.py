@@ -8,6 +8,7 @@ yields to the loop while its expert calls are in flight.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ class ModelRunner:
         self.kv = kv
         self.refe = refe
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.expert_wait_s = 0.0  # wall time spent awaiting expert calls (cumulative, for stats)
+        self.forward_s = 0.0
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -105,6 +108,7 @@ class ModelRunner:
 
     async def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Runs the step; returns logits [S, V] (float32) for the chunks that sample, in order."""
+        t0 = time.perf_counter()
         meta = self.prepare(chunks)
         h = self.w.embed[meta.ids]  # [T, D]
         for i, lw in enumerate(self.w.layers):
@@ -115,14 +119,20 @@ class ModelRunner:
             else:
                 assert lw.router is not None
                 weights, experts = route(F.linear(x, lw.router), self.cfg.top_k, self.cfg.norm_topk_prob)
+                t1 = time.perf_counter()
                 h = h + await self.refe.dispatch_layer(i, x, experts, weights)
+                self.expert_wait_s += time.perf_counter() - t1
         last = rms_norm(h[meta.sample_rows], self.w.norm, self.cfg.rms_norm_eps)  # [S, D]
-        return F.linear(last, self.w.lm_head).float()  # [S, V]
+        logits = F.linear(last, self.w.lm_head).float()  # [S, V]
+        self.forward_s += time.perf_counter() - t0
+        return logits
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, (H + 2K) d]
+        qkv = x @ lw.qkv_t  # [T, (H + 2K) d]
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
         q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -147,4 +157,4 @@ class ModelRunner:
             vp = vc[kv_slots].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
             out[row : row + n] = op[0].transpose(0, 1)
-        return F.linear(out.reshape(t, -1), lw.o_proj)
+        return out.reshape(t, -1) @ lw.o_proj_t

@@ -41,6 +41,7 @@ class ExpertWorker:
         self.active_aws: set[str] = set()
         self.wakeup = asyncio.Event()
         self.batches = 0
+        self.compute_s = 0.0  # cumulative time running experts (for stats)
 
     # -- connection handlers ------------------------------------------------------------------
     async def handle(self, conn: Connection) -> None:
@@ -103,7 +104,9 @@ class ExpertWorker:
                 continue
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
+            t0 = time.perf_counter()
             outputs = self.executor.run(batch)
+            self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):
                 try:
@@ -115,7 +118,7 @@ class ExpertWorker:
         while True:
             await asyncio.sleep(1.0)
             tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
-            await link.send(WorkerStats({"batches": self.batches, "tokens_by_expert": tokens}))
+            await link.send(WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3), "tokens_by_expert": tokens}))
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:

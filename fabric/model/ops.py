@@ -38,6 +38,12 @@ def swiglu_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+def swiglu_ffn_t(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+    """The same FFN with fused, transposed weights: gate_up_t [D, 2I], down_t [I, D]."""
+    gate, up = (x @ gate_up_t).chunk(2, dim=-1)  # [T, I] each
+    return (F.silu(gate) * up) @ down_t
+
+
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] float32, experts [T, k] int64), as both architectures route."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

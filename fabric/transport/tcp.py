@@ -10,6 +10,9 @@ from fabric.transport.base import Connection, Handler, Listener, Transport, guar
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 
+COALESCE_BYTES = 1 << 20
+
+
 class TcpConnection(Connection):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: WireLimits) -> None:
         peer = writer.get_extra_info("peername")
@@ -24,7 +27,14 @@ class TcpConnection(Connection):
         if self.closed:
             raise PeerDeadError(self.peer, "connection already closed")
         try:
-            self._writer.writelines(encode(header, frames))
+            parts = encode(header, frames)
+            # One write per message: every write is a syscall (and on loopback, the receiver's
+            # network stack runs inside it), so small messages are joined before sending.
+            if sum(memoryview(p).nbytes for p in parts) <= COALESCE_BYTES:
+                self._writer.write(b"".join(parts))
+            else:
+                self._writer.write(b"".join(parts[:3]))
+                self._writer.writelines(parts[3:])
             await self._writer.drain()
         except (ConnectionError, OSError, RuntimeError) as exc:
             await self.close()
