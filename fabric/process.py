@@ -83,9 +83,20 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
+    profile_dir = os.environ.get("MOE_FABRIC_PROFILE_DIR")
+    profiler = None
+    if profile_dir:  # developer aid: a cProfile dump per process, written at exit
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         asyncio.run(runner())
     except Exception:
         log.exception("%s failed", role)
         return 1
+    finally:
+        if profiler is not None and profile_dir:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(profile_dir, f"{role}-{os.getpid()}.prof"))
     return 1 if _failed.is_set() else 0

@@ -16,6 +16,9 @@ from fabric.transport.base import Connection, Handler, Listener, Transport, guar
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# "blocking" progress (epoll-driven) measured ~300 us per round trip here against ~790 us for
+# ucxx's default progress thread; the environment still overrides it.
+os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
 
 
 def _ucxx() -> Any:
