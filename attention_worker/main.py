@@ -20,7 +20,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import ModelRunner
 from attention_worker.request import Sequence
-from attention_worker.sampler import sample
+from attention_worker.sampler import sample, token_logprobs
 from attention_worker.scheduler import Scheduler
 from fabric.config import AttentionWorkerConfig
 from fabric.control_link import OrchestratorLink
@@ -118,10 +118,12 @@ class AttentionWorker:
             seq.num_computed += c.n
             if not c.samples:
                 continue
-            token = sample(logits[row], seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids))
+            row_logits = logits[row]  # [V]
             row += 1
+            token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids))
             reason = seq.append(token)
-            per_client[seq.client].append([seq.request_id, token, reason])
+            logprob, top = token_logprobs(row_logits, token, seq.logprobs)
+            per_client[seq.client].append([seq.request_id, token, reason, logprob, top])
             if reason is not None:
                 finished.append(seq.request_id)
         for rid in finished:

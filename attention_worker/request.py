@@ -29,6 +29,7 @@ class Sequence:
     seed: int
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    logprobs: int = -1
     client: Any = None  # the connection that receives this request's tokens
     status: Status = Status.WAITING
     num_computed: int = 0
@@ -39,7 +40,7 @@ class Sequence:
     def from_submit(cls, msg: Submit, client: Any) -> Sequence:
         return cls(
             msg.request_id, list(msg.prompt_ids), list(msg.output_ids), msg.max_tokens, msg.temperature,
-            msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, client,
+            msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, msg.logprobs, client,
         )
 
     @property

@@ -29,3 +29,16 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     gen = torch.Generator().manual_seed(token_seed(seed, index))
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> list[object]:
+    """[logprob of `token`, top-k [[id, logprob], ...]] under the raw distribution, or [None, None]
+    when the request asked for none (k < 0)."""
+    if k < 0:
+        return [None, None]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[list[float]] | None = None
+    if k > 0:
+        values, ids = torch.topk(logp, min(k, logp.shape[0]))
+        top = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]
+    return [float(logp[token]), top]

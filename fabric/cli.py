@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig, ServeConfig
 from fabric.errors import ConfigError, FabricError
+
+API_KEY_ENV = "MOE_FABRIC_API_KEY"
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -24,6 +27,15 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _gateway_policy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--max-waiting", type=int, default=512, help="waiting requests beyond this get 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests")
+    p.add_argument("--routing", choices=["least-work", "round-robin"], default="least-work",
+                   help="how the gateway picks an attention worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     s.add_argument("--gather", choices=["sync", "threshold"], default="sync")
     s.add_argument("--served-model-name", default=None)
+    _gateway_policy_flags(s)
     s.add_argument("--ready-timeout", type=float, default=300.0)
 
     o = sub.add_parser("orchestrator", help="run the orchestrator")
@@ -58,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    _gateway_policy_flags(g)
     g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     a = sub.add_parser("attention-worker", help="run one attention worker")
@@ -107,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
+    if getattr(args, "api_key", None) is None and cmd in ("serve", "gateway") and API_KEY_ENV in os.environ:
+        args.api_key = os.environ[API_KEY_ENV]
     if cmd == "demo-model":
         from fabric.model.demo import write_demo_model
 

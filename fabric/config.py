@@ -81,11 +81,22 @@ class GatewayConfig:
     port: int = 8000
     transport: str = "tcp"
     served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    max_waiting: int = 512  # requests waiting for their first token before new ones get 429
+    drain_timeout: float = 30.0
+    routing: str = "least-work"  # or "round-robin"
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         parse_hostport(self.orchestrator)
         _check_port(self.port, "port")
+        if self.max_body_bytes < 1024 or self.max_waiting < 1 or self.drain_timeout < 0:
+            raise ConfigError("max_body_bytes must be >= 1024, max_waiting >= 1 and drain_timeout >= 0")
+        if self.routing not in ("least-work", "round-robin"):
+            raise ConfigError(f"unknown routing policy {self.routing!r}; choose least-work or round-robin")
+        if self.api_key == "":
+            raise ConfigError("an empty API key would accept any request; omit it instead")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -119,6 +130,10 @@ class ServeConfig:
     dtype: str | None = None
     gather: str = "sync"
     served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting: int = 512
+    drain_timeout: float = 30.0
+    routing: str = "least-work"
     ready_timeout: float = 300.0
 
     def __post_init__(self) -> None:

@@ -53,10 +53,11 @@ class Fabric:
         self.orchestrator_port = 0
         self.port = cfg.port
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+    def _spawn(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "fabric.cli", role, *args, "--parent-pid", str(os.getpid()), *self.extra.get(role, [])]
         out = open(Path(self.log_dir) / f"{name}.log", "wb") if self.log_dir else None  # noqa: SIM115
-        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=subprocess.STDOUT if out else None)
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                env={**os.environ, **(env or {})})
         self.procs.append((name, proc))
 
     def _check_children(self) -> None:
@@ -86,7 +87,10 @@ class Fabric:
         for i in range(cfg.attention_workers):
             self._spawn(f"attention-worker-{i}", "attention-worker", [*common, *dtype])
         name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
-        self._spawn("gateway", "gateway", [*common[:4], "--host", cfg.host, "--port", str(cfg.port), "--transport", self.transport, *name])
+        policy = ["--max-waiting", str(cfg.max_waiting), "--drain-timeout", str(cfg.drain_timeout), "--routing", cfg.routing]
+        key = {"MOE_FABRIC_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line: ps shows it
+        self._spawn("gateway", "gateway", [*common[:4], "--host", cfg.host, "--port", str(cfg.port),
+                                           "--transport", self.transport, *name, *policy], env=key)
 
     def _all_alive(self) -> bool:
         url = f"http://{self.cfg.host}:{self.orchestrator_port}/cluster"
@@ -113,12 +117,22 @@ class Fabric:
             time.sleep(0.1)
 
     def stop(self, grace: float = 10.0) -> None:
-        """Idempotent: SIGTERM everything (gateway first), then SIGKILL what is left after `grace`."""
-        for _, proc in reversed(self.procs):
+        """Idempotent. The gateway first (it drains its running requests), then the workers, then
+        the orchestrator, so no worker outlives the orchestrator it reports to; SIGKILL after `grace`."""
+        gateway = [p for n, p in self.procs if n == "gateway"]
+        workers = [p for n, p in self.procs if n not in ("gateway", "orchestrator")]
+        orchestrator = [p for n, p in self.procs if n == "orchestrator"]
+        self._stop_group(gateway, self.cfg.drain_timeout + grace)
+        self._stop_group(workers, grace)
+        self._stop_group(orchestrator, grace)
+
+    @staticmethod
+    def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for _, proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -24,6 +24,8 @@ class Event:
 
     token: int | None = None
     finish_reason: str | None = None
+    logprob: float | None = None
+    top: list[list[float]] | None = None
     error: str | None = None
     status: int = 0
 
@@ -52,14 +54,14 @@ class AwClient:
             while True:
                 msg = await self.conn.recv()
                 if isinstance(msg, StepOutput):
-                    for rid, token, finish in msg.outputs:
+                    for rid, token, finish, logprob, top in msg.outputs:
                         p = self.requests.get(rid)
                         if p is None:
                             continue
                         p.work = max(0, p.work - 1)
                         if finish is not None:
                             del self.requests[rid]
-                        p.queue.put_nowait(Event(token=token, finish_reason=finish))
+                        p.queue.put_nowait(Event(token=token, finish_reason=finish, logprob=logprob, top=top))
                 elif isinstance(msg, RequestFailed):
                     p = self.requests.pop(msg.request_id, None)
                     if p is not None:
@@ -73,9 +75,13 @@ class AwClient:
 
 
 class AwPool:
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, routing: str = "least-work") -> None:
+        if routing not in ("least-work", "round-robin"):
+            raise ValueError(f"unknown routing policy {routing!r}")
         self.transport = transport
+        self.routing = routing
         self.clients: dict[str, AwClient] = {}
+        self._turn = 0
 
     @property
     def ready(self) -> bool:
@@ -103,6 +109,9 @@ class AwPool:
         live = [c for c in self.clients.values() if not c.conn.closed]
         if not live:
             raise PeerDeadError("attention workers", "none available")
+        if self.routing == "round-robin":
+            self._turn += 1
+            return live[self._turn % len(live)]
         return min(live, key=lambda c: (c.outstanding_work, len(c.requests)))
 
     async def submit(self, submit: Submit) -> tuple[AwClient, Pending]:

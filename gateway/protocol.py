@@ -1,4 +1,4 @@
-"""Parsing and validating OpenAI `/v1/completions` bodies; errors are OpenAI error objects."""
+"""Parsing and validating OpenAI request bodies; every error is an OpenAI error object."""
 
 from __future__ import annotations
 
@@ -10,37 +10,45 @@ from aiohttp import web
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 @dataclass(frozen=True)
-class CompletionParams:
+class GenParams:
+    """What both endpoints ask of the fabric; `prompt_ids` or `prompt_text` is set."""
+
     prompt_ids: list[int] | None
     prompt_text: str | None
-    max_tokens: int
+    max_tokens: int | None  # None: up to the context
     temperature: float
     top_p: float
     top_k: int
     seed: int
+    n: int
+    stop: tuple[str, ...]
     stream: bool
+    include_usage: bool
     ignore_eos: bool
     return_token_ids: bool
+    logprobs: int  # -1: none; 0: sampled token only; k: top k too
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
+    value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
@@ -48,56 +56,93 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(value)
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
+def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
     if value is None:
-        return default
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ApiError(400, f"'{name}' must be an integer in [{lo}, {hi}]", name)
     return value
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"'{name}' must be a boolean", name)
     return value
 
 
-def parse_completion(body: Any, vocab_size: int, context: int) -> CompletionParams:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 16 of them", "stop")
+    return tuple(stop)
+
+
+def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[list[int] | None, str | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    ids: list[int] | None = None
-    text: str | None = None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, str) and prompt:
+        return None, prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        ids = list(prompt)
-    else:
-        raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
-    n = _int(body, "n", 1, 1, 1)
-    assert n == 1
-    max_tokens = _int(body, "max_tokens", 16, 1, context)
-    assert max_tokens is not None
-    seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
-    return CompletionParams(
-        prompt_ids=ids,
-        prompt_text=text,
+        return list(prompt), None
+    raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
+    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    stream = _bool(body, "stream")
+    if options is not None and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    return dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=int(_number(body, "top_k", -1, -1, vocab_size)),
+        top_k=_int(body, "top_k", -1, vocab_size) or -1,
         seed=seed if seed is not None else secrets.randbits(63),
-        stream=_bool(body, "stream"),
+        n=_int(body, "n", 1, 16) or 1,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
         ignore_eos=_bool(body, "ignore_eos"),
         return_token_ids=_bool(body, "return_token_ids"),
+        logprobs=logprobs,
     )
+
+
+def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    ids, text = _prompt(body, vocab_size)
+    max_tokens = _int(body, "max_tokens", 1, context)
+    lp = _int(body, "logprobs", 0, 20)
+    return GenParams(prompt_ids=ids, prompt_text=text,
+                     **_common(body, vocab_size, context, 16 if max_tokens is None else max_tokens, -1 if lp is None else lp))
+
+
+def parse_chat(body: Any, vocab_size: int, context: int) -> tuple[Any, dict[str, Any]]:
+    """Returns (raw messages, GenParams fields other than the prompt)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if "messages" not in body:
+        raise ApiError(400, "'messages' is required", "messages")
+    max_tokens = _int(body, "max_completion_tokens", 1, context)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, context)
+    top = _int(body, "top_logprobs", 0, 20)
+    want = _bool(body, "logprobs")
+    if top is not None and not want:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    return body["messages"], _common(body, vocab_size, context, max_tokens, (top or 0) if want else -1)

@@ -24,6 +24,9 @@ class Submit(Message):
     stop_token_ids: list[int]
     ignore_eos: bool
     output_ids: list[int]
+    logprobs: int = -1  # -1: none; 0: the sampled token's; k: also the k most likely
+
+
 
 
 @register
@@ -36,7 +39,8 @@ class Abort(Message):
 @register
 @dataclass
 class StepOutput(Message):
-    """One AW step: for each request that produced a token, [request_id, token, finish_reason|None]."""
+    """One AW step: for each request that produced a token,
+    [request_id, token, finish_reason|None, logprob|None, [[token, logprob], ...]|None]."""
 
     kind = "step_output"
     outputs: list[list[Any]]

@@ -9,7 +9,6 @@ from fabric.errors import PeerDeadError, ProtocolError
 from fabric.transport.base import Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
-
 COALESCE_BYTES = 1 << 20
 
 
