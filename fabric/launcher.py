@@ -56,8 +56,10 @@ class Fabric:
     def _spawn(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "fabric.cli", role, *args, "--parent-pid", str(os.getpid()), *self.extra.get(role, [])]
         out = open(Path(self.log_dir) / f"{name}.log", "wb") if self.log_dir else None  # noqa: SIM115
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
+        # the roles in order (gateway drains first, orchestrator last).
         proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs.append((name, proc))
 
     def _check_children(self) -> None:
@@ -107,7 +109,8 @@ class Fabric:
             self._check_children()
             try:
                 if self._all_alive():
-                    with urllib.request.urlopen(url, timeout=2) as r:
+                    auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+                    with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=2) as r:
                         if r.status == 200:
                             return
             except (urllib.error.URLError, ConnectionError, OSError):
@@ -171,13 +174,20 @@ def serve(cfg: ServeConfig) -> int:
             f"cluster view at http://{cfg.host}:{fabric.orchestrator_port}/cluster)",
             flush=True,
         )
+        reported: set[str] = set()
         while True:
             for name, proc in fabric.procs:
-                if proc.poll() is not None:
+                if proc.poll() is not None and name not in reported:
+                    reported.add(name)
                     print(f"moe-fabric: {name} exited with code {proc.returncode}", file=sys.stderr)
             time.sleep(1.0)
     except KeyboardInterrupt:
         print("moe-fabric: stopping", file=sys.stderr)
+        fabric.stop()
+        failed = [f"{name} ({proc.returncode})" for name, proc in fabric.procs if proc.returncode not in (0, None)]
+        if failed:
+            print(f"moe-fabric: exited non-zero: {', '.join(failed)}", file=sys.stderr)
+            return 1
         return 0
     except FabricError as exc:
         print(f"moe-fabric: {exc}", file=sys.stderr)

@@ -91,3 +91,61 @@ def test_bad_flags_exit_with_a_clear_message() -> None:
     r = subprocess.run([sys.executable, "-m", "fabric.cli", "orchestrator", "--model", "/nonexistent", "--expert-workers", "1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "config.json" in r.stderr
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) -> None:
+    import json
+    import threading
+    import urllib.request
+
+    port, oport = free_port(), free_port()
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "fabric.cli", "serve", "--attention-workers", "1", "--expert-workers", "1",
+           "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport), "--max-waiting", "1"]
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            assert "moe-fabric ready" in (proc.stdout.readline() if proc.stdout else "")
+            base = f"http://127.0.0.1:{port}/v1/completions"
+            # n=2 on a queue limit of 1: 429 with Retry-After, deterministically
+            status, body = post_json(base, {"prompt": "hi", "max_tokens": 2, "n": 2})
+            assert status == 429 and body["error"]["type"] == "rate_limit_error"
+            events: list[dict] = []
+            first = threading.Event()
+
+            def stream() -> None:
+                req = urllib.request.Request(base, data=json.dumps({"prompt": "Serving", "max_tokens": 300, "ignore_eos": True,
+                                                                    "stream": True}).encode(), headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    for raw in r:
+                        line = raw.decode().strip()
+                        if line.startswith("data: "):
+                            events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+                            first.set()
+
+            t = threading.Thread(target=stream)
+            t.start()
+            assert first.wait(60)
+            pids = child_pids(oport)
+            proc.send_signal(signal.SIGTERM)
+            refused = False
+            for _ in range(50):  # while draining, new requests get 503 (or find the port closed at the end)
+                try:
+                    status, body = post_json(base, {"prompt": "hi", "max_tokens": 2})
+                except OSError:
+                    break
+                if status == 503:
+                    refused = True
+                    break
+                time.sleep(0.05)
+            t.join(120)
+            assert refused
+            assert events[-1] == {"done": True}
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+            assert sum(1 for e in events if "choices" in e) == 300  # the running request finished whole
+            assert proc.wait(timeout=60) == 0  # every role exited 0
+            assert wait_gone(pids, 10) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

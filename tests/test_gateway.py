@@ -1,0 +1,232 @@
+"""The OpenAI-compatible gateway driven as chat clients drive it: the official `openai` client,
+raw HTTP for every error case, disconnects, and many concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from fabric.config import ServeConfig
+from fabric.launcher import Fabric
+from fabric.model.demo import write_demo_model
+from tests.helpers import free_port, get_json
+
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
+    root = tmp_path_factory.mktemp("gw")
+    model = write_demo_model(root / "demo", arch="qwen3_moe", seed=1)
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport="tcp", port=free_port(),
+                      api_key=KEY, served_model_name="demo", ready_timeout=180)
+    logs = root / "logs"
+    logs.mkdir()
+    f = Fabric(cfg, log_dir=str(logs))
+    try:
+        f.start()
+        f.wait_ready(180)
+        yield f
+    finally:
+        f.stop()
+
+
+def client(f: Fabric) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{f.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def raw(f: Fabric, path: str, body: bytes | str | None, method: str = "POST", key: str | None = KEY,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict]:
+    data = body.encode() if isinstance(body, str) else body
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"http://127.0.0.1:{f.port}{path}", data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+def test_chat_completion_with_the_openai_client(fabric: Fabric) -> None:
+    c = client(fabric)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    r = c.chat.completions.create(model="demo", messages=msgs, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    text = r.choices[0].message.content
+    # streaming gives the same greedy text, role first, then content, finish, usage, [DONE]
+    chunks = list(c.chat.completions.create(model="demo", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 10
+
+
+def test_text_completion_n_stop_and_logprobs(fabric: Fabric) -> None:
+    c = client(fabric)
+    base = c.completions.create(model="demo", prompt="Serving language models", max_tokens=24, temperature=0,
+                                extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    assert len(text) > 4
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = c.completions.create(model="demo", prompt="Serving language models", max_tokens=24, temperature=0,
+                               stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert text.startswith(cut.choices[0].text)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="demo", prompt="Serving language models", max_tokens=24, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == cut.choices[0].text  # never emits any part of the stop string
+    many = c.completions.create(model="demo", prompt="Serving", max_tokens=8, temperature=1.0, n=3, seed=7,
+                                logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2] and many.usage.completion_tokens == 24
+    lp = many.choices[0].logprobs
+    assert len(lp.token_logprobs) == 8 and all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs[0]) == 2
+    again = c.completions.create(model="demo", prompt="Serving", max_tokens=8, temperature=1.0, n=3, seed=7,
+                                 extra_body={"ignore_eos": True})
+    assert [ch.text for ch in again.choices] == [ch.text for ch in many.choices]  # seeded: reproducible
+    chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                     logprobs=True, top_logprobs=3, temperature=0)
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.logprob <= 0 and len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", "{not json", 400, None),
+        ("/v1/chat/completions", json.dumps({"model": "demo"}), 400, "messages"),
+        ("/v1/chat/completions", json.dumps({"messages": []}), 400, "messages"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), 400, "messages[0].role"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages[0].content"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 7}), 400, "temperature"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "top_p": 0}), 400, "top_p"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}), 400, "n"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}), 404, "model"),
+        ("/v1/completions", json.dumps({"prompt": "x" * 30000, "max_tokens": 2000}), 400, "max_tokens"),
+        ("/v1/completions", json.dumps({"prompt": [1, 2, -5]}), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}), 400, "stream"),
+        ("/v1/completions", json.dumps([1, 2, 3]), 400, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(fabric: Fabric, path: str, body: str, status: int, param: str | None) -> None:
+    code, _, err = raw(fabric, path, body)
+    assert code == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
+
+
+def test_auth_body_cap_and_the_server_still_serves(fabric: Fabric) -> None:
+    ok = json.dumps({"prompt": "hi", "max_tokens": 2})
+    assert raw(fabric, "/v1/completions", ok, key=None)[0] == 401
+    assert raw(fabric, "/v1/completions", ok, key="wrong")[0] == 401
+    # 413 from the Content-Length alone: the body is never read
+    with socket.create_connection(("127.0.0.1", fabric.port), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {1 << 30}\r\n\r\n".encode())
+        reply = s.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and '"request_too_large"' in reply
+    assert raw(fabric, "/health", None, method="GET")[0] == 200
+    code, _, body = raw(fabric, "/v1/completions", ok)
+    assert code == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def metric(f: Fabric, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{f.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(cond, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
+    def kv_used() -> int:
+        workers = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")["workers"]
+        return sum(w["stats"].get("kv_blocks_used", 0) for w in workers if w["role"] == "attention")
+
+    body = json.dumps({"prompt": "Serving language models", "max_tokens": 1500, "ignore_eos": True, "stream": True})
+    with socket.create_connection(("127.0.0.1", fabric.port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += s.recv(65536)
+        assert metric(fabric, "moe_fabric_requests_running") == 1
+        assert wait_for(lambda: kv_used() > 0)  # the AW holds its KV blocks while it streams
+    assert wait_for(lambda: metric(fabric, "moe_fabric_requests_running") == 0)
+
+    assert wait_for(lambda: kv_used() == 0)  # the AW dropped the request at once
+    assert metric(fabric, "moe_fabric_kv_blocks_free") > 0
+
+
+def test_64_concurrent_streams_are_complete_and_well_formed(fabric: Fabric) -> None:
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str, bool]:
+        body = {"model": "demo", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 10,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        tokens, finish, done = 0, "", False
+        async with session.post(f"http://127.0.0.1:{fabric.port}/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            async for line in r.content:
+                line = line.strip()
+                if not line:
+                    continue
+                assert line.startswith(b"data: "), line
+                if line == b"data: [DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for ch in chunk["choices"]:
+                    finish = ch["finish_reason"] or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return tokens, finish, done
+
+    async def run() -> list[tuple[int, str, bool]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert results == [(10, "length", True)] * 64
+    assert metric(fabric, "moe_fabric_requests_finished_total") >= 64
+    assert metric(fabric, "moe_fabric_time_to_first_token_seconds_count") >= 64
+
+
+def test_health_and_metrics_names(fabric: Fabric) -> None:
+    code, _, body = raw(fabric, "/health", None, method="GET", key=None)
+    assert code == 200 and body["status"] == "ok"
+    with urllib.request.urlopen(f"http://127.0.0.1:{fabric.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in ["moe_fabric_requests_running", "moe_fabric_requests_waiting", "moe_fabric_requests_finished_total",
+                 "moe_fabric_request_errors_total", "moe_fabric_time_to_first_token_seconds_bucket",
+                 "moe_fabric_time_between_tokens_seconds_bucket", "moe_fabric_e2e_latency_seconds_bucket",
+                 "moe_fabric_generated_tokens_total", "moe_fabric_kv_blocks_used", "moe_fabric_kv_blocks_free",
+                 "moe_fabric_expert_tokens_processed"]:
+        assert name in text, name
