@@ -21,16 +21,14 @@ def _check_port(port: int, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Fields every worker role shares."""
+class RoleConfig:
+    """Fields every role that registers with the orchestrator shares."""
 
     model: str
     orchestrator: str
     host: str = "127.0.0.1"
     port: int = 0
     transport: str = "tcp"
-    dtype: str | None = None
-    threads: int = 1
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:
@@ -38,12 +36,23 @@ class WorkerConfig:
         _check_port(self.port, "port")
         if self.transport not in ("tcp", "ucx", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}")
-        if self.threads < 1:
-            raise ConfigError("threads must be >= 1")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
         return parse_hostport(self.orchestrator)
+
+
+@dataclass(frozen=True)
+class WorkerConfig(RoleConfig):
+    """Fields the attention and expert workers share."""
+
+    dtype: str | None = None
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threads < 1:
+            raise ConfigError("threads must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -74,33 +83,23 @@ class AttentionWorkerConfig(WorkerConfig):
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    model: str
-    orchestrator: str
-    host: str = "127.0.0.1"
+class GatewayConfig(RoleConfig):
     port: int = 8000
-    transport: str = "tcp"
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     max_waiting: int = 512  # requests waiting for their first token before new ones get 429
     drain_timeout: float = 30.0
     routing: str = "least-work"  # or "round-robin"
-    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
-        parse_hostport(self.orchestrator)
-        _check_port(self.port, "port")
+        super().__post_init__()
         if self.max_body_bytes < 1024 or self.max_waiting < 1 or self.drain_timeout < 0:
             raise ConfigError("max_body_bytes must be >= 1024, max_waiting >= 1 and drain_timeout >= 0")
         if self.routing not in ("least-work", "round-robin"):
             raise ConfigError(f"unknown routing policy {self.routing!r}; choose least-work or round-robin")
         if self.api_key == "":
             raise ConfigError("an empty API key would accept any request; omit it instead")
-
-    @property
-    def orchestrator_addr(self) -> tuple[str, int]:
-        return parse_hostport(self.orchestrator)
 
 
 @dataclass(frozen=True)
