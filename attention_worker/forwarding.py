@@ -76,12 +76,14 @@ class ForwardingEngine:
         self.links: dict[str, EwLink] = {}
         self._ids = itertools.count(1)
         self._active = False
+        self.dead: set[str] = set()  # EWs found dead; never used again, even if they come back
+        self.replays = 0
 
     async def apply_table(self, table: RoutingTable) -> None:
         """Connects to EWs new in `table` (control and data channels) and drops the others.
         Call between steps: a step never sees two tables."""
         for ew_id, addr in table.expert_workers.items():
-            if ew_id not in self.links:
+            if ew_id not in self.links and ew_id not in self.dead:
                 self.links[ew_id] = await self._connect(addr)
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
@@ -111,7 +113,8 @@ class ForwardingEngine:
                 except PeerDeadError:
                     pass
 
-    async def call(self, ew_id: str, layer: int, experts: list[int], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+    async def call(self, ew_id: str, layer: int, experts: list[int], counts: list[int], x: torch.Tensor,
+                   replay: bool = False) -> torch.Tensor:
         """One expert call to one EW: rows of `x` [R, D] grouped as `counts` per expert -> [R, D]."""
         assert self.table is not None
         link = self.links.get(ew_id)
@@ -120,16 +123,13 @@ class ForwardingEngine:
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         link.pending[call_id] = fut
-        await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x))
+        await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
         return await fut
 
     async def expert_io(self, layer: int, expert: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Tarragon's expert_io: tokens [N, D] through one logical expert -> [N, D]."""
-        assert self.table is not None
-        ew = self.table.primary(layer, expert)
-        if ew is None:
-            raise PeerDeadError(f"layer {layer} expert {expert}", "no live replica")
-        return await self.call(ew, layer, [expert], [tokens.shape[0]], tokens)
+        """Tarragon's expert_io: tokens [N, D] through one logical expert -> [N, D], rerouted like
+        `dispatch_layer` when its EW dies."""
+        return await self._run_experts(layer, tokens, {expert: (0, tokens.shape[0])}, pad=False)
 
     async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], experts [T, k] int64, weights [T, k] float32 -> weighted expert sum [T, D]."""
@@ -138,30 +138,59 @@ class ForwardingEngine:
         flat = experts.reshape(-1)  # [R]
         order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
         token_of_row = order // k  # [R]
-        counts = torch.bincount(flat, minlength=self.table.num_experts).tolist()
-        plan: dict[str, tuple[list[int], list[int], list[int]]] = {ew: ([], [], []) for ew in self.table.expert_workers}
+        spans: dict[int, tuple[int, int]] = {}  # expert -> (first row, rows) in expert order
         row = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(torch.bincount(flat, minlength=self.table.num_experts).tolist()):
             if n:
-                ew = self.table.primary(layer, e)
-                if ew is None:
-                    raise PeerDeadError(f"layer {layer} expert {e}", "no live replica")
-                es, ns, rows = plan.setdefault(ew, ([], [], []))
-                es.append(e)
-                ns.append(n)
-                rows.extend(range(row, row + n))
+                spans[e] = (row, n)
             row += n
-        # Every EW gets a call, empty or not, so a sync gather policy never waits for us in vain.
-        ews = list(plan)
-        row_idx = [torch.tensor(plan[ew][2], dtype=torch.long) for ew in ews]
-        results = await asyncio.gather(
-            *(self.call(ew, layer, plan[ew][0], plan[ew][1], x[token_of_row[idx]]) for ew, idx in zip(ews, row_idx))
-        )
-        y = torch.empty(t * k, x.shape[1], dtype=x.dtype)  # [R, D] in expert order
-        for idx, out in zip(row_idx, results):
-            y[idx] = out
+        y = await self._run_experts(layer, x[token_of_row], spans, pad=True)  # [R, D] in expert order
         w = weights.reshape(-1)[order].to(x.dtype)  # [R]
         return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
+
+    async def _run_experts(self, layer: int, xs: torch.Tensor, spans: dict[int, tuple[int, int]], pad: bool) -> torch.Tensor:
+        """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the first live replica of each
+        expert. Calls to an EW that dies are replayed at once on the next replica in the table,
+        flagged so the destination serves them first (Tarragon §5.1); expert computation is
+        deterministic, so the result is the same. With `pad`, every live EW gets a call, empty or
+        not, so a sync gather policy never waits for this AW in vain."""
+        assert self.table is not None
+        y = torch.empty_like(xs)
+        todo = sorted(spans)
+        replay = False
+        while True:
+            plan: dict[str, list[int]] = {}
+            for e in todo:
+                ew = self.table.primary(layer, e, self.dead)
+                if ew is None:
+                    raise PeerDeadError(f"layer {layer} expert {e}", "no live replica")
+                plan.setdefault(ew, []).append(e)
+            if pad and not replay:
+                for ew in self.table.expert_workers:
+                    if ew not in self.dead:
+                        plan.setdefault(ew, [])
+            ews = list(plan)
+            idx = [torch.tensor([r for e in plan[ew] for r in range(spans[e][0], spans[e][0] + spans[e][1])],
+                                dtype=torch.long) for ew in ews]
+            results = await asyncio.gather(
+                *(self.call(ew, layer, plan[ew], [spans[e][1] for e in plan[ew]], xs[i], replay) for ew, i in zip(ews, idx)),
+                return_exceptions=True,
+            )
+            failed: list[int] = []
+            for ew, i, res in zip(ews, idx, results):
+                if isinstance(res, PeerDeadError):
+                    if ew not in self.dead:
+                        log.warning("%s is dead (%s); replaying its calls on the next replicas", ew, res)
+                        self.dead.add(ew)
+                    failed.extend(plan[ew])
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    y[i] = res
+            if not failed:
+                return y
+            todo, replay = sorted(failed), True
+            self.replays += 1
 
     async def close(self) -> None:
         for link in self.links.values():

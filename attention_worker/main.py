@@ -152,6 +152,8 @@ class AttentionWorker:
             "kv_blocks_used": b.num_blocks - b.num_free, "kv_blocks_free": b.num_free,
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
             "outstanding_work": self.scheduler.outstanding_work(),
+            "replays": self.refe.replays if self.refe else 0,
+            "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
             "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
             "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
         }

@@ -94,7 +94,11 @@ class ExpertWorker:
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
+            replays = [p for p in self.pending if p.call.replay]
+            if replays:  # replayed work from a dead EW's AWs goes first, whatever the policy says
+                batch, wait = replays, None
+            else:
+                batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
             if not batch:
                 self.wakeup.clear()
                 try:

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--orchestrator-port", type=int, default=0)
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     s.add_argument("--gather", choices=["sync", "threshold"], default="sync")
+    s.add_argument("--shadows-per-expert", type=int, default=1, help="inactive copies of each expert on other EWs")
     s.add_argument("--served-model-name", default=None)
     _gateway_policy_flags(s)
     s.add_argument("--ready-timeout", type=float, default=300.0)
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--host", default="127.0.0.1")
     o.add_argument("--port", type=int, default=0)
     o.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    o.add_argument("--shadows-per-expert", type=int, default=1, help="inactive copies of each expert on other EWs")
     o.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     g = sub.add_parser("gateway", help="run the HTTP gateway")

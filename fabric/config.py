@@ -109,12 +109,15 @@ class OrchestratorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str | None = None
+    shadows_per_expert: int = 1  # inactive copies of each expert on other EWs
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         _check_port(self.port, "port")
         if self.expert_workers < 1:
             raise ConfigError("the cluster needs at least one expert worker")
+        if self.shadows_per_expert < 0:
+            raise ConfigError("shadows_per_expert must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class ServeConfig:
     orchestrator_port: int = 0
     dtype: str | None = None
     gather: str = "sync"
+    shadows_per_expert: int = 1
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting: int = 512

@@ -73,7 +73,8 @@ class Fabric:
             port_file = Path(tmp) / "orchestrator.port"
             self._spawn("orchestrator", "orchestrator", [
                 "--model", self.model, "--expert-workers", str(cfg.expert_workers), "--host", cfg.host,
-                "--port", str(cfg.orchestrator_port), "--port-file", str(port_file)])
+                "--port", str(cfg.orchestrator_port), "--port-file", str(port_file),
+                "--shadows-per-expert", str(cfg.shadows_per_expert)])
             deadline = time.monotonic() + 60
             while not port_file.exists():
                 self._check_children()

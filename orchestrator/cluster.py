@@ -85,12 +85,28 @@ class Cluster:
             return True
         return False
 
-    def mark_dead(self, worker_id: str) -> None:
-        self.workers[worker_id].state = "dead"
+    def mark_dead(self, worker_id: str) -> bool:
+        """Marks a worker dead (for good: a replaced worker is never used again). Returns True when
+        the routing table changed: a dead EW is removed from every replica list, so its shadows'
+        copies become primaries at the next epoch (a transaction: the new table is built whole,
+        then published)."""
+        rec = self.workers[worker_id]
+        rec.state = "dead"
+        if rec.role != "expert" or self.table is None or worker_id not in self.table.expert_workers:
+            return False
+        placement = {u: [w for w in ews if w != worker_id] for u, ews in self.table.replicas.items()}
+        self._publish(placement)
+        return True
+
+    def lost_units(self) -> list[tuple[int, int]]:
+        """Logical experts with no live copy left."""
+        if self.table is None:
+            return []
+        return [u for u, ews in self.table.replicas.items() if not ews]
 
     def _publish(self, placement: dict[tuple[int, int], list[str]]) -> None:
         epoch = 1 if self.table is None else self.table.epoch + 1
-        ews = {w for replicas in placement.values() for w in replicas}
+        ews = {w for replicas in placement.values() for w in replicas if self.workers[w].state != "dead"}
         addrs = {w: EwAddress(w, self.workers[w].host, self.workers[w].port) for w in ews}
         self.table = RoutingTable(
             epoch, self.model.num_layers, self.model.num_experts,

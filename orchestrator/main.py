@@ -27,7 +27,8 @@ log = logging.getLogger("orchestrator")
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
-        self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, BalancedPlanner(), cfg.host, cfg.port)
+        planner = BalancedPlanner(cfg.shadows_per_expert)
+        self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port)
         self.links: dict[str, web.WebSocketResponse] = {}
 
     def app(self) -> web.Application:
@@ -69,8 +70,13 @@ class Orchestrator:
         finally:
             if worker_id is not None:
                 self.links.pop(worker_id, None)
-                self.cluster.mark_dead(worker_id)
-                log.warning("%s link closed; marked dead", worker_id)
+                if self.cluster.mark_dead(worker_id):
+                    table = self.cluster.table
+                    assert table is not None
+                    log.warning("%s died; routing table epoch %d promotes its shadows%s", worker_id, table.epoch,
+                                f"; {len(self.cluster.lost_units())} experts have no copy left" if self.cluster.lost_units() else "")
+                else:
+                    log.warning("%s link closed; marked dead", worker_id)
                 await self._broadcast()
         return ws
 

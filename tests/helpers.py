@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,11 @@ def get_json(url: str, timeout: float = 10) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def stream_completion(url: str, body: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
-    """Raw SSE client: returns the decoded `data:` events; asserts the stream ends with [DONE]."""
+def iter_stream(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
+    """Raw SSE client yielding each decoded `data:` event as it arrives; asserts the stream ends
+    with [DONE]."""
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
-    events: list[dict[str, Any]] = []
     done = False
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -66,6 +67,9 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 120) -> l
             if payload == "[DONE]":
                 done = True
                 break
-            events.append(json.loads(payload))
+            yield json.loads(payload)
     assert done, "stream ended without [DONE]"
-    return events
+
+
+def stream_completion(url: str, body: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+    return list(iter_stream(url, body, timeout))

@@ -79,6 +79,9 @@ def test_greedy_parity(arch: str, transport: str, hf_models: dict[str, Path], tm
     ews = [w for w in cluster["workers"] if w["role"] == "expert"]
     assert len(aws) == 2 and len(ews) == 3 and all(w["state"] == "alive" for w in aws + ews)
     assert all(w["info"]["transport"] == transport for w in aws + ews)
-    # every expert placed on exactly one EW, EWs balanced by count
-    counts = sorted(len(w["experts"]) for w in ews)
-    assert sum(counts) == 3 * 6 and counts[-1] - counts[0] <= 1
+    # every expert has one primary, EWs balanced by count, and one shadow on another EW (the default)
+    replicas = cluster["routing"]["replicas"]
+    assert len(replicas) == 3 * 6 and all(len(set(ews)) == len(ews) == 2 for _, _, ews in replicas)
+    primaries = sorted(sum(1 for _, _, r in replicas if r[0] == w["id"]) for w in ews)
+    assert sum(primaries) == 18 and primaries[-1] - primaries[0] <= 1
+    assert sorted(len(w["experts"]) for w in ews) == [12, 12, 12]  # primaries and shadows both loaded

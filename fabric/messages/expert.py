@@ -33,6 +33,7 @@ class ExpertCall(Message):
     experts: list[int]
     counts: list[int]
     x: torch.Tensor  # [R, D]
+    replay: bool = False  # replayed after another EW died: served before anything else
 
 
 @register
