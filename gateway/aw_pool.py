@@ -28,6 +28,7 @@ class Event:
     top: list[list[float]] | None = None
     error: str | None = None
     status: int = 0
+    retryable: bool = False  # the AW was lost: the request can resume on another AW
 
 
 @dataclass
@@ -70,7 +71,7 @@ class AwClient:
             reason = f"attention worker {self.worker_id} lost: {exc}"
         finally:
             for p in self.requests.values():
-                p.queue.put_nowait(Event(error=reason, status=503))
+                p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
             self.requests.clear()
 
 

@@ -3,6 +3,8 @@ detokenisation, stop strings held back), and keep timing for the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,6 +17,8 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.protocol import ApiError, GenParams
 from gateway.stop_strings import StopMatcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,12 +41,16 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     done: bool = False
+    resumes: int = 0
 
 
 class GenerationError(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+MAX_RESUMES = 3
 
 
 async def start_choice(pool: AwPool, choice: Choice) -> None:
@@ -72,6 +80,20 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 waiting = False
                 if ev.error is None:
                     metrics.ttft.observe(now - arrived)
+            if ev.error is not None and ev.retryable and choice.resumes < MAX_RESUMES:
+                # The AW died: resume on a healthy one by re-prefilling the prompt plus the tokens
+                # already emitted (the paper's parallel replay). Sampling depends only on (seed,
+                # token index), so the stream continues with exactly the next token.
+                choice.resumes += 1
+                choice.submit = dataclasses.replace(choice.submit, output_ids=list(choice.token_ids))
+                log.warning("%s: %s; resuming after %d tokens", choice.request_id, ev.error, len(choice.token_ids))
+                try:
+                    await start_choice(pool, choice)
+                except ApiError as exc:
+                    raise GenerationError(exc.message, exc.status) from exc
+                assert choice.pending is not None
+                pending = choice.pending
+                continue
             if ev.error is not None:
                 raise GenerationError(ev.error, ev.status or 500)
             if last is not None:
