@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from fabric.errors import FabricError, PeerDeadError, ProtocolError
-from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello
+from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.routing import EwAddress, RoutingTable
 from fabric.transport.base import Connection, Transport
 
@@ -37,15 +38,25 @@ class EwLink:
     control: Connection
     data: Connection
     pending: dict[int, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
-    reader: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
     dead: bool = False
+    last_heard: float = field(default_factory=time.monotonic)  # any message from this EW
+    sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
+    latency: float = 0.0  # smoothed call latency (EWMA), the yardstick of "silent too long"
 
     async def read_loop(self) -> None:
+        """Data channel: routes results to the futures of their calls. Traffic is the implicit
+        heartbeat."""
         error: FabricError = PeerDeadError(self.addr.worker_id)
         try:
             while True:
                 msg = await self.data.recv()
-                fut = self.pending.pop(getattr(msg, "call_id", -1), None)
+                self.last_heard = now = time.monotonic()
+                call_id = getattr(msg, "call_id", -1)
+                sent = self.sent_at.pop(call_id, None)
+                if sent is not None:
+                    self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
+                fut = self.pending.pop(call_id, None)
                 if fut is None or fut.done():
                     continue
                 if isinstance(msg, ExpertResult):
@@ -55,22 +66,65 @@ class EwLink:
         except (PeerDeadError, ProtocolError) as exc:
             error = exc
         finally:
-            self.dead = True
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
-            self.pending.clear()
+            self.fail(error)
+
+    async def control_loop(self) -> None:
+        """Control channel: pongs (and anything else) refresh `last_heard`."""
+        try:
+            while True:
+                if isinstance(await self.control.recv(), Pong):
+                    self.last_heard = time.monotonic()
+        except (PeerDeadError, ProtocolError) as exc:
+            self.fail(exc)
+
+    async def probe_loop(self, interval: float, misses: int) -> None:
+        """While calls are outstanding and the link has been silent for `interval`, ping on the
+        control channel; `misses` probes without an answer declare the EW dead (a hung process:
+        its connections stay open, so only probes can tell). "Without an answer" also means silent
+        for longer than 10x the link's smoothed call latency, as TCP's retransmission timeout
+        scales with the measured RTT: on a loaded CPU host a busy but healthy EW can be silent for
+        tens of milliseconds, and a false verdict would retire it for good."""
+        sent = 0
+        nonce = itertools.count(1)
+        while not self.dead:
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self.last_heard
+            if not self.pending or silent < interval:
+                sent = 0
+                continue
+            if sent >= misses and silent > max(interval * (misses + 1), 10 * self.latency):
+                self.fail(PeerDeadError(self.addr.worker_id, f"no answer to {sent} probes in {silent * 1e3:.0f} ms"))
+                await self.data.close()
+                await self.control.close()
+                return
+            try:
+                await self.control.send(Ping(next(nonce)))
+            except PeerDeadError as exc:
+                self.fail(exc)
+                return
+            sent += 1
+
+    def fail(self, error: FabricError) -> None:
+        """Marks the link dead and fails every call waiting on it (they are then replayed)."""
+        self.dead = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self.pending.clear()
+        self.sent_at.clear()
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
+        for t in self.tasks:
+            t.cancel()
         await self.control.close()
         await self.data.close()
 
 
 class ForwardingEngine:
-    def __init__(self, aw_id: str, transport: Transport) -> None:
+    def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3) -> None:
         self.aw_id = aw_id
+        self.probe_interval = probe_interval
+        self.probe_misses = probe_misses
         self.transport = transport
         self.table: RoutingTable | None = None
         self.links: dict[str, EwLink] = {}
@@ -95,7 +149,8 @@ class ForwardingEngine:
         await control.send(Hello(self.aw_id, "control"))
         await data.send(Hello(self.aw_id, "data"))
         link = EwLink(addr, control, data)
-        link.reader = asyncio.create_task(link.read_loop())
+        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop()),
+                      asyncio.create_task(link.probe_loop(self.probe_interval, self.probe_misses))]
         if self._active:
             await control.send(AwActivity(True))
         log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
@@ -123,6 +178,7 @@ class ForwardingEngine:
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         link.pending[call_id] = fut
+        link.sent_at[call_id] = time.monotonic()
         await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
         return await fut
 

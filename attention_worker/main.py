@@ -176,7 +176,7 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
     link = OrchestratorLink(*cfg.orchestrator_addr)
     info = {"transport": aw.transport.name, "kv_blocks": aw.kv.blocks.num_blocks, "block_size": cfg.block_size}
     wid = await link.connect(Register("attention", os.getpid(), cfg.host, listener.port, info))
-    aw.refe = ForwardingEngine(wid, aw.transport)
+    aw.refe = ForwardingEngine(wid, aw.transport, cfg.probe_interval_ms / 1000, cfg.probe_misses)
     aw.runner = ModelRunner(aw.model, aw.weights, aw.kv, aw.refe)
     log.info("%s listening on %s:%d (%s, %d KV blocks)", wid, cfg.host, listener.port, aw.transport.name, aw.kv.blocks.num_blocks)
     loop_task: asyncio.Task[None] | None = None

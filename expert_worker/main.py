@@ -109,7 +109,9 @@ class ExpertWorker:
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
             t0 = time.perf_counter()
-            outputs = self.executor.run(batch)
+            # In a thread (torch releases the GIL): the loop keeps answering liveness probes and
+            # receiving the next calls while the experts run.
+            outputs = await asyncio.to_thread(self.executor.run, batch)
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):

@@ -1,4 +1,4 @@
-"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`.
+"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`, `experiment`.
 
 Each subcommand's flags map 1:1 onto the fields of its config dataclass (fabric/config.py).
 """
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kv-cache-mib", type=int, default=256)
     a.add_argument("--max-batch-tokens", type=int, default=512)
     a.add_argument("--max-running", type=int, default=64)
+    a.add_argument("--probe-interval-ms", type=float, default=10.0, help="probe a silent EW link this often")
+    a.add_argument("--probe-misses", type=int, default=3, help="unanswered probes before an EW is declared dead")
 
     e = sub.add_parser("expert-worker", help="run one expert worker")
     _worker_flags(e)
@@ -96,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+    x = sub.add_parser("experiment", help="failure-injection experiments against a local fabric")
+    xs = x.add_subparsers(dest="experiment", required=True)
+    from fabric.experiments.failover import add_arguments as failover_flags
+
+    failover_flags(xs.add_parser("failover", help="SIGINT one worker under load; stall, recovery, lost requests"))
     return parser
 
 
@@ -132,6 +140,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         path = write_demo_model(args.out, arch=args.arch, seed=args.seed, size=args.size, dtype=args.dtype)
         print(path)
         return 0
+    if cmd == "experiment":
+        from fabric.experiments.failover import run as failover
+
+        return failover(args)
     if cmd == "serve":
         from fabric.launcher import serve
 

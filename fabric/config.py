@@ -75,11 +75,15 @@ class AttentionWorkerConfig(WorkerConfig):
     kv_cache_mib: int = 256
     max_batch_tokens: int = 512  # token budget of one step (chunked prefill + decodes)
     max_running: int = 64
+    probe_interval_ms: float = 10.0  # a silent EW link with calls in flight is probed this often
+    probe_misses: int = 3  # unanswered probes before the EW is declared dead
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
+        if self.probe_interval_ms <= 0 or self.probe_misses < 1:
+            raise ConfigError("probe_interval_ms must be > 0 and probe_misses >= 1")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
 TOKENS = 120
 
 
-def kill_mid_decode(fabric: Fabric, victim_name: str) -> tuple[list[list[int]], list[list[int]], int]:
-    """Runs the streams once without failure, then again while SIGINTing `victim_name` once
-    tokens flow. Returns (reference, outputs under failure, victim pid)."""
+def kill_mid_decode(fabric: Fabric, victim_name: str, sig: signal.Signals = signal.SIGINT) -> tuple[list[list[int]], list[list[int]], int]:
+    """Runs the streams once without failure, then again while sending `sig` (SIGINT by default)
+    to `victim_name` once tokens flow. Returns (reference, outputs under failure, victim pid)."""
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     body = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
     received = [0]
@@ -52,12 +52,13 @@ def kill_mid_decode(fabric: Fabric, victim_name: str) -> tuple[list[list[int]], 
     runner.start()
     assert started.wait(60)
     time.sleep(0.1)  # inside the decode phase of the streams
-    victim.send_signal(signal.SIGINT)
+    victim.send_signal(sig)
     at_kill = received[0]
     runner.join(180)
     assert at_kill < len(PROMPTS) * TOKENS, "the streams ended before the kill"
     assert result
-    victim.wait(10)
+    if sig == signal.SIGINT:
+        victim.wait(10)
     return reference, result[0], victim.pid
 
 
@@ -90,3 +91,16 @@ def test_expert_worker_death_loses_nothing(hf_models: dict[str, Path], tmp_path:
         assert sum(s.get("replays", 0) for s in stats) >= 1  # in-flight calls were replayed
         health = get_json(f"http://127.0.0.1:{fabric.port}/health")
         assert health["status"] == "ok"  # every expert still has a live copy
+
+
+def test_hung_expert_worker_is_detected_by_probes(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """SIGSTOP keeps the EW's connections open: only the control-channel probes can tell."""
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
+        victim = next(p for name, p in fabric.procs if name == "expert-worker-2")
+        try:
+            reference, outputs, _ = kill_mid_decode(fabric, "expert-worker-2", signal.SIGSTOP)
+            assert outputs == reference
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("attention-worker-*.log"))
+        assert "no answer to" in logs  # declared dead by probes, not by a closed connection
