@@ -1,0 +1,1 @@
+"""Experiments run against a live fabric (`moe-fabric experiment ...`)."""

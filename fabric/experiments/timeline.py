@@ -1,0 +1,99 @@
+"""Failover metrics from per-token arrival times, and the Fig. 9-style timeline plot.
+
+All times are seconds since the start of the run. A stream is the list of arrival times of its
+tokens (a chunk carrying several tokens gives them the same time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+WINDOW = 0.5  # seconds per throughput window
+BASELINE_SPAN = 3.0  # seconds before the kill whose windows make the pre-failure baseline
+RECOVERED = 0.9  # fraction of the baseline that counts as "back"
+
+
+def token_gaps(streams: Sequence[Sequence[float]]) -> list[tuple[float, float, int]]:
+    """(arrival time, time since the stream's previous token, stream index) for every token but the first."""
+    return [(b, b - a, i) for i, times in enumerate(streams) for a, b in zip(times, times[1:])]
+
+
+def stall(streams: Sequence[Sequence[float]], kill: float) -> float | None:
+    """The largest gap between consecutive tokens of one stream that spans the kill; None if no stream does."""
+    spans = [b - a for times in streams for a, b in zip(times, times[1:]) if a <= kill < b]
+    return max(spans) if spans else None
+
+
+def first_success(streams: Sequence[Sequence[float]], kill: float) -> float | None:
+    """Time from the kill to the first token any stream receives after it."""
+    after = [t for times in streams for t in times if t > kill]
+    return min(after) - kill if after else None
+
+
+def throughput(streams: Sequence[Sequence[float]], anchor: float = 0.0) -> list[tuple[float, float]]:
+    """(window start, output tokens/s) over WINDOW-long windows, with a window edge at `anchor`
+    (the kill, so no window straddles it), from the first window holding t=0 to the last token."""
+    times = [t for s in streams for t in s]
+    if not times:
+        return []
+    first = anchor - WINDOW * math.floor(anchor / WINDOW)
+    first = first - WINDOW if first > 0 else first
+    n = int((max(times) - first) // WINDOW) + 1
+    counts = [0] * n
+    for t in times:
+        counts[min(n - 1, max(0, int((t - first) // WINDOW)))] += 1
+    return [(first + k * WINDOW, c / WINDOW) for k, c in enumerate(counts)]
+
+
+def recovery(series: Sequence[tuple[float, float]], kill: float) -> tuple[float | None, float | None]:
+    """(pre-failure baseline tok/s, time from the kill to the end of the first later window that
+    reaches RECOVERED x baseline). The baseline is the median of the windows in the BASELINE_SPAN
+    seconds before the kill; the time is None if no window gets back."""
+    eps = 1e-9
+    before = [v for t, v in series if t >= kill - BASELINE_SPAN - eps and t + WINDOW <= kill + eps]
+    if not before:
+        return None, None
+    base = statistics.median(before)
+    for t, v in series:
+        if t >= kill - eps and v >= RECOVERED * base:
+            return base, t + WINDOW - kill
+    return base, None
+
+
+def plot_timeline(path: Path, gaps: Sequence[tuple[float, float, int]], series: Sequence[tuple[float, float]],
+                  kill: float, kill_label: str, title: str, ready: float | None = None,
+                  reference: Sequence[tuple[float, float]] = ()) -> None:
+    """Top: time between tokens of every token (scatter, log scale); bottom: output throughput.
+    A vertical line marks the kill (and, for a full restart, when the new fabric was ready); the
+    failure-free run of the same workload is drawn in grey for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    pts = [(t, g) for t, g, _ in gaps if g > 0]
+    top.scatter([t for t, _ in pts], [g for _, g in pts], s=4, alpha=0.5, color="tab:blue", linewidths=0)
+    top.set_yscale("log")
+    top.set_ylabel("time between tokens (s)")
+    top.set_title(title, fontsize=10)
+    for data, color, label in ((reference, "tab:gray", "failure-free run"), (series, "tab:green", "this run")):
+        if data:  # the last step runs to the end of its window
+            xs, ys = [t for t, _ in data] + [data[-1][0] + WINDOW], [v for _, v in data] + [data[-1][1]]
+            bottom.step(xs, ys, where="post", color=color, label=label, alpha=0.6 if data is reference else 1.0)
+    bottom.set_ylabel(f"output tokens/s ({WINDOW:g} s windows)")
+    bottom.set_xlabel("time since the start of the run (s)")
+    bottom.set_ylim(bottom=0)
+    for ax in (top, bottom):
+        ax.axvline(kill, color="tab:red", linestyle="--", linewidth=1, label=kill_label)
+        if ready is not None:
+            ax.axvline(ready, color="tab:gray", linestyle=":", linewidth=1, label="new fabric ready")
+        ax.grid(alpha=0.3)
+    top.legend(loc="upper left", fontsize=8)
+    bottom.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
