@@ -99,9 +99,9 @@ class AttentionWorker:
                 continue
             await self.refe.set_active(True)
             chunks = self.scheduler.schedule()
-            if not chunks:
-                await asyncio.sleep(0.001)  # everything waits for KV blocks held by nobody: cannot happen
-                continue
+            # With work pending, something is always schedulable: running requests decode, and with
+            # none running every block is free and `add` refused requests larger than the cache.
+            assert chunks, "scheduler returned no work although requests are pending"
             try:
                 logits = await self.runner.forward(chunks)
             except FabricError as exc:

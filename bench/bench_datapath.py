@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -23,9 +22,10 @@ from typing import Any
 
 import aiohttp
 import torch
+from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
 from fabric.config import ServeConfig
-from fabric.launcher import Fabric
+from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
 
@@ -34,10 +34,6 @@ LIMIT = "compute limit"
 Stats = dict[str, float]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -46,15 +42,10 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs) or [float("nan")]
-    pos = q / 100 * (len(s) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize(n_tokens: int, wall: float, gaps: list[float]) -> Stats:
-    return {"tok_s": n_tokens / wall, "tbt_p50_ms": pct(gaps, 50) * 1e3, "tbt_p99_ms": pct(gaps, 99) * 1e3,
+    return {"tok_s": n_tokens / wall, "tbt_p50_ms": percentile(gaps, 50) * 1e3, "tbt_p99_ms": percentile(gaps, 99) * 1e3,
             "tokens": n_tokens, "wall_s": wall}
 
 
@@ -201,14 +192,6 @@ def plot(rows: list[dict[str, Any]], concs: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def scan_logs(log_root: str) -> list[str]:
-    notes = []
-    for p in sorted(Path(log_root).rglob("*.log")):
-        bad = [ln for ln in p.read_text(errors="replace").splitlines()
-               if any(w in ln for w in ("Traceback", "ERROR", "Error", "WARNING", "Exception"))]
-        if bad:
-            notes.append(f"{p}: {len(bad)} suspicious line(s), first: {bad[0].strip()[:200]}")
-    return notes
 
 
 def main() -> None:

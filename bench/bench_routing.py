@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
 from fabric.config import ServeConfig
-from fabric.launcher import Fabric
+from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
 
@@ -42,17 +42,8 @@ METRICS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tok_s")
 Sample = dict[str, float]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs) or [float("nan")]
-    pos = q / 100 * (len(s) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def make_workload(n: int, short: int, long: int, vocab: int, rate: float, seed: int
@@ -157,14 +148,6 @@ def plot(raw: dict[str, list[list[Sample]]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def scan_logs(log_root: str) -> list[str]:
-    notes = []
-    for p in sorted(Path(log_root).rglob("*.log")):
-        bad = [ln for ln in p.read_text(errors="replace").splitlines()
-               if any(w in ln for w in ("Traceback", "ERROR", "Error", "WARNING", "Exception"))]
-        if bad:
-            notes.append(f"{p}: {len(bad)} suspicious line(s), first: {bad[0].strip()[:200]}")
-    return notes
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,13 @@ from fabric.config import ServeConfig
 from fabric.errors import FabricError
 from fabric.process import die_with_parent
 from fabric.transport import resolve_transport_name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on `host` (for local fabrics in tests, benchmarks, experiments)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def default_model_dir() -> Path:
@@ -157,11 +165,7 @@ class Fabric:
 
 
 def serve(cfg: ServeConfig) -> int:
-    stopping = False
-
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)

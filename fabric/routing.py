@@ -34,9 +34,6 @@ class RoutingTable:
                 return ew
         return None
 
-    def workers_of_layer(self, layer: int) -> set[str]:
-        return {ews[0] for (lyr, _), ews in self.replicas.items() if lyr == layer and ews}
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

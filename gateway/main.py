@@ -274,6 +274,8 @@ class Gateway:
     async def drain(self) -> None:
         self.draining = True
         log.info("draining: %d requests in flight", self.active)
+        if self.idle.is_set():  # nothing to wait for (and wait_for with timeout 0 would time out anyway)
+            return
         try:
             await asyncio.wait_for(self.idle.wait(), self.cfg.drain_timeout)
         except TimeoutError:

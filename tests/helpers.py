@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,11 +10,9 @@ from typing import Any
 
 import torch
 
+from fabric.launcher import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]
 
 
 def write_hf_model(out: Path, arch: str, seed: int = 0) -> Path:

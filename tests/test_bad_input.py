@@ -95,21 +95,22 @@ async def throw_ws(port: int) -> None:
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
-def serve_once_and_list_ports(fabric: Fabric, workers: int) -> tuple[str, dict]:
-    """A first completion (the reference) and the internal ports of every AW and EW."""
+def serve_once_and_list_ports(fabric: Fabric, workers: int) -> tuple[str, dict, list[int]]:
+    """The completions URL, a first completion (the reference) and the internal ports of every
+    AW and EW."""
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     status, before = post_json(base, BODY)
     assert status == 200
     cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
     ports = [w["port"] for w in cluster["workers"] if w["role"] in ("attention", "expert")]
     assert len(ports) == workers
-    return base, {"before": before, "ports": ports}
+    return base, before, ports
 
 
 def test_internal_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
-        base, ref = serve_once_and_list_ports(fabric, 5)
-        before, ports, body = ref["before"], ref["ports"], BODY
+        base, before, ports = serve_once_and_list_ports(fabric, 5)
+        body = BODY
         for port in ports:
             for payload in bad_payloads():
                 throw(port, payload)
@@ -154,8 +155,8 @@ async def throw_ucx(port: int) -> None:
 def test_ucx_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
     pytest.importorskip("ucxx", reason="the [ucx] extra is part of the test install")
     with running_fabric(hf_models["qwen3_moe"], tmp_path, transport="ucx", aws=1, ews=2) as fabric:
-        base, ref = serve_once_and_list_ports(fabric, 3)
-        before, ports, body = ref["before"], ref["ports"], BODY
+        base, before, ports = serve_once_and_list_ports(fabric, 3)
+        body = BODY
         for port in ports:
             asyncio.run(throw_ucx(port))
         assert all(proc.poll() is None for _, proc in fabric.procs), "a process died"

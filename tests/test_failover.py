@@ -24,7 +24,7 @@ def kill_mid_decode(fabric: Fabric, victim_name: str, sig: signal.Signals = sign
     body = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
     received = [0]
 
-    def run_all(on_first_token: threading.Event | None = None) -> list[list[int]]:
+    def run_all(decoding: threading.Event | None = None) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in PROMPTS]
 
         def one(i: int) -> None:
@@ -32,8 +32,8 @@ def kill_mid_decode(fabric: Fabric, victim_name: str, sig: signal.Signals = sign
                 assert "error" not in ev, ev
                 out[i].extend(ev["choices"][0]["token_ids"])
                 received[0] += 1
-                if on_first_token is not None:
-                    on_first_token.set()
+                if decoding is not None and received[0] >= 4 * len(PROMPTS):
+                    decoding.set()  # every stream is, on average, a few tokens into its decode
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -51,7 +51,6 @@ def kill_mid_decode(fabric: Fabric, victim_name: str, sig: signal.Signals = sign
     runner = threading.Thread(target=lambda: result.append(run_all(started)))
     runner.start()
     assert started.wait(60)
-    time.sleep(0.1)  # inside the decode phase of the streams
     victim.send_signal(sig)
     at_kill = received[0]
     runner.join(180)

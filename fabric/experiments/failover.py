@@ -17,7 +17,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,15 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
-        from fabric.launcher import ensure_demo_model
+        from fabric.launcher import ensure_demo_model, free_port
+        from fabric.model.config import ModelConfig
 
         self.args = args
         self.model = args.model or str(ensure_demo_model())
-        self.vocab = int(json.loads((Path(self.model) / "config.json").read_text())["vocab_size"])
+        self.vocab = ModelConfig.from_dir(self.model).vocab_size
         self.out = Path(args.out or f"results/failover-{args.role}-{args.mode}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         # drain_timeout 0: a full restart does not wait for running requests.
         self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport="tcp",
                                expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180)
