@@ -34,14 +34,10 @@ LIMIT = "compute limit"
 Stats = dict[str, float]
 
 
-
-
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     prompts: list[list[int]] = torch.randint(3, vocab, (n, length), generator=gen).tolist()  # 0-2 are special
     return prompts
-
-
 
 
 def summarize(n_tokens: int, wall: float, gaps: list[float]) -> Stats:
@@ -190,8 +186,6 @@ def plot(rows: list[dict[str, Any]], concs: list[int], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
 
 
 def main() -> None:

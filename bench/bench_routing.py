@@ -42,10 +42,6 @@ METRICS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tok_s")
 Sample = dict[str, float]
 
 
-
-
-
-
 def make_workload(n: int, short: int, long: int, vocab: int, rate: float, seed: int
                   ) -> tuple[list[list[int]], list[float]]:
     """Prompts (long when i % 4 == 0) and Poisson arrival offsets in seconds, both from `seed`."""
@@ -146,8 +142,6 @@ def plot(raw: dict[str, list[list[Sample]]], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
 
 
 def main() -> None:
