@@ -14,11 +14,12 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from fabric.errors import FabricError, PeerDeadError, ProtocolError
+from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.routing import EwAddress, RoutingTable
 from fabric.transport.base import Connection, Transport
@@ -121,27 +122,99 @@ class EwLink:
 
 
 class ForwardingEngine:
-    def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3) -> None:
+    def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3,
+                 expert_wait: float = 30.0, on_dead: Callable[[str, str], None] | None = None) -> None:
         self.aw_id = aw_id
-        self.probe_interval = probe_interval
+        self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
+        self.expert_wait = expert_wait
+        self.on_dead = on_dead  # (EW id, reason): tells the orchestrator, whose verdict is authoritative
         self.transport = transport
         self.table: RoutingTable | None = None
+        self.next_table: RoutingTable | None = None  # offered by the orchestrator, applied at a step boundary
+        self._table_arrived = asyncio.Event()
         self.links: dict[str, EwLink] = {}
         self._ids = itertools.count(1)
         self._active = False
-        self.dead: set[str] = set()  # EWs found dead; never used again, even if they come back
+        self.dead: set[str] = set()  # EWs found dead; not used again unless the orchestrator vouches for them
+        self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW found it dead
+        self._readmit = False
         self.replays = 0
+        self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
+
+    def offer_table(self, table: RoutingTable) -> bool:
+        """Records a newer table (returns False for a stale one); the main loop applies it between
+        steps, or a step blocked on an expert with no live copy applies it at once."""
+        newest = self.next_table or self.table
+        if newest is not None and table.epoch <= newest.epoch:
+            return False
+        self.next_table = table
+        self._table_arrived.set()
+        return True
+
+    def readmit(self, ew_id: str) -> None:
+        """The orchestrator found `ew_id` alive after this AW reported it dead (a false verdict of
+        the probes, e.g. a scheduling hiccup): reconnect to it at the next step boundary."""
+        if ew_id in self.dead:
+            log.warning("%s is alive after all (the orchestrator checked); using it again", ew_id)
+            self.dead.discard(ew_id)
+            self._readmit = True
+            self._table_arrived.set()
+
+    async def apply_next_table(self) -> None:
+        if self.next_table is not None:
+            table, self.next_table = self.next_table, None
+            await self.apply_table(table)
+        elif self._readmit and self.table is not None:
+            await self.apply_table(self.table)
+        self._readmit = False
 
     async def apply_table(self, table: RoutingTable) -> None:
         """Connects to EWs new in `table` (control and data channels) and drops the others.
-        Call between steps: a step never sees two tables."""
+        Call between steps: a step never sees two tables (except one that waited for a
+        replacement, see `_wait_for_replica`)."""
         for ew_id, addr in table.expert_workers.items():
+            old = self.links.get(ew_id)
+            if old is not None and old.dead and ew_id not in self.dead:  # readmitted: a fresh link
+                await self.links.pop(ew_id).close()
             if ew_id not in self.links and ew_id not in self.dead:
-                self.links[ew_id] = await self._connect(addr)
+                try:
+                    self.links[ew_id] = await self._connect(addr)
+                except PeerDeadError as exc:
+                    self._declare_dead(ew_id, f"connect failed: {exc}")
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
         self.table = table
+
+    def _declare_dead(self, ew_id: str, reason: str) -> None:
+        if ew_id in self.dead:
+            return
+        self.dead.add(ew_id)
+        self.suspected_at[ew_id] = time.time()
+        if self.on_dead is not None:
+            self.on_dead(ew_id, reason)
+
+    async def _wait_for_replica(self, layer: int, expert: int) -> None:
+        """Every copy of (layer, expert) is gone: wait, bounded, for a table that has one again
+        (a replacement EW that loaded it), then switch to it mid-step; expert results do not
+        depend on which replica computes them."""
+        assert self.table is not None
+        self.expert_waits += 1
+        log.warning("layer %d expert %d has no live copy; waiting up to %.1fs for a replacement", layer, expert,
+                    self.expert_wait)
+        deadline = asyncio.get_running_loop().time() + self.expert_wait
+        while self.table.primary(layer, expert, self.dead) is None:
+            if self.next_table is None and not self._readmit:
+                self._table_arrived.clear()
+                remaining = deadline - asyncio.get_running_loop().time()
+                try:
+                    await asyncio.wait_for(self._table_arrived.wait(), max(0.0, remaining))
+                except TimeoutError:
+                    raise ExpertsUnavailableError(
+                        f"layer {layer} expert {expert}: no live copy and no replacement within "
+                        f"{self.expert_wait:.1f}s") from None
+            await self.apply_next_table()
+        log.info("layer %d expert %d is back (epoch %d)", layer, expert, self.table.epoch)
 
     async def _connect(self, addr: EwAddress) -> EwLink:
         control = await self.transport.connect(addr.host, addr.port)
@@ -149,8 +222,9 @@ class ForwardingEngine:
         await control.send(Hello(self.aw_id, "control"))
         await data.send(Hello(self.aw_id, "data"))
         link = EwLink(addr, control, data)
-        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop()),
-                      asyncio.create_task(link.probe_loop(self.probe_interval, self.probe_misses))]
+        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
+        if self.probe_interval > 0:
+            link.tasks.append(asyncio.create_task(link.probe_loop(self.probe_interval, self.probe_misses)))
         if self._active:
             await control.send(AwActivity(True))
         log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
@@ -204,6 +278,23 @@ class ForwardingEngine:
         w = weights.reshape(-1)[order].to(x.dtype)  # [R]
         return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
 
+    async def _plan(self, layer: int, experts: list[int]) -> dict[str, list[int]]:
+        """EW -> the experts of `layer` it serves now (first live replica); waits, bounded, for
+        experts that have no live copy."""
+        assert self.table is not None
+        while True:
+            for e in experts:
+                if self.table.primary(layer, e, self.dead) is None:
+                    await self._wait_for_replica(layer, e)
+            plan: dict[str, list[int]] = {}
+            for e in experts:
+                ew = self.table.primary(layer, e, self.dead)
+                if ew is None:  # another EW died while we waited: wait again
+                    break
+                plan.setdefault(ew, []).append(e)
+            else:
+                return plan
+
     async def _run_experts(self, layer: int, xs: torch.Tensor, spans: dict[int, tuple[int, int]], pad: bool) -> torch.Tensor:
         """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the first live replica of each
         expert. Calls to an EW that dies are replayed at once on the next replica in the table,
@@ -215,12 +306,7 @@ class ForwardingEngine:
         todo = sorted(spans)
         replay = False
         while True:
-            plan: dict[str, list[int]] = {}
-            for e in todo:
-                ew = self.table.primary(layer, e, self.dead)
-                if ew is None:
-                    raise PeerDeadError(f"layer {layer} expert {e}", "no live replica")
-                plan.setdefault(ew, []).append(e)
+            plan = await self._plan(layer, todo)
             if pad and not replay:
                 for ew in self.table.expert_workers:
                     if ew not in self.dead:
@@ -237,7 +323,7 @@ class ForwardingEngine:
                 if isinstance(res, PeerDeadError):
                     if ew not in self.dead:
                         log.warning("%s is dead (%s); replaying its calls on the next replicas", ew, res)
-                        self.dead.add(ew)
+                        self._declare_dead(ew, str(res))
                     failed.extend(plan[ew])
                 elif isinstance(res, BaseException):
                     raise res

@@ -26,7 +26,8 @@ from fabric.config import AttentionWorkerConfig
 from fabric.control_link import OrchestratorLink
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
-from fabric.messages.control import Register, RoutingUpdate, WorkerReady, WorkerStats
+from fabric.messages.control import PeerAlive, PeerFailed, Register, RoutingUpdate, WorkerReady, WorkerStats
+from fabric.messages.expert import Ping, Pong
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
 from fabric.process import fatal_on_error, mark_failed
@@ -48,7 +49,6 @@ class AttentionWorker:
         self.runner: ModelRunner | None = None
         self.weights: AttentionWeights | None = None
         self.work = asyncio.Event()
-        self.new_table: RoutingTable | None = None
         self.steps = 0
         self.tokens_out = 0
 
@@ -63,6 +63,8 @@ class AttentionWorker:
                 elif isinstance(msg, Abort):
                     self.scheduler.remove(msg.request_id)
                     mine.discard(msg.request_id)
+                elif isinstance(msg, Ping):  # the gateway's liveness probe
+                    await conn.send(Pong(msg.nonce))
                 else:
                     raise ProtocolError(f"unexpected {msg.kind} from a client")
         finally:
@@ -88,9 +90,7 @@ class AttentionWorker:
     async def main_loop(self, stop: asyncio.Event) -> None:
         assert self.refe is not None and self.runner is not None
         while not stop.is_set():
-            if self.new_table is not None:
-                table, self.new_table = self.new_table, None
-                await self.refe.apply_table(table)
+            await self.refe.apply_next_table()  # a new routing table takes effect between steps
             if not self.scheduler.has_work:
                 self.work.clear()  # before the await below, so a submit arriving during it is kept
                 await self.refe.set_active(False)
@@ -153,7 +153,9 @@ class AttentionWorker:
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
             "outstanding_work": self.scheduler.outstanding_work(),
             "replays": self.refe.replays if self.refe else 0,
+            "expert_waits": self.refe.expert_waits if self.refe else 0,
             "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
+            "suspected_at": dict(self.refe.suspected_at) if self.refe else {},
             "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
             "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
         }
@@ -176,12 +178,24 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
     link = OrchestratorLink(*cfg.orchestrator_addr)
     info = {"transport": aw.transport.name, "kv_blocks": aw.kv.blocks.num_blocks, "block_size": cfg.block_size}
     wid = await link.connect(Register("attention", os.getpid(), cfg.host, listener.port, info))
-    aw.refe = ForwardingEngine(wid, aw.transport, cfg.probe_interval_ms / 1000, cfg.probe_misses)
+    reports: set[asyncio.Task[None]] = set()
+
+    def report_dead(ew_id: str, reason: str) -> None:
+        task = asyncio.create_task(_send_quietly(link, PeerFailed(ew_id, reason)))
+        reports.add(task)
+        task.add_done_callback(reports.discard)
+
+    aw.refe = ForwardingEngine(wid, aw.transport, cfg.probe_interval_ms / 1000, cfg.probe_misses,
+                               cfg.expert_wait_s, report_dead)
     aw.runner = ModelRunner(aw.model, aw.weights, aw.kv, aw.refe)
     log.info("%s listening on %s:%d (%s, %d KV blocks)", wid, cfg.host, listener.port, aw.transport.name, aw.kv.blocks.num_blocks)
     loop_task: asyncio.Task[None] | None = None
     try:
         while (msg := await link.next_message(stop)) is not None:
+            if isinstance(msg, PeerAlive):
+                aw.refe.readmit(msg.worker_id)
+                aw.work.set()
+                continue
             if not isinstance(msg, RoutingUpdate) or not msg.table:
                 continue
             table = RoutingTable.from_dict(msg.table)
@@ -190,9 +204,8 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
                 await link.send(WorkerReady(table.epoch))
                 loop_task = asyncio.create_task(fatal_on_error(aw.main_loop(stop), stop))
                 asyncio.create_task(_report(aw, link))
-            elif aw.refe.table is None or table.epoch > aw.refe.table.epoch:
-                aw.new_table = table  # switched at the next step boundary
-                aw.work.set()
+            elif aw.refe.offer_table(table):
+                aw.work.set()  # switched at the next step boundary
         if link.closed.is_set() and not stop.is_set():
             log.error("%s lost the orchestrator; exiting", wid)
             mark_failed()
@@ -203,6 +216,13 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
         await listener.close()
         await aw.refe.close()
         await link.close()
+
+
+async def _send_quietly(link: OrchestratorLink, msg: PeerFailed) -> None:
+    try:
+        await link.send(msg)
+    except PeerDeadError:
+        pass
 
 
 async def _report(aw: AttentionWorker, link: OrchestratorLink) -> None:

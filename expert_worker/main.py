@@ -20,7 +20,7 @@ from expert_worker.gather import PendingCall, make_policy
 from fabric.config import ExpertWorkerConfig
 from fabric.control_link import OrchestratorLink
 from fabric.errors import PeerDeadError, ProtocolError
-from fabric.messages.control import AssignExperts, Register, WorkerReady, WorkerStats
+from fabric.messages.control import AssignExperts, Register, RoutingUpdate, WorkerReady, WorkerStats
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.process import fatal_on_error, mark_failed
@@ -42,16 +42,44 @@ class ExpertWorker:
         self.wakeup = asyncio.Event()
         self.batches = 0
         self.compute_s = 0.0  # cumulative time running experts (for stats)
+        self.epoch = 0  # newest routing-table epoch seen (from the orchestrator or on a call)
+        self.stale_calls = 0  # calls tagged with an older epoch: still served (we host the expert)
+        self.fenced: set[str] = set()  # AWs the orchestrator declared dead: never waited for, never served
+        self.conns: dict[str, list[Connection]] = {}
 
     # -- connection handlers ------------------------------------------------------------------
     async def handle(self, conn: Connection) -> None:
         hello = await conn.recv()
         if not isinstance(hello, Hello) or hello.channel not in ("control", "data"):
             raise ProtocolError(f"expected hello, got {hello.kind}")
-        if hello.channel == "control":
-            await self._control_loop(hello.aw_id, conn)
-        else:
-            await self._data_loop(hello.aw_id, conn)
+        if hello.aw_id in self.fenced:
+            raise ProtocolError(f"{hello.aw_id} was declared dead")
+        self.conns.setdefault(hello.aw_id, []).append(conn)
+        try:
+            if hello.channel == "control":
+                await self._control_loop(hello.aw_id, conn)
+            else:
+                await self._data_loop(hello.aw_id, conn)
+        finally:
+            conns = self.conns.get(hello.aw_id, [])
+            if conn in conns:
+                conns.remove(conn)
+
+    async def routing_update(self, epoch: int, dead: list[str]) -> None:
+        """From the orchestrator: the newest epoch, and the workers it declared dead. An EW never
+        waits for a dead AW (Tarragon §5.2): it leaves the gather set at once, its pending calls
+        are dropped and its connections closed (a hung AW that wakes up is not served)."""
+        self.epoch = max(self.epoch, epoch)
+        newly = [w for w in dead if w not in self.fenced and w.startswith("aw-")]
+        for aw_id in newly:
+            self.fenced.add(aw_id)
+            self.active_aws.discard(aw_id)
+            self.pending = [p for p in self.pending if p.aw_id != aw_id]
+            for conn in self.conns.pop(aw_id, []):
+                await conn.close()
+            log.info("%s declared dead: no longer waited for", aw_id)
+        if newly:
+            self.wakeup.set()
 
     async def _control_loop(self, aw_id: str, conn: Connection) -> None:
         try:
@@ -74,6 +102,9 @@ class ExpertWorker:
             if not isinstance(msg, ExpertCall):
                 raise ProtocolError(f"unexpected {msg.kind} on the data channel")
             self._validate(msg)
+            if msg.epoch < self.epoch:
+                self.stale_calls += 1  # routed by an older table: served all the same if hosted here
+            self.epoch = max(self.epoch, msg.epoch)
             missing = self.executor.missing(msg.layer, msg.experts)
             if missing:
                 await conn.send(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
@@ -124,7 +155,10 @@ class ExpertWorker:
         while True:
             await asyncio.sleep(1.0)
             tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
-            await link.send(WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3), "tokens_by_expert": tokens}))
+            await link.send(WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3),
+                                         "epoch": self.epoch, "stale_calls": self.stale_calls,
+                                         "expert_mib": round(self.executor.bytes_loaded / 2**20, 1),
+                                         "tokens_by_expert": tokens}))
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
@@ -145,6 +179,8 @@ async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
                 log.info("%s loaded %d experts (%.1f MiB) in %.2fs", wid, len(units), ew.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
                 await link.send(WorkerReady(0))
                 tasks.append(asyncio.create_task(ew.report_stats(link)))
+            elif isinstance(msg, RoutingUpdate):
+                await ew.routing_update(int(msg.table.get("epoch", 0)) if msg.table else 0, msg.dead)
         if link.closed.is_set() and not stop.is_set():
             log.error("%s lost the orchestrator; exiting", wid)
             mark_failed()

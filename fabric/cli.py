@@ -38,6 +38,12 @@ def _gateway_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="how the gateway picks an attention worker")
 
 
+def _probe_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--probe-interval-ms", type=float, default=10.0,
+                   help=f"probe {what} that is silent with work in flight this often (0: no probes)")
+    p.add_argument("--probe-misses", type=int, default=3, help="unanswered probes before the peer is declared dead")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-fabric", description="Resilient serving fabric for MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     _gateway_policy_flags(s)
     s.add_argument("--ready-timeout", type=float, default=300.0)
+    s.add_argument("--provisioner", choices=["local", "none"], default="local",
+                   help="start a replacement process for every worker that dies (none: don't)")
+    _probe_flags(s, "EW and AW links")
 
     o = sub.add_parser("orchestrator", help="run the orchestrator")
     o.add_argument("--model", required=True)
@@ -64,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--port", type=int, default=0)
     o.add_argument("--port-file", default=None, help="write the bound port here once listening")
     o.add_argument("--shadows-per-expert", type=int, default=1, help="inactive copies of each expert on other EWs")
+    o.add_argument("--provisioner", choices=["none", "local"], default="none",
+                   help="local: start a replacement subprocess on this host for every dead worker")
+    o.add_argument("--spawn-attention-args", default="", metavar="ARGS",
+                   help="flags of `moe-fabric attention-worker` for replacements (one shell-quoted string)")
+    o.add_argument("--spawn-expert-args", default="", metavar="ARGS",
+                   help="flags of `moe-fabric expert-worker` for replacements (one shell-quoted string)")
+    o.add_argument("--spawn-log-dir", default=None, help="replacements' logs go here (default: stderr)")
+    o.add_argument("--max-replacements", type=int, default=16, help="crash-loop guard over the cluster's life")
+    o.add_argument("--confirm-timeout-ms", type=float, default=250.0,
+                   help="a worker a peer reports dead is declared dead unless it answers the orchestrator within this")
     o.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     g = sub.add_parser("gateway", help="run the HTTP gateway")
@@ -75,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     _gateway_policy_flags(g)
+    _probe_flags(g, "an AW link")
     g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     a = sub.add_parser("attention-worker", help="run one attention worker")
@@ -83,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kv-cache-mib", type=int, default=256)
     a.add_argument("--max-batch-tokens", type=int, default=512)
     a.add_argument("--max-running", type=int, default=64)
-    a.add_argument("--probe-interval-ms", type=float, default=10.0, help="probe a silent EW link this often")
-    a.add_argument("--probe-misses", type=int, default=3, help="unanswered probes before an EW is declared dead")
+    _probe_flags(a, "an EW link")
+    a.add_argument("--expert-wait-s", type=float, default=30.0,
+                   help="how long a step waits for a replacement when every copy of an expert is gone")
 
     e = sub.add_parser("expert-worker", help="run one expert worker")
     _worker_flags(e)

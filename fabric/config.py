@@ -15,6 +15,11 @@ def parse_hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _check_probes(interval_ms: float, misses: int) -> None:
+    if interval_ms < 0 or misses < 1:
+        raise ConfigError("probe_interval_ms must be >= 0 (0 turns probing off) and probe_misses >= 1")
+
+
 def _check_port(port: int, name: str) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
@@ -75,15 +80,17 @@ class AttentionWorkerConfig(WorkerConfig):
     kv_cache_mib: int = 256
     max_batch_tokens: int = 512  # token budget of one step (chunked prefill + decodes)
     max_running: int = 64
-    probe_interval_ms: float = 10.0  # a silent EW link with calls in flight is probed this often
+    probe_interval_ms: float = 10.0  # a silent EW link with calls in flight is probed this often (0: off)
     probe_misses: int = 3  # unanswered probes before the EW is declared dead
+    expert_wait_s: float = 30.0  # how long a step waits for a replacement when every copy of an expert is gone
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
-        if self.probe_interval_ms <= 0 or self.probe_misses < 1:
-            raise ConfigError("probe_interval_ms must be > 0 and probe_misses >= 1")
+        _check_probes(self.probe_interval_ms, self.probe_misses)
+        if self.expert_wait_s < 0:
+            raise ConfigError("expert_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,12 @@ class GatewayConfig(RoleConfig):
     max_waiting: int = 512  # requests waiting for their first token before new ones get 429
     drain_timeout: float = 30.0
     routing: str = "least-work"  # or "round-robin"
+    probe_interval_ms: float = 10.0  # an AW with requests in flight and a silent link is probed this often (0: off)
+    probe_misses: int = 3  # unanswered probes before the AW is declared dead
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_probes(self.probe_interval_ms, self.probe_misses)
         if self.max_body_bytes < 1024 or self.max_waiting < 1 or self.drain_timeout < 0:
             raise ConfigError("max_body_bytes must be >= 1024, max_waiting >= 1 and drain_timeout >= 0")
         if self.routing not in ("least-work", "round-robin"):
@@ -114,6 +124,12 @@ class OrchestratorConfig:
     port: int = 0
     port_file: str | None = None
     shadows_per_expert: int = 1  # inactive copies of each expert on other EWs
+    provisioner: str = "none"  # "local": start a replacement subprocess for every dead worker
+    spawn_attention_args: str = ""  # `moe-fabric attention-worker` flags for replacements (shell words)
+    spawn_expert_args: str = ""  # `moe-fabric expert-worker` flags for replacements (shell words)
+    spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
+    max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
+    confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:
@@ -122,6 +138,10 @@ class OrchestratorConfig:
             raise ConfigError("the cluster needs at least one expert worker")
         if self.shadows_per_expert < 0:
             raise ConfigError("shadows_per_expert must be >= 0")
+        if self.provisioner not in ("none", "local"):
+            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
+        if self.max_replacements < 0 or self.confirm_timeout_ms <= 0:
+            raise ConfigError("max_replacements must be >= 0 and confirm_timeout_ms > 0")
 
 
 @dataclass(frozen=True)
@@ -142,9 +162,15 @@ class ServeConfig:
     drain_timeout: float = 30.0
     routing: str = "least-work"
     ready_timeout: float = 300.0
+    provisioner: str = "local"  # replace dead workers ("none": don't)
+    probe_interval_ms: float = 10.0  # AW->EW and gateway->AW liveness probes (0: off)
+    probe_misses: int = 3
 
     def __post_init__(self) -> None:
         if self.attention_workers < 1 or self.expert_workers < 1:
             raise ConfigError("serve needs at least one attention worker and one expert worker")
+        if self.provisioner not in ("none", "local"):
+            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
+        _check_probes(self.probe_interval_ms, self.probe_misses)
         _check_port(self.port, "port")
         _check_port(self.orchestrator_port, "orchestrator_port")

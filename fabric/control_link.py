@@ -13,7 +13,7 @@ import aiohttp
 
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
-from fabric.messages.control import Register, Registered
+from fabric.messages.control import LinkProbe, LinkProbeReply, Register, Registered
 from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,11 @@ class OrchestratorLink:
     async def _read_loop(self) -> None:
         try:
             while True:
-                self.inbox.put_nowait(await self._receive_one())
+                msg = await self._receive_one()
+                if isinstance(msg, LinkProbe):  # answered here, whatever the main loop is doing
+                    await self.send(LinkProbeReply(msg.nonce))
+                    continue
+                self.inbox.put_nowait(msg)
         except (PeerDeadError, ProtocolError, aiohttp.ClientError) as exc:
             log.warning("orchestrator link lost: %s", exc)
         finally:

@@ -42,3 +42,10 @@ class RequestError(FabricError):
     """A single request cannot be served (bad parameters, too long); the request fails, not the process."""
 
     recoverable = True
+
+
+class ExpertsUnavailableError(FabricError):
+    """Every copy of a logical expert is gone and no replacement joined within the bound; the
+    requests of that step end with an in-band error, the process keeps serving."""
+
+    recoverable = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from fabric.config import ServeConfig
 from fabric.errors import FabricError
@@ -61,8 +63,9 @@ class Fabric:
         self.orchestrator_port = 0
         self.port = cfg.port
 
-    def _spawn(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "fabric.cli", role, *args, "--parent-pid", str(os.getpid()), *self.extra.get(role, [])]
+    def _spawn(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None, extra: bool = True) -> None:
+        cmd = [sys.executable, "-m", "fabric.cli", role, *args, "--parent-pid", str(os.getpid()),
+               *(self.extra.get(role, []) if extra else [])]
         out = open(Path(self.log_dir) / f"{name}.log", "wb") if self.log_dir else None  # noqa: SIM115
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
         # the roles in order (gateway drains first, orchestrator last).
@@ -75,14 +78,30 @@ class Fabric:
             if proc.poll() is not None:
                 raise FabricError(f"{name} exited with code {proc.returncode} during start-up")
 
+    def role_args(self) -> dict[str, list[str]]:
+        """Each worker role's flags, less `--orchestrator` (the orchestrator's port is not known yet;
+        its provisioner adds it when it starts a replacement)."""
+        cfg = self.cfg
+        common = ["--model", self.model, "--host", cfg.host, "--transport", self.transport,
+                  *(["--dtype", cfg.dtype] if cfg.dtype else [])]
+        probes = ["--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses)]
+        return {
+            "expert-worker": [*common, "--gather", cfg.gather, *self.extra.get("expert-worker", [])],
+            "attention-worker": [*common, *probes, *self.extra.get("attention-worker", [])],
+        }
+
     def start(self) -> None:
         cfg = self.cfg
+        args = self.role_args()
         with tempfile.TemporaryDirectory() as tmp:
             port_file = Path(tmp) / "orchestrator.port"
             self._spawn("orchestrator", "orchestrator", [
                 "--model", self.model, "--expert-workers", str(cfg.expert_workers), "--host", cfg.host,
                 "--port", str(cfg.orchestrator_port), "--port-file", str(port_file),
-                "--shadows-per-expert", str(cfg.shadows_per_expert)])
+                "--shadows-per-expert", str(cfg.shadows_per_expert), "--provisioner", cfg.provisioner,
+                "--spawn-expert-args", shlex.join(args["expert-worker"]),
+                "--spawn-attention-args", shlex.join(args["attention-worker"]),
+                *(["--spawn-log-dir", self.log_dir] if self.log_dir else [])])
             deadline = time.monotonic() + 60
             while not port_file.exists():
                 self._check_children()
@@ -90,17 +109,16 @@ class Fabric:
                     raise FabricError("the orchestrator did not start within 60s")
                 time.sleep(0.05)
             self.orchestrator_port = int(port_file.read_text())
-        orch = f"{cfg.host}:{self.orchestrator_port}"
-        common = ["--model", self.model, "--orchestrator", orch, "--host", cfg.host, "--transport", self.transport]
-        dtype = ["--dtype", cfg.dtype] if cfg.dtype else []
+        orch = ["--orchestrator", f"{cfg.host}:{self.orchestrator_port}"]
         for i in range(cfg.expert_workers):
-            self._spawn(f"expert-worker-{i}", "expert-worker", [*common, *dtype, "--gather", cfg.gather])
+            self._spawn(f"expert-worker-{i}", "expert-worker", [*args["expert-worker"], *orch], extra=False)
         for i in range(cfg.attention_workers):
-            self._spawn(f"attention-worker-{i}", "attention-worker", [*common, *dtype])
+            self._spawn(f"attention-worker-{i}", "attention-worker", [*args["attention-worker"], *orch], extra=False)
         name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
-        policy = ["--max-waiting", str(cfg.max_waiting), "--drain-timeout", str(cfg.drain_timeout), "--routing", cfg.routing]
+        policy = ["--max-waiting", str(cfg.max_waiting), "--drain-timeout", str(cfg.drain_timeout), "--routing", cfg.routing,
+                  "--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses)]
         key = {"MOE_FABRIC_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line: ps shows it
-        self._spawn("gateway", "gateway", [*common[:4], "--host", cfg.host, "--port", str(cfg.port),
+        self._spawn("gateway", "gateway", ["--model", self.model, *orch, "--host", cfg.host, "--port", str(cfg.port),
                                            "--transport", self.transport, *name, *policy], env=key)
 
     def _all_alive(self) -> bool:
@@ -128,9 +146,26 @@ class Fabric:
                 raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
             time.sleep(0.1)
 
+    def announce_shutdown(self) -> None:
+        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
+        if not self.orchestrator_port:
+            return
+        url = f"http://{self.cfg.host}:{self.orchestrator_port}/shutdown"
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=2).close()
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+
+    def cluster(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{self.cfg.host}:{self.orchestrator_port}/cluster", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
     def stop(self, grace: float = 10.0) -> None:
         """Idempotent. The gateway first (it drains its running requests), then the workers, then
-        the orchestrator, so no worker outlives the orchestrator it reports to; SIGKILL after `grace`."""
+        the orchestrator (which stops the replacements it started), so no worker outlives the
+        orchestrator it reports to; SIGKILL after `grace`."""
+        if any(p.poll() is None for n, p in self.procs if n == "orchestrator"):
+            self.announce_shutdown()
         gateway = [p for n, p in self.procs if n == "gateway"]
         workers = [p for n, p in self.procs if n not in ("gateway", "orchestrator")]
         orchestrator = [p for n, p in self.procs if n == "orchestrator"]

@@ -7,15 +7,22 @@ plus tokens still to decode, FailSafe §3.1), counted here from what this gatewa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
+from fabric.messages.expert import Ping, Pong
 from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger(__name__)
+
+
+MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
 
 
 @dataclass
@@ -44,6 +51,44 @@ class AwClient:
         self.conn = conn
         self.requests: dict[str, Pending] = {}
         self.reader: asyncio.Task[None] | None = None
+        self.prober: asyncio.Task[None] | None = None
+        self.last_heard = time.monotonic()
+        self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
+        self.dead_reason: str | None = None
+
+    def _heard(self) -> None:
+        now = time.monotonic()
+        if self.requests:
+            g = now - self.last_heard
+            self.gap = g if not self.gap else 0.875 * self.gap + 0.125 * g
+        self.last_heard = now
+
+    async def probe_loop(self, interval: float, misses: int, on_dead: Callable[[AwClient, str], None]) -> None:
+        """A hung AW (SIGSTOP) keeps its connection open: while requests are in flight and the link
+        has been silent for `interval`, ping; after `misses` unanswered probes and a silence over 5x
+        the usual gap between its messages and over `MIN_SILENCE` (a busy AW answers between
+        layers, but its first step warms torch up, and on a loaded host it may not be scheduled for
+        a while), the AW is declared dead and its requests resume elsewhere. A false verdict
+        costs a re-prefill of its requests, not tokens."""
+        sent = 0
+        nonce = itertools.count(1)
+        while not self.conn.closed:
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self.last_heard
+            if not self.requests or silent < interval:
+                sent = 0
+                continue
+            if sent >= misses and silent > max(interval * (misses + 1), 5 * self.gap, MIN_SILENCE):
+                self.dead_reason = f"no answer to {sent} probes in {silent * 1e3:.0f} ms"
+                log.warning("%s is hung: %s", self.worker_id, self.dead_reason)
+                on_dead(self, self.dead_reason)
+                await self.conn.close()
+                return
+            try:
+                await self.conn.send(Ping(next(nonce)))
+            except PeerDeadError:
+                return
+            sent += 1
 
     @property
     def outstanding_work(self) -> int:
@@ -54,6 +99,9 @@ class AwClient:
         try:
             while True:
                 msg = await self.conn.recv()
+                self._heard()
+                if isinstance(msg, Pong):
+                    continue
                 if isinstance(msg, StepOutput):
                     for rid, token, finish, logprob, top in msg.outputs:
                         p = self.requests.get(rid)
@@ -68,7 +116,7 @@ class AwClient:
                     if p is not None:
                         p.queue.put_nowait(Event(error=msg.message, status=msg.status))
         except (PeerDeadError, ProtocolError) as exc:
-            reason = f"attention worker {self.worker_id} lost: {exc}"
+            reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
         finally:
             for p in self.requests.values():
                 p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
@@ -76,23 +124,39 @@ class AwClient:
 
 
 class AwPool:
-    def __init__(self, transport: Transport, routing: str = "least-work") -> None:
+    def __init__(self, transport: Transport, routing: str = "least-work", probe_interval: float = 0.01,
+                 probe_misses: int = 3, on_dead: Callable[[str, str], None] | None = None) -> None:
         if routing not in ("least-work", "round-robin"):
             raise ValueError(f"unknown routing policy {routing!r}")
         self.transport = transport
         self.routing = routing
+        self.probe_interval = probe_interval  # 0: no probes
+        self.probe_misses = probe_misses
+        self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
+        self.dead: set[str] = set()  # AWs this gateway found hung: never used again
         self._turn = 0
+
+    def _hung(self, client: AwClient, reason: str) -> None:
+        self.dead.add(client.worker_id)
+        if self.on_dead is not None:
+            self.on_dead(client.worker_id, reason)
 
     @property
     def ready(self) -> bool:
         return bool(self.clients)
 
     async def update(self, workers: list[dict[str, Any]]) -> None:
-        alive = {w["id"]: w for w in workers if w.get("role") == "attention" and w.get("state") == "alive"}
+        alive = {w["id"]: w for w in workers
+                 if w.get("role") == "attention" and w.get("state") == "alive" and w["id"] not in self.dead}
         for wid, w in alive.items():
-            if wid in self.clients:
+            old = self.clients.get(wid)
+            if old is not None and not old.conn.closed:
                 continue
+            if old is not None:  # closed by our probes, then vouched for by the orchestrator
+                if old.prober is not None:
+                    old.prober.cancel()
+                del self.clients[wid]
             try:
                 conn = await self.transport.connect(w["host"], int(w["port"]))
             except PeerDeadError as exc:
@@ -100,10 +164,14 @@ class AwPool:
                 continue
             client = AwClient(wid, conn)
             client.reader = asyncio.create_task(client.read_loop())
+            if self.probe_interval > 0:
+                client.prober = asyncio.create_task(client.probe_loop(self.probe_interval, self.probe_misses, self._hung))
             self.clients[wid] = client
             log.info("connected to %s at %s:%s", wid, w["host"], w["port"])
         for wid in [w for w in self.clients if w not in alive]:
             client = self.clients.pop(wid)
+            if client.prober is not None:
+                client.prober.cancel()
             await client.conn.close()
 
     def pick(self) -> AwClient:
@@ -135,6 +203,7 @@ class AwPool:
 
     async def close(self) -> None:
         for c in self.clients.values():
-            if c.reader is not None:
-                c.reader.cancel()
+            for task in (c.reader, c.prober):
+                if task is not None:
+                    task.cancel()
             await c.conn.close()

@@ -23,8 +23,9 @@ from aiohttp import web
 
 from fabric.config import GatewayConfig
 from fabric.control_link import OrchestratorLink
+from fabric.errors import PeerDeadError
 from fabric.messages.client import Submit
-from fabric.messages.control import Register, RoutingUpdate
+from fabric.messages.control import PeerAlive, PeerFailed, Register, RoutingUpdate
 from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
 from fabric.routing import RoutingTable
@@ -55,7 +56,10 @@ class Gateway:
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self.tokenizer = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate.from_model_dir(cfg.model)
-        self.pool = AwPool(make_transport(cfg.transport), cfg.routing)
+        self.pool = AwPool(make_transport(cfg.transport), cfg.routing, cfg.probe_interval_ms / 1000, cfg.probe_misses,
+                           self._report_dead)
+        self.link: OrchestratorLink | None = None
+        self._reports: set[asyncio.Task[None]] = set()
         self.metrics = Metrics()
         self.created = int(time.time())
         self.draining = False
@@ -64,6 +68,22 @@ class Gateway:
         self.idle.set()
         self.table: RoutingTable | None = None
         self.workers: list[dict[str, Any]] = []
+
+    def _report_dead(self, worker_id: str, reason: str) -> None:
+        """Tells the orchestrator (whose verdict is authoritative) that an AW is hung."""
+        if self.link is None:
+            return
+        link = self.link
+
+        async def send() -> None:
+            try:
+                await link.send(PeerFailed(worker_id, reason))
+            except PeerDeadError:
+                pass
+
+        task = asyncio.create_task(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
@@ -298,10 +318,14 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     port = runner.addresses[0][1]
     link = OrchestratorLink(*cfg.orchestrator_addr)
     wid = await link.connect(Register("gateway", os.getpid(), cfg.host, port, {"model": gw.model_name}))
+    gw.link = link
     log.info("%s serving http://%s:%d/v1 (model %s)", wid, cfg.host, port, gw.model_name)
     try:
         while (msg := await link.next_message(stop)) is not None:
-            if isinstance(msg, RoutingUpdate):
+            if isinstance(msg, PeerAlive):  # an AW our probes gave up on answers the orchestrator
+                gw.pool.dead.discard(msg.worker_id)
+                await gw.pool.update(gw.workers)
+            elif isinstance(msg, RoutingUpdate):
                 gw.workers = msg.workers
                 gw.table = RoutingTable.from_dict(msg.table) if msg.table else None
                 await gw.pool.update(msg.workers)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,10 +20,11 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def running_fabric(model: Path, tmp: Path, transport: str = "tcp", aws: int = 2, ews: int = 3,
-                   extra: dict[str, list[str]] | None = None) -> Iterator[Fabric]:
-    """Starts a real multi-process fabric on loopback; always stops every process it started."""
+                   extra: dict[str, list[str]] | None = None, **overrides: Any) -> Iterator[Fabric]:
+    """Starts a real multi-process fabric on loopback; always stops every process it started
+    (replacements included: they are the orchestrator's children)."""
     cfg = ServeConfig(model=str(model), attention_workers=aws, expert_workers=ews, transport=transport,
-                      port=free_port(), ready_timeout=180)
+                      port=free_port(), ready_timeout=180, **overrides)
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     fabric = Fabric(cfg, extra_args=extra, log_dir=str(logs))

@@ -5,60 +5,12 @@ without the failure."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
-from fabric.launcher import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import get_json, iter_stream
-
-PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
-TOKENS = 120
-
-
-def kill_mid_decode(fabric: Fabric, victim_name: str, sig: signal.Signals = signal.SIGINT) -> tuple[list[list[int]], list[list[int]], int]:
-    """Runs the streams once without failure, then again while sending `sig` (SIGINT by default)
-    to `victim_name` once tokens flow. Returns (reference, outputs under failure, victim pid)."""
-    base = f"http://127.0.0.1:{fabric.port}/v1/completions"
-    body = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
-    received = [0]
-
-    def run_all(decoding: threading.Event | None = None) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in PROMPTS]
-
-        def one(i: int) -> None:
-            for ev in iter_stream(base, {**body, "prompt": PROMPTS[i]}):
-                assert "error" not in ev, ev
-                out[i].extend(ev["choices"][0]["token_ids"])
-                received[0] += 1
-                if decoding is not None and received[0] >= 4 * len(PROMPTS):
-                    decoding.set()  # every stream is, on average, a few tokens into its decode
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return out
-
-    reference = run_all()
-    assert all(len(r) == TOKENS for r in reference)
-    victim = next(p for name, p in fabric.procs if name == victim_name)
-    received[0] = 0
-    started = threading.Event()
-    result: list[list[list[int]]] = []
-    runner = threading.Thread(target=lambda: result.append(run_all(started)))
-    runner.start()
-    assert started.wait(60)
-    victim.send_signal(sig)
-    at_kill = received[0]
-    runner.join(180)
-    assert at_kill < len(PROMPTS) * TOKENS, "the streams ended before the kill"
-    assert result
-    if sig == signal.SIGINT:
-        victim.wait(10)
-    return reference, result[0], victim.pid
+from tests.helpers import get_json
+from tests.load import kill_mid_decode
 
 
 def test_attention_worker_death_resumes_every_stream(hf_models: dict[str, Path], tmp_path: Path) -> None:
@@ -79,7 +31,7 @@ def test_expert_worker_death_loses_nothing(hf_models: dict[str, Path], tmp_path:
         assert outputs == reference  # nothing lost, nothing repeated, same tokens
         after = get_json(cluster_url)
         dead = [w for w in after["workers"] if w["pid"] == pid]
-        assert dead[0]["state"] == "dead" and after["epoch"] == 2
+        assert dead[0]["state"] == "dead" and after["epoch"] >= 2  # 2: shadows promoted; 3: replacement joined
         assert all(dead[0]["id"] not in ews and ews for _, _, ews in after["routing"]["replicas"])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # AW stats reach the orchestrator once a second
@@ -103,3 +55,6 @@ def test_hung_expert_worker_is_detected_by_probes(hf_models: dict[str, Path], tm
             victim.send_signal(signal.SIGCONT)
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("attention-worker-*.log"))
         assert "no answer to" in logs  # declared dead by probes, not by a closed connection
+        orch = (tmp_path / "logs" / "orchestrator.log").read_text()
+        # The orchestrator confirmed the report (its own probe went unanswered) and fenced the EW.
+        assert "died (reported by aw-" in orch and "but it answers" not in orch

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -22,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fabric.config import ServeConfig
 from fabric.errors import ConfigError, FabricError
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default 4)")
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: C streams always in flight")
+    p.add_argument("--signal", choices=["INT", "KILL", "STOP"], default="INT",
+                   help="what the victim gets: SIGINT (the paper's), SIGKILL, or SIGSTOP (a hung process, found by probes)")
     p.add_argument("--mode", choices=["fabric", "restart-all"], default="fabric")
     p.add_argument("--out", default=None, help="default: results/failover-<role>-<mode>")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the cached demo model)")
@@ -62,7 +65,8 @@ class Experiment:
         port = free_port()
         # drain_timeout 0: a full restart does not wait for running requests.
         self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport="tcp",
-                               expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180)
+                               expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180,
+                               provisioner="none" if args.mode == "restart-all" else "local")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
         # The fresh fabric of restart-all is spawned from this thread, which lives as long as the
@@ -133,7 +137,26 @@ def scan_logs(out: Path) -> list[str]:
     return notes
 
 
-def report(exp: Experiment, ref: Run, fail: Run) -> int:
+def detection(exp: Experiment, fail: Run, cluster: dict[str, Any] | None) -> dict[str, float | None]:
+    """From the orchestrator's authoritative view: when the victim was declared dead and when its
+    replacement was ready, in seconds after the kill (wall clocks of one host)."""
+    out: dict[str, float | None] = {"detected_s": None, "replacement_ready_s": None}
+    if cluster is None or fail.kill_wall is None:
+        return out
+    victim = next((w for w in cluster["workers"] if w["pid"] == fail.victim_pid), None)
+    if victim is None or victim["state"] != "dead":
+        return out
+    out["detected_s"] = victim["state_since"] - fail.kill_wall
+    new = next((w for w in cluster["workers"] if w["info"].get("replaces") == victim["id"] and w["state"] == "alive"), None)
+    if new is None and victim["role"] == "attention":  # AWs take no slot; the AW that registered after the kill
+        new = next((w for w in cluster["workers"] if w["role"] == "attention" and w["state"] == "alive"
+                    and w["registered_at"] > fail.kill_wall), None)
+    if new is not None:
+        out["replacement_ready_s"] = new["state_since"] - fail.kill_wall
+    return out
+
+
+def report(exp: Experiment, ref: Run, fail: Run, cluster: dict[str, Any] | None = None) -> int:
     args, kill = exp.args, fail.kill
     assert kill is not None
     times = [s.times for s in fail.streams]
@@ -145,12 +168,14 @@ def report(exp: Experiment, ref: Run, fail: Run) -> int:
     reference = {s.index: s.tokens for s in ref.streams}
     differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
     gone = lost(fail, args.tokens)
+    found = detection(exp, fail, cluster)
     metrics = {"kill_at_s": kill, "new_fabric_ready_s": fail.ready, "stall_s": stall,
                "time_to_first_success_s": tfs, "baseline_tok_s": baseline,
                "time_to_90pct_throughput_s": ttp, "requests": len(fail.streams), "requests_lost": len(gone),
                "lost": gone, "outputs_equal": not differ, "differing": differ,
                "resubmitted": sum(1 for s in fail.streams if s.attempts > 1),
-               "output_tokens": sum(len(t) for t in times), "reference_requests": len(ref.streams)}
+               "output_tokens": sum(len(t) for t in times), "reference_requests": len(ref.streams),
+               **found}
     notes = scan_logs(exp.out)
     config = {**vars(args), "model": exp.model, "out": str(exp.out), "victim": VICTIMS[args.role],
               "victim_pid": fail.victim_pid, "load": f"closed loop C={args.concurrency}" if args.concurrency
@@ -166,10 +191,12 @@ def report(exp: Experiment, ref: Run, fail: Run) -> int:
     def f(x: float | None, unit: str = " s", sign: str = "") -> str:
         return "never" if x is None else f"{sign}{x:.2f}{unit}"
 
-    summary = (f"failover role={args.role} mode={args.mode}: stall {f(stall)}, first success "
+    detected = found["detected_s"]
+    summary = (f"failover role={args.role} signal={args.signal} mode={args.mode}: stall {f(stall)}, first success "
                f"{f(tfs, sign='+')}, back to 90% throughput {f(ttp, sign='+')}, "
-               f"lost {len(gone)}, outputs equal to failure-free run: {'yes' if not differ else 'no'}")
-    tl.plot_timeline(exp.out / "timeline.png", gaps, series, kill, f"SIGINT {VICTIMS[args.role]}",
+               + (f"declared dead {f(detected, sign='+')}, " if args.mode == "fabric" else "")
+               + f"lost {len(gone)}, outputs equal to failure-free run: {'yes' if not differ else 'no'}")
+    tl.plot_timeline(exp.out / "timeline.png", gaps, series, kill, f"SIG{args.signal} {VICTIMS[args.role]}",
                      summary.replace(": ", ":\n", 1), ready=fail.ready, reference=ref_series)
     for note in notes:
         say(f"log: {note}")
@@ -211,9 +238,14 @@ def run(args: argparse.Namespace) -> int:
         say(f"reference run: {len(ref.streams)} requests complete")
         fail = Run(exp, "failure run", limit=len(ref.streams) if args.concurrency else None, kill_at=args.at)
         asyncio.run(fail.run())
+        cluster = None
+        if args.mode == "fabric":
+            cluster = exp.fabric.cluster()
+            if args.signal == "STOP" and fail.victim_pid:
+                os.kill(fail.victim_pid, signal.SIGCONT)  # fenced: it exits once woken
         say(f"failure run: {len(fail.streams)} requests; stopping the fabric")
         exp.stop_all()
-        return report(exp, ref, fail)
+        return report(exp, ref, fail, cluster)
     except KeyboardInterrupt:
         print("[failover] interrupted; stopping every process", file=sys.stderr, flush=True)
         return 130

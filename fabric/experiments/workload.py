@@ -49,6 +49,7 @@ class Run:
         self.kill: float | None = None
         self.ready: float | None = None
         self.victim_pid: int | None = None
+        self.kill_wall: float | None = None  # time.time() of the kill, to compare with the orchestrator's clock
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -110,9 +111,10 @@ class Run:
         await asyncio.sleep(max(0.0, at - self.now()))
         name = VICTIMS[self.exp.args.role]
         victim = next(p for n, p in self.exp.fabric.procs if n == name)
-        victim.send_signal(signal.SIGINT)
-        self.kill, self.victim_pid = self.now(), victim.pid
-        say(f"{self.name}: t={self.kill:.2f} s SIGINT {name} (pid {victim.pid}), "
+        sig = signal.Signals[f"SIG{self.exp.args.signal}"]
+        victim.send_signal(sig)
+        self.kill, self.victim_pid, self.kill_wall = self.now(), victim.pid, time.time()
+        say(f"{self.name}: t={self.kill:.2f} s {sig.name} {name} (pid {victim.pid}), "
             f"{sum(len(s.tokens) for s in self.streams)} tokens so far")
         if self.exp.args.mode == "restart-all":
             self.up.clear()

@@ -47,11 +47,13 @@ class WorkerReady(Message):
 @register
 @dataclass
 class RoutingUpdate(Message):
-    """Orchestrator -> AWs and gateways: the Expert Routing Table at `epoch` and live workers."""
+    """Orchestrator -> every worker: the Expert Routing Table at `epoch`, the live workers and the
+    dead ones."""
 
     kind = "routing_update"
     table: dict[str, Any]
     workers: list[dict[str, Any]]
+    dead: list[str]  # workers declared dead (for good): peers fence them off, EWs stop waiting for them
 
 
 @register
@@ -61,3 +63,41 @@ class WorkerStats(Message):
 
     kind = "worker_stats"
     stats: dict[str, Any]
+
+
+@register
+@dataclass
+class PeerFailed(Message):
+    """Worker -> orchestrator: this worker found `worker_id` dead (closed link or unanswered probes).
+    The orchestrator's view is authoritative: it marks the peer dead, fences it off (closes its link,
+    so a hung process that wakes up exits) and publishes the next epoch."""
+
+    kind = "peer_failed"
+    worker_id: str
+    reason: str
+
+
+@register
+@dataclass
+class PeerAlive(Message):
+    """Orchestrator -> the worker that sent `PeerFailed`: the orchestrator's own probe found
+    `worker_id` answering, so it was not declared dead; the reporter may use it again."""
+
+    kind = "peer_alive"
+    worker_id: str
+
+
+@register
+@dataclass
+class LinkProbe(Message):
+    """Orchestrator -> worker: are you there? Answered by the worker's link reader at once."""
+
+    kind = "link_probe"
+    nonce: int
+
+
+@register
+@dataclass
+class LinkProbeReply(Message):
+    kind = "link_probe_reply"
+    nonce: int

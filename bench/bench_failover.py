@@ -1,0 +1,125 @@
+"""Failover figures: `moe-fabric experiment failover` several times per scenario on the `bench`
+demo model, medians in one table (the README's), and a bar plot of the stalls.
+
+Scenarios: an EW gets SIGINT (fabric), an AW gets SIGINT (fabric), an EW gets SIGSTOP (a hung
+process: found by probes; the detection time is the orchestrator's verdict), and an EW gets
+SIGINT with every process restarted (restart-all, the MegaScale-Infer-like baseline).
+
+    python bench/bench_failover.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fabric.model.demo import write_demo_model
+
+SCENARIOS: dict[str, list[str]] = {
+    "EW SIGINT, fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
+    "AW SIGINT, fabric": ["--role", "attention", "--signal", "INT", "--mode", "fabric"],
+    "EW SIGSTOP, fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
+    "EW SIGINT, restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
+}
+FIELDS = ["stall_s", "time_to_first_success_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s"]
+
+
+def med(vals: list[float | None]) -> float | None:
+    xs = [v for v in vals if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["scenario"] for r in rows]
+    stalls = [r["stall_s"] or 0.0 for r in rows]
+    ax.bar(range(len(rows)), stalls, color=["tab:blue" if "fabric" in n else "tab:red" for n in names])
+    for i, v in enumerate(stalls):
+        ax.text(i, v, f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s", ha="center", va="bottom")
+    ax.set_xticks(range(len(rows)), names, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("stall: largest token gap (s, median, log)")
+    ax.set_title("what one worker failure costs the streams (bench demo model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/failover"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenario names")
+    ap.add_argument("--workload", default="--concurrency 8 --duration 14 --at 6 --tokens 64 --prompt-len 16",
+                    help="flags passed to every experiment run")
+    args = ap.parse_args()
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    if not (args.model_dir / "config.json").exists():
+        print(f"writing the bench demo model to {args.model_dir} ...", flush=True)
+        write_demo_model(args.model_dir, arch="mixtral", size="bench")
+    chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SCENARIOS]
+    if unknown:
+        sys.exit(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    for rep in range(args.repeats):
+        for name in chosen:
+            out = args.out / f"{name.replace(' ', '').replace(',', '-')}-{rep}"
+            cmd = [sys.executable, "-m", "fabric.cli", "experiment", "failover", *SCENARIOS[name],
+                   "--model", str(args.model_dir), "--out", str(out), *shlex.split(args.workload)]
+            t = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+            print(f"[{rep + 1}/{args.repeats}] {name} ({time.perf_counter() - t:.0f} s, exit {proc.returncode}): "
+                  f"{summary}", flush=True)
+            if not (out / "results.json").exists():
+                print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
+                continue
+            runs[name].append(json.loads((out / "results.json").read_text())["metrics"])
+    rows = []
+    for name in chosen:
+        ms = runs[name]
+        row: dict[str, Any] = {"scenario": name, "runs": len(ms)}
+        for f in FIELDS:
+            row[f] = med([m.get(f) for m in ms])
+        row["lost"] = sum(m["requests_lost"] for m in ms)
+        row["requests"] = sum(m["requests"] for m in ms)
+        row["all_equal"] = all(m["outputs_equal"] for m in ms) and bool(ms)
+        rows.append(row)
+
+    def ms(x: float | None) -> str:
+        return "–" if x is None else (f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s")
+
+    print(f"\n`{command}`\n")
+    print("| scenario | runs | stall (median) | first token after kill | declared dead | replacement ready | "
+          "back to 90% tok/s | requests lost | outputs equal to failure-free run |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {r['runs']} | {ms(r['stall_s'])} | {ms(r['time_to_first_success_s'])} | "
+              f"{ms(r['detected_s'])} | {ms(r['replacement_ready_s'])} | {ms(r['time_to_90pct_throughput_s'])} | "
+              f"{r['lost']} of {r['requests']} | {'yes' if r['all_equal'] else 'no'} |")
+    fabric_ew = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT, fabric"), None)
+    restart = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT, restart-all"), None)
+    if fabric_ew and restart:
+        print(f"\nrestart-all stall / fabric EW stall: {restart / fabric_ew:.0f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps({"command": command, "rows": rows, "runs": runs}, indent=2) + "\n")
+    plot(rows, args.out / "failover_stalls.png")
+    print(f"wrote {args.out / 'summary.json'} and {args.out / 'failover_stalls.png'}")
+
+
+if __name__ == "__main__":
+    main()

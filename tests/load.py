@@ -1,0 +1,85 @@
+"""Load for failure tests: concurrent seeded streams, run once for reference and once while a
+worker gets a signal mid-decode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from fabric.launcher import Fabric
+from tests.helpers import iter_stream
+
+PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
+TOKENS = 120
+
+
+BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
+
+
+def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: threading.Event | None = None) -> list[list[int]]:
+    """One concurrent stream per prompt, seeded sampling; returns each stream's token ids.
+    `received[0]` counts tokens as they arrive; `decoding` is set once streams are a few tokens in."""
+    base = f"http://127.0.0.1:{fabric.port}/v1/completions"
+    count = received if received is not None else [0]
+    out: list[list[int]] = [[] for _ in PROMPTS]
+
+    def one(i: int) -> None:
+        for ev in iter_stream(base, {**BODY, "prompt": PROMPTS[i]}):
+            assert "error" not in ev, ev
+            out[i].extend(ev["choices"][0]["token_ids"])
+            count[0] += 1
+            if decoding is not None and count[0] >= 4 * len(PROMPTS):
+                decoding.set()  # every stream is, on average, a few tokens into its decode
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def kill_mid_decode(fabric: Fabric, victim: str | int, sig: signal.Signals = signal.SIGINT,
+                    reference: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]], int]:
+    """Runs the streams once without failure (unless `reference` is given), then again while
+    sending `sig` (SIGINT by default) to `victim` (a launcher child's name, or any pid, e.g. a
+    replacement's) once tokens flow. Returns (reference, outputs under failure, victim pid)."""
+    if reference is None:
+        reference = run_streams(fabric)
+    assert all(len(r) == TOKENS for r in reference)
+    pid = next(p.pid for name, p in fabric.procs if name == victim) if isinstance(victim, str) else victim
+    received = [0]
+    started = threading.Event()
+    result: list[list[list[int]]] = []
+    runner = threading.Thread(target=lambda: result.append(run_streams(fabric, received, started)))
+    runner.start()
+    assert started.wait(60)
+    os.kill(pid, sig)
+    at_kill = received[0]
+    runner.join(180)
+    assert at_kill < len(PROMPTS) * TOKENS, "the streams ended before the kill"
+    assert result
+    if sig in (signal.SIGINT, signal.SIGKILL):
+        wait_gone(pid, 10)
+    return reference, result[0], pid
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    """Waits until `pid` has exited (a zombie counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} is still running"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+
