@@ -139,6 +139,10 @@ class ForwardingEngine:
         self.dead: set[str] = set()  # EWs found dead; not used again unless the orchestrator vouches for them
         self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW found it dead
         self._readmit = False
+        self.sending = 0  # expert calls being written right now (the checkpoint lane waits for 0)
+        self.send_idle = asyncio.Event()
+        self.send_idle.set()
+        self.in_flight = 0  # expert calls sent and not yet answered (the link's idle gap)
         self.replays = 0
         self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
 
@@ -253,8 +257,19 @@ class ForwardingEngine:
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
-        await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
-        return await fut
+        self.sending += 1
+        self.send_idle.clear()
+        try:
+            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
+        finally:
+            self.sending -= 1
+            if not self.sending:
+                self.send_idle.set()
+        self.in_flight += 1
+        try:
+            return await fut
+        finally:
+            self.in_flight -= 1
 
     async def expert_io(self, layer: int, expert: int, tokens: torch.Tensor) -> torch.Tensor:
         """Tarragon's expert_io: tokens [N, D] through one logical expert -> [N, D], rerouted like

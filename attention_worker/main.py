@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from attention_worker.checkpointer import Checkpointer
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import ModelRunner
@@ -46,6 +47,7 @@ class AttentionWorker:
         self.kv = KVCache(self.model, cfg.block_size, cfg.kv_cache_mib << 20)
         self.scheduler = Scheduler(self.kv.blocks, cfg.max_batch_tokens, cfg.max_running)
         self.refe: ForwardingEngine | None = None
+        self.ckpt: Checkpointer | None = None
         self.runner: ModelRunner | None = None
         self.weights: AttentionWeights | None = None
         self.work = asyncio.Event()
@@ -61,7 +63,7 @@ class AttentionWorker:
                 if isinstance(msg, Submit):
                     await self._submit(msg, conn, mine)
                 elif isinstance(msg, Abort):
-                    self.scheduler.remove(msg.request_id)
+                    self._remove(msg.request_id)
                     mine.discard(msg.request_id)
                 elif isinstance(msg, Ping):  # the gateway's liveness probe
                     await conn.send(Pong(msg.nonce))
@@ -69,7 +71,7 @@ class AttentionWorker:
                     raise ProtocolError(f"unexpected {msg.kind} from a client")
         finally:
             for rid in mine:  # the gateway is gone: nobody can receive these tokens
-                self.scheduler.remove(rid)
+                self._remove(rid)
 
     async def _submit(self, msg: Submit, conn: Connection, mine: set[str]) -> None:
         try:
@@ -79,12 +81,36 @@ class AttentionWorker:
                 raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
             if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
                 raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
-            self.scheduler.add(Sequence.from_submit(msg, conn))
+            seq = Sequence.from_submit(msg, conn)
+            if msg.request_id in self.scheduler.by_id:
+                raise RequestError(f"request {msg.request_id} is already running here")
+            if msg.restore_from and self.ckpt is not None:
+                await self._restore(seq, msg.restore_from)
+            try:
+                self.scheduler.add(seq)
+            except RequestError:
+                self.kv.blocks.release(seq.block_table)
+                raise
         except RequestError as exc:
             await conn.send(RequestFailed(msg.request_id, str(exc), 400))
             return
         mine.add(msg.request_id)
         self.work.set()
+
+    async def _restore(self, seq: Sequence, owner: str) -> None:
+        """Per-request restoration (Tarragon §6.2): the KV `owner` checkpointed up to its committed
+        frontier goes straight into this AW's cache; only the tokens after it are recomputed. With
+        nothing stored (or no store), the request re-prefills (replay)."""
+        assert self.ckpt is not None
+        t0 = time.perf_counter()
+        try:
+            frontier, k, v = await self.ckpt.fetch(owner, seq.request_id, seq.num_tokens - 1)
+        except (PeerDeadError, TimeoutError) as exc:
+            log.warning("%s: no checkpoint to restore from (%s); replaying", seq.request_id, exc)
+            return
+        n = self.ckpt.restore_into(seq, frontier, k, v)
+        log.info("%s: restored %d of %d tokens from %s's checkpoint in %.1f ms; recomputing %d", seq.request_id, n,
+                 seq.num_tokens, owner, (time.perf_counter() - t0) * 1e3, seq.num_tokens - n)
 
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:
@@ -108,6 +134,9 @@ class AttentionWorker:
                 await self._fail_all(chunks, f"expert datapath failed: {exc}")
                 continue
             await self._emit(chunks, logits)
+            if self.ckpt is not None:
+                self.ckpt.step_done(self.scheduler.running)
+                await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 
     async def _emit(self, chunks: list[Any], logits: torch.Tensor) -> None:
         per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
@@ -127,7 +156,7 @@ class AttentionWorker:
             if reason is not None:
                 finished.append(seq.request_id)
         for rid in finished:
-            self.scheduler.remove(rid)
+            self._remove(rid)
         self.steps += 1
         self.tokens_out += row
         for conn, outputs in per_client.items():
@@ -136,10 +165,14 @@ class AttentionWorker:
             except PeerDeadError:
                 pass  # handle_client's cleanup drops its requests
 
+    def _remove(self, request_id: str) -> None:
+        if self.scheduler.remove(request_id) is not None and self.ckpt is not None:
+            self.ckpt.finished([request_id])
+
     async def _fail_all(self, chunks: list[Any], message: str) -> None:
         log.error("%s", message)
         for c in chunks:
-            self.scheduler.remove(c.seq.request_id)
+            self._remove(c.seq.request_id)
             try:
                 await c.seq.client.send(RequestFailed(c.seq.request_id, message, 503))
             except PeerDeadError:
@@ -156,6 +189,7 @@ class AttentionWorker:
             "expert_waits": self.refe.expert_waits if self.refe else 0,
             "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
             "suspected_at": dict(self.refe.suspected_at) if self.refe else {},
+            **(self.ckpt.stats() if self.ckpt else {}),
             "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
             "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
         }
@@ -188,6 +222,8 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
     aw.refe = ForwardingEngine(wid, aw.transport, cfg.probe_interval_ms / 1000, cfg.probe_misses,
                                cfg.expert_wait_s, report_dead)
     aw.runner = ModelRunner(aw.model, aw.weights, aw.kv, aw.refe)
+    aw.ckpt = Checkpointer(wid, aw.model, aw.kv, aw.refe, aw.transport, cfg.checkpoint, cfg.checkpoint_pause_every)
+    aw.runner.kv_sink = aw.ckpt.record_layer
     log.info("%s listening on %s:%d (%s, %d KV blocks)", wid, cfg.host, listener.port, aw.transport.name, aw.kv.blocks.num_blocks)
     loop_task: asyncio.Task[None] | None = None
     try:
@@ -196,7 +232,10 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
                 aw.refe.readmit(msg.worker_id)
                 aw.work.set()
                 continue
-            if not isinstance(msg, RoutingUpdate) or not msg.table:
+            if not isinstance(msg, RoutingUpdate):
+                continue
+            await _follow_store(aw, msg.workers)
+            if not msg.table:
                 continue
             table = RoutingTable.from_dict(msg.table)
             if loop_task is None:
@@ -215,7 +254,26 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
             loop_task.cancel()
         await listener.close()
         await aw.refe.close()
+        if aw.ckpt is not None:
+            await aw.ckpt.close_link()
         await link.close()
+
+
+async def _follow_store(aw: AttentionWorker, workers: list[dict[str, Any]]) -> None:
+    """Checkpoints go to the first live checkpoint store; a new one (a replacement) is connected
+    to, and gets the running requests' KV again."""
+    ckpt = aw.ckpt
+    if ckpt is None or ckpt.mode == "off":
+        return
+    stores = [w for w in workers if w.get("role") == "checkpoint_store" and w.get("state") == "alive"]
+    if ckpt.active and any(w["id"] == ckpt.store_id for w in stores):
+        return
+    for w in stores:
+        try:
+            await ckpt.connect(w["id"], w["host"], int(w["port"]), list(aw.scheduler.running))
+            return
+        except PeerDeadError as exc:
+            log.warning("cannot reach checkpoint store %s: %s", w["id"], exc)
 
 
 async def _send_quietly(link: OrchestratorLink, msg: PeerFailed) -> None:

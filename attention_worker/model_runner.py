@@ -9,6 +9,7 @@ yields to the loop while its expert calls are in flight.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class StepMeta:
     dec_mask: torch.Tensor  # [Bd, 1, 1, L] bool
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
     sample_rows: torch.Tensor  # [S]
+    spans: list[tuple[str, int, int]]  # (request, first token, tokens) per chunk, in row order
 
 
 class ModelRunner:
@@ -57,6 +59,9 @@ class ModelRunner:
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         self.expert_wait_s = 0.0  # wall time spent awaiting expert calls (cumulative, for stats)
         self.forward_s = 0.0
+        # Called with (layer, spans, k [T, K, d], v) once a layer's KV is in the cache: the
+        # checkpointer's async_update. It must return at once.
+        self.kv_sink: Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None] | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -103,7 +108,7 @@ class ModelRunner:
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
             torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills,
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(sample_rows, dtype=torch.long), [(c.seq.request_id, c.start, c.n) for c in chunks],
         )
 
     async def forward(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -144,6 +149,8 @@ class ModelRunner:
         kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
         kc[meta.slots] = k
         vc[meta.slots] = v
+        if self.kv_sink is not None:
+            self.kv_sink(i, meta.spans, k, v)
         out = torch.empty_like(q)  # [T, H, d]
         if meta.dec_rows.numel():
             qd = q[meta.dec_rows].unsqueeze(2)  # [Bd, H, 1, d]

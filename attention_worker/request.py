@@ -30,6 +30,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     logprobs: int = -1
+    replay_chunk: int = 0  # >0: emitted tokens being recomputed go at most this many per step
     client: Any = None  # the connection that receives this request's tokens
     status: Status = Status.WAITING
     num_computed: int = 0
@@ -40,7 +41,8 @@ class Sequence:
     def from_submit(cls, msg: Submit, client: Any) -> Sequence:
         return cls(
             msg.request_id, list(msg.prompt_ids), list(msg.output_ids), msg.max_tokens, msg.temperature,
-            msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, msg.logprobs, client,
+            msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, msg.logprobs,
+            msg.replay_chunk, client,
         )
 
     @property
@@ -50,6 +52,14 @@ class Sequence:
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def chunk_limit(self, n: int) -> int:
+        """`n` capped for sequential replay: the prompt in one go, emitted tokens `replay_chunk` a step."""
+        if not self.replay_chunk:
+            return n
+        if self.num_computed < len(self.prompt_ids):
+            return min(n, len(self.prompt_ids) - self.num_computed)
+        return min(n, self.replay_chunk)
 
     @property
     def remaining_work(self) -> int:

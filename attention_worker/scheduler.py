@@ -68,7 +68,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = seq.chunk_limit(min(seq.num_tokens - seq.num_computed, budget))
             while not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -79,7 +79,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = seq.chunk_limit(min(seq.num_tokens - seq.num_computed, budget))
             if not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 break
             self.waiting.popleft()

@@ -23,12 +23,12 @@ from typing import Any
 from fabric.model.demo import write_demo_model
 
 SCENARIOS: dict[str, list[str]] = {
-    "EW SIGINT, fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
-    "AW SIGINT, fabric": ["--role", "attention", "--signal", "INT", "--mode", "fabric"],
-    "EW SIGSTOP, fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
-    "EW SIGINT, restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
+    "EW SIGINT / fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
+    "AW SIGINT / fabric": ["--role", "attention", "--signal", "INT", "--mode", "fabric"],
+    "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
+    "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
 }
-FIELDS = ["stall_s", "time_to_first_success_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s"]
+FIELDS = ["stall_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s"]
 
 
 def med(vals: list[float | None]) -> float | None:
@@ -77,7 +77,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
     for rep in range(args.repeats):
         for name in chosen:
-            out = args.out / f"{name.replace(' ', '').replace(',', '-')}-{rep}"
+            out = args.out / f"{name.replace(' ', '').replace('/', '-')}-{rep}"
             cmd = [sys.executable, "-m", "fabric.cli", "experiment", "failover", *SCENARIOS[name],
                    "--model", str(args.model_dir), "--out", str(out), *shlex.split(args.workload)]
             t = time.perf_counter()
@@ -104,15 +104,15 @@ def main() -> None:
         return "–" if x is None else (f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s")
 
     print(f"\n`{command}`\n")
-    print("| scenario | runs | stall (median) | first token after kill | declared dead | replacement ready | "
-          "back to 90% tok/s | requests lost | outputs equal to failure-free run |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| scenario | runs | stall (median) | first token after kill | found dead by a peer | declared dead "
+          "(orchestrator) | replacement ready | back to 90% tok/s | requests lost | outputs equal to failure-free run |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['scenario']} | {r['runs']} | {ms(r['stall_s'])} | {ms(r['time_to_first_success_s'])} | "
-              f"{ms(r['detected_s'])} | {ms(r['replacement_ready_s'])} | {ms(r['time_to_90pct_throughput_s'])} | "
+              f"{ms(r['suspected_s'])} | {ms(r['detected_s'])} | {ms(r['replacement_ready_s'])} | {ms(r['time_to_90pct_throughput_s'])} | "
               f"{r['lost']} of {r['requests']} | {'yes' if r['all_equal'] else 'no'} |")
-    fabric_ew = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT, fabric"), None)
-    restart = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT, restart-all"), None)
+    fabric_ew = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / fabric"), None)
+    restart = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / restart-all"), None)
     if fabric_ew and restart:
         print(f"\nrestart-all stall / fabric EW stall: {restart / fabric_ew:.0f}x")
     args.out.mkdir(parents=True, exist_ok=True)

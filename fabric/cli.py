@@ -12,7 +12,14 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig, ServeConfig
+from fabric.config import (
+    AttentionWorkerConfig,
+    CheckpointStoreConfig,
+    ExpertWorkerConfig,
+    GatewayConfig,
+    OrchestratorConfig,
+    ServeConfig,
+)
 from fabric.errors import ConfigError, FabricError
 
 API_KEY_ENV = "MOE_FABRIC_API_KEY"
@@ -65,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--provisioner", choices=["local", "none"], default="local",
                    help="start a replacement process for every worker that dies (none: don't)")
     _probe_flags(s, "EW and AW links")
+    s.add_argument("--checkpoint-stores", type=int, default=1, help="KV checkpoint stores (0: AW deaths replay)")
+    s.add_argument("--checkpoint", choices=["incremental", "pause", "off"], default="incremental",
+                   help="how AWs checkpoint KV (pause: the stop-copy-resume baseline)")
+    s.add_argument("--resume", choices=["restore", "parallel", "sequential"], default="restore",
+                   help="how a dead AW's requests resume: from the checkpoint store, or by replay (baselines)")
 
     o = sub.add_parser("orchestrator", help="run the orchestrator")
     o.add_argument("--model", required=True)
@@ -79,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flags of `moe-fabric attention-worker` for replacements (one shell-quoted string)")
     o.add_argument("--spawn-expert-args", default="", metavar="ARGS",
                    help="flags of `moe-fabric expert-worker` for replacements (one shell-quoted string)")
+    o.add_argument("--spawn-store-args", default="", metavar="ARGS",
+                   help="flags of `moe-fabric checkpoint-store` for replacements (one shell-quoted string)")
     o.add_argument("--spawn-log-dir", default=None, help="replacements' logs go here (default: stderr)")
     o.add_argument("--max-replacements", type=int, default=16, help="crash-loop guard over the cluster's life")
     o.add_argument("--confirm-timeout-ms", type=float, default=250.0,
@@ -95,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     _gateway_policy_flags(g)
     _probe_flags(g, "an AW link")
+    g.add_argument("--resume", choices=["restore", "parallel", "sequential"], default="restore",
+                   help="how a dead AW's requests resume: from the checkpoint store, or by replay (baselines)")
     g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     a = sub.add_parser("attention-worker", help="run one attention worker")
@@ -106,12 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
     _probe_flags(a, "an EW link")
     a.add_argument("--expert-wait-s", type=float, default=30.0,
                    help="how long a step waits for a replacement when every copy of an expert is gone")
+    a.add_argument("--checkpoint", choices=["incremental", "pause", "off"], default="incremental",
+                   help="KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)")
+    a.add_argument("--checkpoint-pause-every", type=int, default=8, help="steps between full copies with --checkpoint pause")
 
     e = sub.add_parser("expert-worker", help="run one expert worker")
     _worker_flags(e)
     e.add_argument("--gather", choices=["sync", "threshold"], default="sync")
     e.add_argument("--min-batch-tokens", type=int, default=1)
     e.add_argument("--max-wait-ms", type=float, default=20.0)
+
+    c = sub.add_parser("checkpoint-store", help="run one KV checkpoint store")
+    c.add_argument("--model", required=True)
+    c.add_argument("--orchestrator", required=True, metavar="HOST:PORT")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on and to advertise")
+    c.add_argument("--port", type=int, default=0, help="0 = any free port")
+    c.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
+    c.add_argument("--bucket-mib", type=int, default=1024, help="host memory per attention worker")
+    c.add_argument("--orphan-ttl-s", type=float, default=60.0, help="keep a dead AW's checkpoints this long")
+    c.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     d = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
     d.add_argument("out")
@@ -177,6 +206,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gateway.main import serve as gw
 
         return _role("gateway", gw, GatewayConfig(**_fields(args)))
+    if cmd == "checkpoint-store":
+        from checkpoint_store.main import serve as store
+
+        return _role("checkpoint-store", store, CheckpointStoreConfig(**_fields(args)))
     if cmd == "attention-worker":
         from attention_worker.main import serve as aw
 

@@ -83,6 +83,8 @@ class AttentionWorkerConfig(WorkerConfig):
     probe_interval_ms: float = 10.0  # a silent EW link with calls in flight is probed this often (0: off)
     probe_misses: int = 3  # unanswered probes before the EW is declared dead
     expert_wait_s: float = 30.0  # how long a step waits for a replacement when every copy of an expert is gone
+    checkpoint: str = "incremental"  # KV checkpoints to the store: "incremental", "pause" (baseline) or "off"
+    checkpoint_pause_every: int = 8  # steps between full copies in "pause" mode
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +93,19 @@ class AttentionWorkerConfig(WorkerConfig):
         _check_probes(self.probe_interval_ms, self.probe_misses)
         if self.expert_wait_s < 0:
             raise ConfigError("expert_wait_s must be >= 0")
+        if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
+            raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointStoreConfig(RoleConfig):
+    bucket_mib: int = 1024  # host memory per AW bucket
+    orphan_ttl_s: float = 60.0  # a dead AW's bucket is dropped this long after its death
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bucket_mib < 1 or self.orphan_ttl_s < 0:
+            raise ConfigError("bucket_mib must be >= 1 and orphan_ttl_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -102,12 +117,15 @@ class GatewayConfig(RoleConfig):
     max_waiting: int = 512  # requests waiting for their first token before new ones get 429
     drain_timeout: float = 30.0
     routing: str = "least-work"  # or "round-robin"
+    resume: str = "restore"  # a dead AW's requests: "restore" from the store, or replay ("parallel", "sequential")
     probe_interval_ms: float = 10.0  # an AW with requests in flight and a silent link is probed this often (0: off)
     probe_misses: int = 3  # unanswered probes before the AW is declared dead
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_probes(self.probe_interval_ms, self.probe_misses)
+        if self.resume not in ("restore", "parallel", "sequential"):
+            raise ConfigError(f"unknown resume mode {self.resume!r}; choose restore, parallel or sequential")
         if self.max_body_bytes < 1024 or self.max_waiting < 1 or self.drain_timeout < 0:
             raise ConfigError("max_body_bytes must be >= 1024, max_waiting >= 1 and drain_timeout >= 0")
         if self.routing not in ("least-work", "round-robin"):
@@ -127,6 +145,7 @@ class OrchestratorConfig:
     provisioner: str = "none"  # "local": start a replacement subprocess for every dead worker
     spawn_attention_args: str = ""  # `moe-fabric attention-worker` flags for replacements (shell words)
     spawn_expert_args: str = ""  # `moe-fabric expert-worker` flags for replacements (shell words)
+    spawn_store_args: str = ""  # `moe-fabric checkpoint-store` flags for replacements (shell words)
     spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
     max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
     confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
@@ -163,6 +182,9 @@ class ServeConfig:
     routing: str = "least-work"
     ready_timeout: float = 300.0
     provisioner: str = "local"  # replace dead workers ("none": don't)
+    checkpoint_stores: int = 1  # KV checkpoint stores (0: none; AW deaths then replay)
+    checkpoint: str = "incremental"  # the AWs' checkpointing: incremental, pause (baseline) or off
+    resume: str = "restore"  # how a dead AW's requests resume: restore, or replay (parallel, sequential)
     probe_interval_ms: float = 10.0  # AW->EW and gateway->AW liveness probes (0: off)
     probe_misses: int = 3
 
@@ -172,5 +194,7 @@ class ServeConfig:
         if self.provisioner not in ("none", "local"):
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
         _check_probes(self.probe_interval_ms, self.probe_misses)
+        if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
+            raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
         _check_port(self.port, "port")
         _check_port(self.orchestrator_port, "orchestrator_port")

@@ -87,7 +87,9 @@ class Fabric:
         probes = ["--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses)]
         return {
             "expert-worker": [*common, "--gather", cfg.gather, *self.extra.get("expert-worker", [])],
-            "attention-worker": [*common, *probes, *self.extra.get("attention-worker", [])],
+            "attention-worker": [*common, *probes, "--checkpoint", cfg.checkpoint,
+                                 *self.extra.get("attention-worker", [])],
+            "checkpoint-store": [*common[:6], *self.extra.get("checkpoint-store", [])],
         }
 
     def start(self) -> None:
@@ -101,6 +103,7 @@ class Fabric:
                 "--shadows-per-expert", str(cfg.shadows_per_expert), "--provisioner", cfg.provisioner,
                 "--spawn-expert-args", shlex.join(args["expert-worker"]),
                 "--spawn-attention-args", shlex.join(args["attention-worker"]),
+                "--spawn-store-args", shlex.join(args["checkpoint-store"]),
                 *(["--spawn-log-dir", self.log_dir] if self.log_dir else [])])
             deadline = time.monotonic() + 60
             while not port_file.exists():
@@ -110,13 +113,16 @@ class Fabric:
                 time.sleep(0.05)
             self.orchestrator_port = int(port_file.read_text())
         orch = ["--orchestrator", f"{cfg.host}:{self.orchestrator_port}"]
+        for i in range(cfg.checkpoint_stores):
+            self._spawn(f"checkpoint-store-{i}", "checkpoint-store", [*args["checkpoint-store"], *orch], extra=False)
         for i in range(cfg.expert_workers):
             self._spawn(f"expert-worker-{i}", "expert-worker", [*args["expert-worker"], *orch], extra=False)
         for i in range(cfg.attention_workers):
             self._spawn(f"attention-worker-{i}", "attention-worker", [*args["attention-worker"], *orch], extra=False)
         name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         policy = ["--max-waiting", str(cfg.max_waiting), "--drain-timeout", str(cfg.drain_timeout), "--routing", cfg.routing,
-                  "--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses)]
+                  "--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses),
+                  "--resume", cfg.resume]
         key = {"MOE_FABRIC_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line: ps shows it
         self._spawn("gateway", "gateway", ["--model", self.model, *orch, "--host", cfg.host, "--port", str(cfg.port),
                                            "--transport", self.transport, *name, *policy], env=key)
@@ -126,7 +132,8 @@ class Fabric:
         with urllib.request.urlopen(url, timeout=2) as r:
             workers = json.loads(r.read())["workers"]
         alive = [w["role"] for w in workers if w["state"] == "alive"]
-        return alive.count("attention") == self.cfg.attention_workers and alive.count("expert") == self.cfg.expert_workers
+        return (alive.count("attention") == self.cfg.attention_workers and alive.count("expert") == self.cfg.expert_workers
+                and alive.count("checkpoint_store") >= self.cfg.checkpoint_stores)
 
     def wait_ready(self, timeout: float) -> None:
         """Ready: every worker registered and alive, and the gateway answers `GET /v1/models`."""

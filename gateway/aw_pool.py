@@ -135,6 +135,10 @@ class AwPool:
         self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
         self.dead: set[str] = set()  # AWs this gateway found hung: never used again
+        # How a dead AW's requests resume elsewhere: "restore" (from the checkpoint store, replay
+        # if it has nothing), "parallel" (replay: re-prefill prompt + emitted tokens) or
+        # "sequential" (replay, one emitted token per step; a baseline).
+        self.resume = "restore"
         self._turn = 0
 
     def _hung(self, client: AwClient, reason: str) -> None:

@@ -85,7 +85,11 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 # already emitted (the paper's parallel replay). Sampling depends only on (seed,
                 # token index), so the stream continues with exactly the next token.
                 choice.resumes += 1
-                choice.submit = dataclasses.replace(choice.submit, output_ids=list(choice.token_ids))
+                dead = choice.client.worker_id if choice.client is not None else ""
+                choice.submit = dataclasses.replace(
+                    choice.submit, output_ids=list(choice.token_ids),
+                    restore_from=dead if pool.resume == "restore" else "",
+                    replay_chunk=1 if pool.resume == "sequential" else 0)
                 log.warning("%s: %s; resuming after %d tokens", choice.request_id, ev.error, len(choice.token_ids))
                 try:
                     await start_choice(pool, choice)

@@ -58,6 +58,7 @@ class Gateway:
         self.chat_template = ChatTemplate.from_model_dir(cfg.model)
         self.pool = AwPool(make_transport(cfg.transport), cfg.routing, cfg.probe_interval_ms / 1000, cfg.probe_misses,
                            self._report_dead)
+        self.pool.resume = cfg.resume
         self.link: OrchestratorLink | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self.metrics = Metrics()
@@ -143,7 +144,9 @@ class Gateway:
         reason = "draining" if self.draining else self.unhealthy_reason()
         if reason:
             return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
-        return web.json_response({"status": "ok"})
+        stores = sum(1 for w in self.workers if w.get("role") == "checkpoint_store")
+        checkpointing = "on" if stores else "off: no live checkpoint store (an AW failure falls back to replay)"
+        return web.json_response({"status": "ok", "checkpointing": checkpointing})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         host, port = self.cfg.orchestrator_addr
@@ -327,6 +330,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
                 await gw.pool.update(gw.workers)
             elif isinstance(msg, RoutingUpdate):
                 gw.workers = msg.workers
+                gw.metrics.stores.set(sum(1 for w in msg.workers if w.get("role") == "checkpoint_store"))
                 gw.table = RoutingTable.from_dict(msg.table) if msg.table else None
                 await gw.pool.update(msg.workers)
         if link.closed.is_set() and not stop.is_set():

@@ -25,6 +25,7 @@ class Metrics:
         self.prompt = Counter("moe_fabric_prompt_tokens", "Prompt tokens", registry=r)
         self.kv_used = Gauge("moe_fabric_kv_blocks_used", "KV cache blocks in use per attention worker", ["worker"], registry=r)
         self.kv_free = Gauge("moe_fabric_kv_blocks_free", "Free KV cache blocks per attention worker", ["worker"], registry=r)
+        self.stores = Gauge("moe_fabric_checkpoint_stores_alive", "Live KV checkpoint stores (0: AW failures replay)", registry=r)
         self.expert_tokens = Gauge("moe_fabric_expert_tokens_processed", "Tokens processed per expert worker and expert", ["worker", "layer", "expert"], registry=r)
 
     def enter_waiting(self) -> None:

@@ -11,7 +11,7 @@ from fabric.model.config import ModelConfig
 from fabric.routing import EwAddress, RoutingTable
 from orchestrator.placement import PlacementPlanner
 
-ROLE_PREFIX = {"attention": "aw", "expert": "ew", "gateway": "gw"}
+ROLE_PREFIX = {"attention": "aw", "expert": "ew", "gateway": "gw", "checkpoint_store": "cs"}
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Cluster:
         prefix = ROLE_PREFIX[role]
         n = self._counters.get(prefix, 0)
         self._counters[prefix] = n + 1
-        rec = WorkerRecord(f"{prefix}-{n}", role, pid, host, port, "alive" if role == "gateway" else "starting", info)
+        rec = WorkerRecord(f"{prefix}-{n}", role, pid, host, port, "alive" if role in ("gateway", "checkpoint_store") else "starting", info)
         self.workers[rec.id] = rec
         return rec
 

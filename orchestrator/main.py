@@ -84,7 +84,7 @@ class Orchestrator:
             if first.type != WSMsgType.BINARY:
                 return ws
             reg = unpack(first.data)
-            if not isinstance(reg, Register) or reg.role not in ("attention", "expert", "gateway"):
+            if not isinstance(reg, Register) or reg.role not in ("attention", "expert", "gateway", "checkpoint_store"):
                 log.error("closing link from %s: first message is not a valid register", request.remote)
                 return ws
             rec = self.cluster.add(reg.role, reg.pid, reg.host, reg.port, reg.info)
@@ -95,7 +95,9 @@ class Orchestrator:
             await ws.send_bytes(pack(Registered(worker_id)))
             if reg.role == "expert":
                 await self._place()
-            if self.cluster.table is not None:
+            if reg.role == "checkpoint_store":
+                await self._broadcast()  # AWs start (or resume) checkpointing to it
+            elif self.cluster.table is not None:
                 await ws.send_bytes(pack(self._routing_update()))
             async for msg in ws:
                 if msg.type != WSMsgType.BINARY:
@@ -116,10 +118,12 @@ class Orchestrator:
             return
         rec = self.cluster.workers[worker_id]
         lost = self.cluster.lost_units()
-        if table_changed:
+        if table_changed and not self.shutting_down:
             assert self.cluster.table is not None
             log.warning("%s died (%s); routing table epoch %d promotes its shadows%s", worker_id, reason,
                         self.cluster.table.epoch, f"; {len(lost)} experts have no copy left" if lost else "")
+        elif self.shutting_down:
+            log.info("%s left (%s)", worker_id, reason)
         else:
             log.warning("%s died (%s)", worker_id, reason)
         await self._broadcast()
@@ -130,7 +134,7 @@ class Orchestrator:
             task = asyncio.create_task(ws.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        if rec.role in ("attention", "expert"):
+        if rec.role in ("attention", "expert", "checkpoint_store"):
             self._replace(rec.role, worker_id)
 
     def _replace(self, role: str, replaces: str) -> None:
@@ -230,7 +234,8 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port
     orch.provisioner = make_provisioner(  # replacements dial the port actually bound
-        cfg.provisioner, {"attention": cfg.spawn_attention_args, "expert": cfg.spawn_expert_args},
+        cfg.provisioner, {"attention": cfg.spawn_attention_args, "expert": cfg.spawn_expert_args,
+                          "checkpoint_store": cfg.spawn_store_args},
         f"{cfg.host}:{port}", cfg.spawn_log_dir)
     orch._watch = asyncio.create_task(orch.watch_replacements())
     if cfg.port_file:

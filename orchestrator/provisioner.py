@@ -25,7 +25,7 @@ from fabric.process import die_with_parent
 
 log = logging.getLogger(__name__)
 
-ROLE_COMMAND = {"attention": "attention-worker", "expert": "expert-worker"}
+ROLE_COMMAND = {"attention": "attention-worker", "expert": "expert-worker", "checkpoint_store": "checkpoint-store"}
 
 
 @dataclass

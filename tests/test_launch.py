@@ -70,7 +70,7 @@ def test_serve_demo_model_and_sigterm_stops_everything(launcher: tuple[subproces
     events = stream_completion(base, {"prompt": "Serving language models", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
     pids = child_pids(oport)
-    assert len(pids) == 5 and all(alive(p) for p in pids)
+    assert len(pids) == 6 and all(alive(p) for p in pids)  # orchestrator, gateway, 1 AW, 2 EWs, checkpoint store
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert wait_gone(pids, 15) == []

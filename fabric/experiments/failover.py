@@ -140,13 +140,17 @@ def scan_logs(out: Path) -> list[str]:
 def detection(exp: Experiment, fail: Run, cluster: dict[str, Any] | None) -> dict[str, float | None]:
     """From the orchestrator's authoritative view: when the victim was declared dead and when its
     replacement was ready, in seconds after the kill (wall clocks of one host)."""
-    out: dict[str, float | None] = {"detected_s": None, "replacement_ready_s": None}
+    out: dict[str, float | None] = {"suspected_s": None, "detected_s": None, "replacement_ready_s": None}
     if cluster is None or fail.kill_wall is None:
         return out
     victim = next((w for w in cluster["workers"] if w["pid"] == fail.victim_pid), None)
     if victim is None or victim["state"] != "dead":
         return out
     out["detected_s"] = victim["state_since"] - fail.kill_wall
+    # The first peer that found it dead and started rerouting (an AW, for an EW victim).
+    found = [w["stats"].get("suspected_at", {}).get(victim["id"]) for w in cluster["workers"]]
+    found = [t for t in found if t is not None]
+    out["suspected_s"] = min(found) - fail.kill_wall if found else None
     new = next((w for w in cluster["workers"] if w["info"].get("replaces") == victim["id"] and w["state"] == "alive"), None)
     if new is None and victim["role"] == "attention":  # AWs take no slot; the AW that registered after the kill
         new = next((w for w in cluster["workers"] if w["role"] == "attention" and w["state"] == "alive"
@@ -194,7 +198,8 @@ def report(exp: Experiment, ref: Run, fail: Run, cluster: dict[str, Any] | None 
     detected = found["detected_s"]
     summary = (f"failover role={args.role} signal={args.signal} mode={args.mode}: stall {f(stall)}, first success "
                f"{f(tfs, sign='+')}, back to 90% throughput {f(ttp, sign='+')}, "
-               + (f"declared dead {f(detected, sign='+')}, " if args.mode == "fabric" else "")
+               + (f"found dead by a peer {f(found['suspected_s'], sign='+')}, declared dead {f(detected, sign='+')}, "
+                  if args.mode == "fabric" else "")
                + f"lost {len(gone)}, outputs equal to failure-free run: {'yes' if not differ else 'no'}")
     tl.plot_timeline(exp.out / "timeline.png", gaps, series, kill, f"SIG{args.signal} {VICTIMS[args.role]}",
                      summary.replace(": ", ":\n", 1), ready=fail.ready, reference=ref_series)

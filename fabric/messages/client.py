@@ -25,6 +25,8 @@ class Submit(Message):
     ignore_eos: bool
     output_ids: list[int]
     logprobs: int = -1  # -1: none; 0: the sampled token's; k: also the k most likely
+    restore_from: str = ""  # resuming after this AW died: fetch its checkpointed KV first
+    replay_chunk: int = 0  # >0: recompute output_ids at most this many per step (1: sequential replay)
 
 
 

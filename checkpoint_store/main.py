@@ -1,0 +1,181 @@
+"""Checkpoint store process (Tarragon §6, FailSafe §3.2, AnchorTP §III-A): holds the KV cache of
+every AW's live requests in host memory, outside the AWs' failure domains.
+
+Per AW connection: `StoreHello` (who, and its KV layout) -> a bucket sized for it; then a stream
+of `KvAppend` (one layer of one step), `KvPut` (whole requests), `KvDone` (finished: freed) and
+`KvSync` (a barrier). A restoring AW sends `KvFetch(owner, request)`: the store answers with the
+request's committed KV (`KvRestore`) and re-homes the request to the asking AW's bucket, so it
+stays protected there. Buckets of dead AWs are kept for `--orphan-ttl-s`, then dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+from fabric.config import CheckpointStoreConfig
+from fabric.control_link import OrchestratorLink
+from fabric.errors import PeerDeadError, ProtocolError
+from fabric.messages.checkpoint import (
+    KvAppend,
+    KvDone,
+    KvFetch,
+    KvPut,
+    KvRestore,
+    KvSync,
+    KvSynced,
+    StoreHello,
+)
+from fabric.messages.control import Register, RoutingUpdate, WorkerStats
+from fabric.process import mark_failed
+from fabric.transport import make_transport
+from fabric.transport.base import Connection
+
+log = logging.getLogger("checkpoint_store")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointStore:
+    def __init__(self, cfg: CheckpointStoreConfig) -> None:
+        self.cfg = cfg
+        self.log = CheckpointLog()
+        self.transport = make_transport(cfg.transport)
+        self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
+        self.fetches = 0
+        self.fetch_hits = 0
+        self.restored_tokens = 0
+        self.restored_bytes = 0
+        self.full_errors = 0
+
+    async def handle(self, conn: Connection) -> None:
+        hello = await conn.recv()
+        if not isinstance(hello, StoreHello):
+            raise ProtocolError(f"expected store_hello, got {hello.kind}")
+        if hello.dtype not in DTYPES or min(hello.num_layers, hello.num_kv_heads, hello.head_dim) < 1:
+            raise ProtocolError(f"store_hello: bad KV layout {hello}")
+        layout = KvLayout(hello.num_layers, hello.num_kv_heads, hello.head_dim, DTYPES[hello.dtype])
+        bucket = self.log.bucket(hello.aw_id, layout, self.cfg.bucket_mib << 20)
+        log.info("%s checkpoints here (%d layers, %d kv heads x %d, %s)", hello.aw_id, layout.num_layers,
+                 layout.num_kv_heads, layout.head_dim, hello.dtype)
+        while True:
+            msg = await conn.recv()
+            if isinstance(msg, KvAppend):
+                self._append(bucket, msg)
+            elif isinstance(msg, KvPut):
+                self._check(bucket.layout, msg.k, msg.v, 4)
+                if msg.k.shape[0] != bucket.layout.num_layers:
+                    raise ProtocolError("kv_put: k must hold every layer")
+                try:
+                    bucket.put_tokens(msg.request_id, msg.start, msg.k, msg.v)
+                except StoreFullError as exc:
+                    self.full_errors += 1
+                    log.warning("%s: %s", hello.aw_id, exc)
+            elif isinstance(msg, KvDone):
+                for rid in msg.request_ids:
+                    bucket.finish(rid)
+            elif isinstance(msg, KvSync):
+                await conn.send(KvSynced(msg.nonce))
+            elif isinstance(msg, KvFetch):
+                await conn.send(self._fetch(msg, hello.aw_id, bucket))
+            else:
+                raise ProtocolError(f"unexpected {msg.kind} on a checkpoint connection")
+
+    @staticmethod
+    def _check(layout: KvLayout, k: torch.Tensor, v: torch.Tensor, dims: int) -> None:
+        if k.shape != v.shape or k.dim() != dims or k.dtype != layout.dtype or v.dtype != layout.dtype:
+            raise ProtocolError(f"checkpoint KV of shape {tuple(k.shape)} {k.dtype} does not fit the layout")
+        if tuple(k.shape[-2:]) != (layout.num_kv_heads, layout.head_dim):
+            raise ProtocolError(f"checkpoint KV of shape {tuple(k.shape)} does not fit the layout")
+
+    def _append(self, bucket: AwBucket, msg: KvAppend) -> None:
+        """k, v [T, K, d]: rows grouped per request span."""
+        self._check(bucket.layout, msg.k, msg.v, 3)
+        if not 0 <= msg.layer < bucket.layout.num_layers:
+            raise ProtocolError(f"kv_append: layer {msg.layer} out of range")
+        if not len(msg.request_ids) == len(msg.starts) == len(msg.counts) or sum(msg.counts) != msg.k.shape[0] \
+                or any(c < 0 for c in msg.counts) or any(s < 0 for s in msg.starts):
+            raise ProtocolError("kv_append: spans do not match the rows")
+        row = 0
+        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
+            try:
+                bucket.append_layer(rid, msg.layer, start, msg.seq_no, msg.k[row:row + count], msg.v[row:row + count])
+            except StoreFullError as exc:
+                self.full_errors += 1
+                log.warning("%s: %s", rid, exc)
+            row += count
+
+    def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket) -> KvRestore:
+        self.fetches += 1
+        empty = torch.empty((bucket.layout.num_layers, 0, bucket.layout.num_kv_heads, bucket.layout.head_dim),
+                            dtype=bucket.layout.dtype)
+        owner = self.log.buckets.get(msg.owner)
+        req = owner.requests.get(msg.request_id) if owner is not None else None
+        if owner is None or req is None or req.frontier == 0:
+            log.info("fetch %s from %s: nothing stored", msg.request_id, msg.owner)
+            return KvRestore(msg.call_id, 0, empty, empty)
+        n = min(req.frontier, max(0, msg.max_tokens))
+        k, v = req.kv(n)  # [L, n, K, d]
+        self.log.move(msg.request_id, msg.owner, asker)  # protected on its new AW from now on
+        self.fetch_hits += 1
+        self.restored_tokens += n
+        self.restored_bytes += k.numel() * k.element_size() * 2
+        log.info("restored %s (%d tokens) from %s's bucket to %s", msg.request_id, n, msg.owner, asker)
+        return KvRestore(msg.call_id, n, k, v)
+
+    def forget_dead(self, dead: list[str]) -> None:
+        now = time.monotonic()
+        for aw in dead:
+            if aw in self.log.buckets and aw not in self.dead_since:
+                self.dead_since[aw] = now
+                self.log.orphan(aw)
+        for aw, since in list(self.dead_since.items()):
+            if now - since > self.cfg.orphan_ttl_s:
+                self.log.drop_aw(aw)
+                del self.dead_since[aw]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "buckets": len(self.log.buckets), "requests": sum(len(b.requests) for b in self.log.buckets.values()),
+            "bytes_used": self.log.bytes_used, "fetches": self.fetches, "restores": self.fetch_hits,
+            "restored_tokens": self.restored_tokens, "restored_bytes": self.restored_bytes,
+            "store_full_errors": self.full_errors,
+            "per_aw": {aw: b.stats() for aw, b in self.log.buckets.items()},
+        }
+
+
+async def serve(cfg: CheckpointStoreConfig, stop: asyncio.Event) -> None:
+    store = CheckpointStore(cfg)
+    listener = await store.transport.listen(cfg.host, cfg.port, store.handle)
+    link = OrchestratorLink(*cfg.orchestrator_addr)
+    wid = await link.connect(Register("checkpoint_store", os.getpid(), cfg.host, listener.port,
+                                      {"transport": store.transport.name, "bucket_mib": cfg.bucket_mib}))
+    log.info("%s listening on %s:%d (%s)", wid, cfg.host, listener.port, store.transport.name)
+
+    async def report() -> None:
+        while not link.closed.is_set():
+            await asyncio.sleep(1.0)
+            store.forget_dead([])
+            try:
+                await link.send(WorkerStats(store.stats()))
+            except PeerDeadError:
+                return
+
+    reporter = asyncio.create_task(report())
+    try:
+        while (msg := await link.next_message(stop)) is not None:
+            if isinstance(msg, RoutingUpdate):
+                store.forget_dead(msg.dead)
+        if link.closed.is_set() and not stop.is_set():
+            log.error("%s lost the orchestrator; exiting", wid)
+            mark_failed()
+    finally:
+        reporter.cancel()
+        await listener.close()
+        await link.close()

@@ -1,0 +1,106 @@
+"""AW <-> checkpoint store channel (Tarragon §6). One connection per AW: the AW streams KV
+segments in (low priority, in the idle gaps of its expert traffic); a restoring AW fetches a dead
+AW's request out. Legend: T tokens, L layers, n tokens of one request, K kv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fabric.messages.base import Message, register
+
+
+@register
+@dataclass
+class StoreHello(Message):
+    """First message: who is checkpointing, and the KV layout of its model."""
+
+    kind = "store_hello"
+    aw_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+
+@register
+@dataclass
+class KvAppend(Message):
+    """One layer's new KV of one AW step: rows [sum(counts[:i]), +counts[i]) of k and v are tokens
+    starts[i] .. starts[i] + counts[i] - 1 of request request_ids[i]. `seq_no` increases with every
+    message an AW sends (the log's order)."""
+
+    kind = "kv_append"
+    seq_no: int
+    layer: int
+    request_ids: list[str]
+    starts: list[int]
+    counts: list[int]
+    k: torch.Tensor  # [T, K, d]
+    v: torch.Tensor  # [T, K, d]
+
+
+@register
+@dataclass
+class KvPut(Message):
+    """Every layer of tokens start .. start + n - 1 of one request at once: the bulk path that
+    re-fills a replacement store, and pause-checkpoint-resume's full copies."""
+
+    kind = "kv_put"
+    seq_no: int
+    request_id: str
+    start: int
+    k: torch.Tensor  # [L, n, K, d]
+    v: torch.Tensor  # [L, n, K, d]
+
+
+@register
+@dataclass
+class KvDone(Message):
+    """These requests ended normally: their state can be freed."""
+
+    kind = "kv_done"
+    request_ids: list[str]
+
+
+@register
+@dataclass
+class KvSync(Message):
+    """Answered with `KvSynced` once everything sent before it is in the log (a barrier)."""
+
+    kind = "kv_sync"
+    nonce: int
+
+
+@register
+@dataclass
+class KvSynced(Message):
+    kind = "kv_synced"
+    nonce: int
+
+
+@register
+@dataclass
+class KvFetch(Message):
+    """A restoring AW asks for the committed KV of `request_id`, last checkpointed by `owner` (now
+    dead); the store re-homes the request to the asking AW's bucket."""
+
+    kind = "kv_fetch"
+    call_id: int
+    owner: str
+    request_id: str
+    max_tokens: int  # at most this many leading tokens are wanted
+
+
+@register
+@dataclass
+class KvRestore(Message):
+    """The reply to `KvFetch`: the request's committed frontier (0: nothing stored) and its KV."""
+
+    kind = "kv_restore"
+    call_id: int
+    frontier: int
+    k: torch.Tensor  # [L, frontier, K, d]
+    v: torch.Tensor  # [L, frontier, K, d]

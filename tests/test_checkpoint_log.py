@@ -1,0 +1,123 @@
+"""The checkpoint store's log: out-of-order arrival, gaps, duplicates, the commit frontier, the
+bulk path, capacity and eviction, byte accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+
+LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+SEG = LAYOUT.segment_bytes  # 2 * 2 * 4 * 4 = 64
+
+
+def kv_of(token: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct, recognisable content per (token, layer)."""
+    base = torch.arange(8, dtype=torch.float32).view(2, 4)
+    return base + 100 * token + 10 * layer, -(base + 100 * token + 10 * layer)
+
+
+def append(bucket: AwBucket, rid: str, token: int, layer: int, seq: int = 0) -> None:
+    k, v = kv_of(token, layer)
+    bucket.append_layer(rid, layer, token, seq, k[None], v[None])
+
+
+def test_out_of_order_segments_reach_the_right_frontier_and_content() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    segs = [(t, layer) for t in range(10) for layer in range(3)]
+    random.Random(3).shuffle(segs)
+    for seq, (t, layer) in enumerate(segs):
+        append(bucket, "r", t, layer, seq=len(segs) - seq)  # sequence numbers arrive decreasing
+    req = bucket.requests["r"]
+    assert req.frontier == 10 and req.out_of_order > 0
+    k, v = req.kv(10)
+    assert k.shape == (3, 10, 2, 4)
+    for t in range(10):
+        for layer in range(3):
+            kk, vv = kv_of(t, layer)
+            assert torch.equal(k[layer, t], kk) and torch.equal(v[layer, t], vv)
+
+
+def test_a_gap_holds_the_frontier_until_it_is_filled() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    for t in range(6):
+        for layer in range(3):
+            if (t, layer) != (2, 1):
+                append(bucket, "r", t, layer)
+    req = bucket.requests["r"]
+    assert req.frontier == 2 and req.gaps == 3  # tokens 3, 4, 5 are complete but past the gap
+    with pytest.raises(ValueError):
+        req.kv(3)
+    append(bucket, "r", 2, 1)
+    assert req.frontier == 6 and req.gaps == 0
+
+
+def test_a_token_commits_only_with_every_layer() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    append(bucket, "r", 0, 0)
+    append(bucket, "r", 0, 2)
+    assert bucket.frontier("r") == 0
+    append(bucket, "r", 0, 1)
+    assert bucket.frontier("r") == 1
+    assert bucket.frontier("unknown") == 0
+
+
+def test_duplicates_are_ignored_and_counted() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    for _ in range(3):
+        for layer in range(3):
+            append(bucket, "r", 0, layer)
+    assert bucket.requests["r"].duplicates == 6
+    assert bucket.bytes_used == 3 * SEG and bucket.stats()["duplicates"] == 6
+
+
+def test_bulk_put_then_incremental_appends() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    k = torch.stack([torch.stack([kv_of(t, layer)[0] for t in range(4)]) for layer in range(3)])  # [L, n, K, d]
+    v = torch.stack([torch.stack([kv_of(t, layer)[1] for t in range(4)]) for layer in range(3)])
+    bucket.put_tokens("r", 0, k, v)
+    assert bucket.frontier("r") == 4
+    for layer in range(3):
+        append(bucket, "r", 4, layer)
+    got_k, got_v = bucket.requests["r"].kv(5)
+    assert torch.equal(got_k[:, :4], k) and torch.equal(got_v[:, :4], v)
+    assert torch.equal(got_k[1, 4], kv_of(4, 1)[0])
+
+
+def test_capacity_evicts_orphans_lru_first_and_never_a_live_request() -> None:
+    log = CheckpointLog()
+    dead = log.bucket("aw-0", LAYOUT, 1 << 20)
+    for rid in ("old", "new"):
+        for layer in range(3):
+            append(dead, rid, 0, layer)
+    live = log.bucket("aw-1", LAYOUT, 9 * SEG)  # room for 3 tokens of 3 layers
+    for layer in range(3):
+        append(live, "a", 0, layer)
+    log.move("old", "aw-0", "aw-1")  # restored on aw-1: live again
+    log.move("new", "aw-0", "aw-1")
+    assert live.bytes_used == 9 * SEG and not dead.requests
+    with pytest.raises(StoreFullError):  # only live requests: nothing may be evicted
+        append(live, "a", 1, 0)
+    assert live.bytes_used == 9 * SEG
+    log.orphan("aw-1")  # aw-1 died: its requests wait to be fetched, and are evictable
+    live.requests["new"].orphaned = False  # "new" was fetched again meanwhile
+    append(live, "new", 1, 0)
+    assert "a" not in live.requests and "old" in live.requests  # least recently used orphan first
+    assert live.evictions == 1 and live.bytes_used == sum(r.bytes for r in live.requests.values())
+
+
+def test_finish_frees_at_once_and_accounting_stays_exact() -> None:
+    log = CheckpointLog()
+    b = log.bucket("aw-0", LAYOUT, 1 << 20)
+    for rid in ("x", "y"):
+        for t in range(2):
+            for layer in range(3):
+                append(b, rid, t, layer)
+    assert log.bytes_used == 12 * SEG
+    b.finish("x")
+    assert "x" not in b.requests and log.bytes_used == 6 * SEG
+    log.drop_aw("aw-0")
+    assert log.bytes_used == 0
