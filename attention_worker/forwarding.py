@@ -255,6 +255,8 @@ class ForwardingEngine:
             raise PeerDeadError(ew_id, "no live link")
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        if not link.pending:
+            link.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         self.sending += 1

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -64,9 +65,11 @@ def start(model: Path, log_root: str, name: str, **over: Any) -> Fabric:
 
 async def kill_at(fab: Fabric, prompt: list[int], point: int, tail: int) -> dict[str, Any]:
     """Streams one request; SIGKILLs its AW once `point` tokens arrived. Round-robin routing sends
-    the first request to the second AW in registration order (aw-1)."""
-    cluster = fab.cluster()
-    aw = next(w for w in cluster["workers"] if w["id"] == "aw-1")
+    a fresh gateway's first request to the second AW it connected to (its log says which)."""
+    assert fab.log_dir is not None
+    order = re.findall(r"connected to (aw-\d+)", (Path(fab.log_dir) / "gateway.log").read_text())
+    victim = order[1]
+    aw = next(w for w in fab.cluster()["workers"] if w["id"] == victim)
     url = f"http://127.0.0.1:{fab.port}/v1/completions"
     body = {"prompt": prompt, "max_tokens": point + tail, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
@@ -87,6 +90,7 @@ async def kill_at(fab: Fabric, prompt: list[int], point: int, tail: int) -> dict
                 os.kill(aw["pid"], signal.SIGKILL)
                 killed = now
     assert killed is not None and len(times) == point + tail, (killed, len(times))
+    assert "resuming after" in (Path(fab.log_dir) / "gateway.log").read_text(), "the request was not on the victim"
     stall = max(b - a for a, b in zip(times, times[1:]) if b > killed)
     normal = statistics.median(b - a for a, b in zip(times[:point], times[1:point]))
     return {"stall_s": stall, "tbt_s": normal}

@@ -190,6 +190,8 @@ class AwPool:
     async def submit(self, submit: Submit) -> tuple[AwClient, Pending]:
         client = self.pick()
         pending = Pending(submit, work=len(submit.prompt_ids) + submit.max_tokens)
+        if not client.requests:
+            client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
         client.requests[submit.request_id] = pending
         try:
             await client.conn.send(submit)
