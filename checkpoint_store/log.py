@@ -46,51 +46,78 @@ class KvLayout:
 
 
 class RequestLog:
-    """One request's segments: token -> layer -> (k [K, d], v [K, d])."""
+    """One request's segments, stored per layer in growable tensors k, v [L, cap, K, d] with a
+    presence map [cap, L] (the commit records), so appending a span and reading a prefix back
+    are a few tensor operations however long the request is."""
 
-    def __init__(self, layout: KvLayout) -> None:
+    def __init__(self, layout: KvLayout, capacity: int = 16) -> None:
         self.layout = layout
-        self.tokens: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        shape = (layout.num_layers, capacity, layout.num_kv_heads, layout.head_dim)
+        self.k = torch.empty(shape, dtype=layout.dtype)
+        self.v = torch.empty(shape, dtype=layout.dtype)
+        self.present = torch.zeros((capacity, layout.num_layers), dtype=torch.bool)
         self.frontier = 0  # committed tokens: 0..frontier-1 all have every layer
-        self.bytes = 0
+        self.bytes = 0  # bytes of the segments held (the tensors may hold up to 2x this)
         self.duplicates = 0
         self.out_of_order = 0
         self.last_seq = 0
         self.orphaned = False  # its AW is dead: evictable
 
-    def append(self, token: int, layer: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Adds one segment; returns the bytes added (0 for a duplicate)."""
+    def _grow(self, tokens: int) -> None:
+        cap = self.present.shape[0]
+        if tokens <= cap:
+            return
+        new = max(tokens, 2 * cap)
+        lay = self.layout
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            t = torch.empty((lay.num_layers, new, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
+            t[:, :cap] = old
+            setattr(self, name, t)
+        present = torch.zeros((new, lay.num_layers), dtype=torch.bool)
+        present[:cap] = self.present
+        self.present = present
+
+    def append_span(self, layer: int, start: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Tokens start .. start+n-1 of one layer, k, v [n, K, d]; returns the bytes added
+        (segments already held are duplicates: ignored and counted)."""
+        n = k.shape[0]
         if seq_no < self.last_seq:
             self.out_of_order += 1
         self.last_seq = max(self.last_seq, seq_no)
-        layers = self.tokens.setdefault(token, {})
-        if layer in layers:
-            self.duplicates += 1
-            return 0
-        layers[layer] = (k.clone(), v.clone())  # own the bytes: the received frame is reused
-        added = self.layout.segment_bytes
+        self._grow(start + n)
+        new = ~self.present[start:start + n, layer]  # [n]
+        fresh = int(new.sum())
+        self.duplicates += n - fresh
+        if fresh == n:
+            self.k[layer, start:start + n] = k
+            self.v[layer, start:start + n] = v
+        elif fresh:
+            idx = torch.nonzero(new).squeeze(1)
+            self.k[layer, start + idx] = k[idx]
+            self.v[layer, start + idx] = v[idx]
+        self.present[start:start + n, layer] = True
+        rows = self.present[self.frontier:].all(dim=1)  # the commit records past the frontier
+        missing = torch.nonzero(~rows)
+        self.frontier += int(missing[0, 0]) if missing.numel() else int(rows.shape[0])
+        added = fresh * self.layout.segment_bytes
         self.bytes += added
-        while len(self.tokens.get(self.frontier, ())) == self.layout.num_layers:
-            self.frontier += 1  # the commit record of this token
         return added
+
+    def append(self, token: int, layer: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """One segment, k, v [K, d]."""
+        return self.append_span(layer, token, seq_no, k[None], v[None])
 
     @property
     def gaps(self) -> int:
         """Tokens past the frontier that have segments (waiting for a gap to fill)."""
-        return sum(1 for t in self.tokens if t > self.frontier)
+        return int(self.present[self.frontier + 1:].any(dim=1).sum())
 
     def kv(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed tokens [0, upto) as k, v [L, upto, K, d]."""
+        """Committed tokens [0, upto) as k, v [L, upto, K, d] (copies)."""
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
-        lay = self.layout
-        k = torch.empty((lay.num_layers, upto, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
-        v = torch.empty_like(k)
-        for t in range(upto):
-            for layer, (kk, vv) in self.tokens[t].items():
-                k[layer, t] = kk
-                v[layer, t] = vv
-        return k, v
+        return self.k[:, :upto].clone(), self.v[:, :upto].clone()
 
 
 class AwBucket:
@@ -124,11 +151,8 @@ class AwBucket:
                      v: torch.Tensor) -> None:
         """Tokens start .. start+n-1 of one layer: k, v [n, K, d]."""
         self._make_room(k.shape[0] * self.layout.segment_bytes, request_id)
-        req = self._log(request_id)
-        for i in range(k.shape[0]):
-            added = req.append(start + i, layer, seq_no, k[i], v[i])
-            self.bytes_used += added
-            self.segments += 1
+        self.bytes_used += self._log(request_id).append_span(layer, start, seq_no, k, v)
+        self.segments += k.shape[0]
 
     def put_tokens(self, request_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer of tokens start .. start+n-1: k, v [L, n, K, d] (the bulk path)."""
