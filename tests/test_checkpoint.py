@@ -49,7 +49,8 @@ def test_attention_worker_death_restores_from_the_store(sig: signal.Signals, hf_
         assert pid not in [w["pid"] for w in survivors]
         aws = wait_stats(fabric, "AW restore stats", lambda c: sum(
             w["stats"].get("restores", 0) for w in role(c, "attention")) > 0)
-        assert sum(w["stats"]["restored_tokens"] for w in role(aws, "attention")) == st["restored_tokens"]
+        # A replacement AW that has not reported yet has empty stats.
+        assert sum(w["stats"].get("restored_tokens", 0) for w in role(aws, "attention")) == st["restored_tokens"]
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("attention-worker-*.log"))
     assert "from aw-" in logs and "checkpoint in" in logs
 
