@@ -57,7 +57,7 @@ def encode_bytes(header: dict[str, Any], frames: Sequence[memoryview | bytes] | 
     return b"".join(bytes(b) if isinstance(b, memoryview) else b for b in encode(header, frames))
 
 
-def parse_prefix(raw: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[int, int, int]:
+def parse_prefix(raw: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> tuple[int, int, int]:
     """Validates a prefix; returns (header_len, n_frames, body_len)."""
     if len(raw) != PREFIX_SIZE:
         raise ProtocolError(f"truncated prefix ({len(raw)} bytes)")

@@ -1,71 +1,186 @@
-"""TCP backend: asyncio streams (uvloop where installed), TCP_NODELAY, one message = one writelines."""
+"""TCP backend on asyncio (uvloop where installed): TCP_NODELAY, one message = one write, and a
+buffered protocol that receives each message body straight into its own buffer.
+
+asyncio's StreamReader grows one bytearray per connection and copies every message out of it,
+twice for a large one; a restored request's KV (tens of MB) then costs more in those copies than
+on the wire. Here the socket fills the body buffer directly; bytes that arrive while nobody is
+reading wait in a small spill buffer (reading pauses when it holds more than SPILL_BYTES).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
+
+import numpy as np
 
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.transport.base import Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 COALESCE_BYTES = 1 << 20
+SCRATCH_BYTES = 256 << 10
+SPILL_BYTES = 1 << 20
 
 
-class TcpConnection(Connection):
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limits: WireLimits) -> None:
-        peer = writer.get_extra_info("peername")
-        super().__init__(f"tcp://{peer[0]}:{peer[1]}" if peer else "tcp://?", limits)
-        self._reader = reader
-        self._writer = writer
-        sock = writer.get_extra_info("socket")
+class _Pipe(asyncio.BufferedProtocol):
+    """One TCP connection's receive side (fill-a-buffer reads) and send-side flow control."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._spill = bytearray()  # received while no read was waiting
+        self._target: memoryview | None = None  # the buffer a pending read fills
+        self._filled = 0
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self.lost: BaseException | None = None  # set once the connection is gone (None inside: clean EOF)
+        self.closed = asyncio.get_running_loop().create_future()
+
+    # -- asyncio callbacks --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._filled:]
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._filled += nbytes
+            if self._filled == len(self._target):
+                self._target = None
+                self._wake_reader(None)
+            return
+        self._spill += self._scratch[:nbytes]
+        if len(self._spill) > SPILL_BYTES and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._gone(ConnectionResetError("connection closed by the peer"))
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gone(exc or ConnectionResetError("connection closed"))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # -- the connection's side ----------------------------------------------------------------
+    def _gone(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        self._wake_reader(exc)
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(exc)
+
+    def _wake_reader(self, exc: BaseException | None) -> None:
+        waiter, self._read_waiter = self._read_waiter, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    async def read_into(self, buf: bytearray | memoryview) -> None:
+        """Fills `buf` completely; raises asyncio.IncompleteReadError (with the bytes that did
+        arrive) if the connection ends first."""
+        view = memoryview(buf)
+        take = min(len(self._spill), len(view))
+        if take:
+            view[:take] = self._spill[:take]
+            del self._spill[:take]  # bytearray drops a prefix without moving the rest
+        if self._reading_paused and len(self._spill) <= SPILL_BYTES // 2 and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if take == len(view):
+            return
+        if self.lost is not None:
+            raise asyncio.IncompleteReadError(bytes(view[:take]), len(view))
+        self._target, self._filled = view, take
+        self._read_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._read_waiter
+        except (ConnectionError, OSError) as exc:
+            raise asyncio.IncompleteReadError(bytes(view[: self._filled]), len(view)) from exc
+        finally:
+            self._target = None
+
+    async def drain(self) -> None:
+        if self.lost is not None:
+            raise ConnectionResetError(str(self.lost))
+        if self._write_paused:
+            self._drain_waiter = asyncio.get_running_loop().create_future()
+            await self._drain_waiter
+
+
+class TcpConnection(Connection):
+    def __init__(self, pipe: _Pipe, limits: WireLimits) -> None:
+        assert pipe.transport is not None
+        peer = pipe.transport.get_extra_info("peername")
+        super().__init__(f"tcp://{peer[0]}:{peer[1]}" if peer else "tcp://?", limits)
+        self._pipe = pipe
+        self._transport = pipe.transport
+
     async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
-        if self.closed:
+        if self.closed or self._pipe.lost is not None:
             raise PeerDeadError(self.peer, "connection already closed")
         try:
             parts = encode(header, frames)
             # One write per message: every write is a syscall (and on loopback, the receiver's
             # network stack runs inside it), so small messages are joined before sending.
             if sum(memoryview(p).nbytes for p in parts) <= COALESCE_BYTES:
-                self._writer.write(b"".join(parts))
+                self._transport.write(b"".join(parts))
             else:
-                self._writer.write(b"".join(parts[:3]))
-                self._writer.writelines(parts[3:])
-            await self._writer.drain()
+                self._transport.write(b"".join(parts[:3]))
+                self._transport.writelines(parts[3:])
+            await self._pipe.drain()
         except (ConnectionError, OSError, RuntimeError) as exc:
             await self.close()
             raise PeerDeadError(self.peer, str(exc) or type(exc).__name__) from exc
 
-    async def _read_exactly(self, n: int) -> bytes:
+    async def _read_exactly(self, n: int) -> bytearray | memoryview:
+        # A large body is not zero-filled first: the socket writes every byte of it.
+        buf = bytearray(n) if n <= SCRATCH_BYTES else memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]
         try:
-            return await self._reader.readexactly(n)
+            await self._pipe.read_into(buf)
         except asyncio.IncompleteReadError as exc:
             await self.close()
             if exc.partial:
                 raise ProtocolError(f"truncated frame from {self.peer}") from exc
-            raise PeerDeadError(self.peer) from exc
-        except (ConnectionError, OSError) as exc:
-            await self.close()
-            raise PeerDeadError(self.peer, str(exc)) from exc
+            raise PeerDeadError(self.peer, str(exc.__cause__ or "connection closed")) from exc
+        return buf
 
-    async def _read_prefix(self) -> bytes:
+    async def _read_prefix(self) -> bytearray | memoryview:
         return await self._read_exactly(PREFIX_SIZE)
 
-    async def _read_body(self, n: int) -> bytes:
+    async def _read_body(self, n: int) -> bytearray | memoryview:
         return await self._read_exactly(n)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self._writer.close()
+        self._transport.close()
         try:
-            await self._writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
+            await asyncio.wait_for(asyncio.shield(self._pipe.closed), 5)
+        except TimeoutError:
+            self._transport.abort()
 
 
 class TcpListener(Listener):
@@ -82,17 +197,24 @@ class TcpTransport(Transport):
 
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
         self.limits = limits
+        self._handlers: set[asyncio.Task[Any]] = set()  # referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await guarded(handler, TcpConnection(reader, writer, self.limits))
+        transport = self
 
-        server = await asyncio.start_server(on_client, host, port, limit=1 << 20)
+        class _ServerPipe(_Pipe):
+            def connection_made(self, tr: asyncio.BaseTransport) -> None:
+                super().connection_made(tr)
+                task = asyncio.get_running_loop().create_task(guarded(handler, TcpConnection(self, transport.limits)))
+                transport._handlers.add(task)
+                task.add_done_callback(transport._handlers.discard)
+
+        server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port)
         return TcpListener(server)
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            _, pipe = await asyncio.wait_for(asyncio.get_running_loop().create_connection(_Pipe, host, port), timeout)
         except (TimeoutError, OSError) as exc:
             raise PeerDeadError(f"tcp://{host}:{port}", f"connect failed: {exc}") from exc
-        return TcpConnection(reader, writer, self.limits)
+        return TcpConnection(pipe, self.limits)
