@@ -162,6 +162,9 @@ class Checkpointer:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                # Woken in the middle of a layer, the expert calls that its dispatch has just
+                # created may not have run yet: let them go first, then send behind them.
+                await asyncio.sleep(0)
                 if self.refe.sending:
                     await self.refe.send_idle.wait()
                     continue

@@ -67,7 +67,11 @@ async def kill_at(fab: Fabric, prompt: list[int], point: int, tail: int) -> dict
     """Streams one request; SIGKILLs its AW once `point` tokens arrived. Round-robin routing sends
     a fresh gateway's first request to the second AW it connected to (its log says which)."""
     assert fab.log_dir is not None
-    order = re.findall(r"connected to (aw-\d+)", (Path(fab.log_dir) / "gateway.log").read_text())
+    deadline = time.monotonic() + 30
+    while len(order := re.findall(r"connected to (aw-\d+)", (Path(fab.log_dir) / "gateway.log").read_text())) < 2:
+        if time.monotonic() > deadline:  # the gateway may still be connecting when /v1/models answers
+            raise RuntimeError(f"the gateway connected to {order} only")
+        await asyncio.sleep(0.1)
     victim = order[1]
     aw = next(w for w in fab.cluster()["workers"] if w["id"] == victim)
     url = f"http://127.0.0.1:{fab.port}/v1/completions"
@@ -109,7 +113,10 @@ def aw_stats(fab: Fabric) -> dict[str, float]:
         time.sleep(0.3)
 
 
-def recovery(model: Path, log_root: str, points: list[int], repeats: int, vocab: int) -> list[dict[str, Any]]:
+def recovery(model: Path, log_root: str, points: list[int], repeats: int, vocab: int,
+             partial: Path) -> list[dict[str, Any]]:
+    """Rows so far are rewritten to `partial` after each failure point (a long run that breaks
+    keeps what it measured)."""
     rows = []
     prompt = make_prompts(1, 16, vocab, 1)[0]
     for name, over in RECOVERY.items():
@@ -129,7 +136,9 @@ def recovery(model: Path, log_root: str, points: list[int], repeats: int, vocab:
             rows.append({"mode": name, "point": point, "stall_s": statistics.median(r["stall_s"] for r in runs),
                          "tbt_s": statistics.median(r["tbt_s"] for r in runs), "restored_tokens": restored,
                          "recomputed_tokens": 16 + point - restored,
-                         "bytes_moved": statistics.median(r["restored_bytes"] for r in runs)})
+                         "bytes_moved": statistics.median(r["restored_bytes"] for r in runs),
+                         "stall_runs_s": [r["stall_s"] for r in runs]})
+            partial.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
@@ -206,6 +215,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--skip", choices=["recovery", "steady"], default=None)
+    ap.add_argument("--recovery-json", type=Path, default=None,
+                    help="with --skip recovery: report the rows an earlier run wrote (checkpoint_recovery.partial.json)")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     if not (args.model_dir / "config.json").exists():
@@ -214,7 +225,10 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model_dir).vocab_size
     log_root = tempfile.mkdtemp(prefix="bench-checkpoint-logs-")
     points = [int(p) for p in args.points.split(",") if p.strip()]
-    rec = [] if args.skip == "recovery" else recovery(args.model_dir, log_root, points, args.repeats, vocab)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = json.loads(args.recovery_json.read_text()) if args.recovery_json else \
+        [] if args.skip == "recovery" else recovery(args.model_dir, log_root, points, args.repeats, vocab,
+                                                      args.out / "checkpoint_recovery.partial.json")
     raw, info = ({}, {}) if args.skip == "steady" else steady(args.model_dir, log_root, args.rounds, args.concurrency,
                                                                args.tokens, vocab)
     print(f"\n`{command}`\n")

@@ -25,6 +25,7 @@ from fabric.model.demo import write_demo_model
 SCENARIOS: dict[str, list[str]] = {
     "EW SIGINT / fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
     "AW SIGINT / fabric": ["--role", "attention", "--signal", "INT", "--mode", "fabric"],
+    "AW SIGINT / replay": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--checkpoint-stores", "0"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
 }

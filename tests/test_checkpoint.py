@@ -74,6 +74,9 @@ def test_store_death_serving_goes_on_and_protection_resumes(hf_models: dict[str,
         health = get_json(f"http://127.0.0.1:{fabric.port}/health")
         assert health["status"] == "ok" and health["checkpointing"] == "on"
         assert run_streams(fabric) == reference
+        # Checkpoint segments travel while the AW waits for expert results (the link's idle gaps).
+        wait_stats(fabric, "checkpoint bytes sent in link idle gaps", lambda c: any(
+            w["stats"].get("ckpt_bytes_in_gaps", 0) > 0 for w in role(c, "attention")))
         pids = {w["pid"] for w in fabric.cluster()["workers"]}
     for p in pids:
         wait_gone(p, 15)

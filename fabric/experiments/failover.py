@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--attention-workers", type=int, default=2)
     p.add_argument("--expert-workers", type=int, default=3)
+    p.add_argument("--checkpoint-stores", type=int, default=1,
+                   help="0: no KV checkpoints, a dead AW's streams resume by replay")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -66,6 +68,8 @@ class Experiment:
         # drain_timeout 0: a full restart does not wait for running requests.
         self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport="tcp",
                                expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180,
+                               checkpoint_stores=args.checkpoint_stores,
+                               checkpoint="incremental" if args.checkpoint_stores else "off",
                                provisioner="none" if args.mode == "restart-all" else "local")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []

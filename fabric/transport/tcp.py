@@ -125,8 +125,11 @@ class _Pipe(asyncio.BufferedProtocol):
         if self.lost is not None:
             raise ConnectionResetError(str(self.lost))
         if self._write_paused:
-            self._drain_waiter = asyncio.get_running_loop().create_future()
-            await self._drain_waiter
+            # One future shared by every sender waiting here (several tasks may send on one
+            # connection); shielded, so a cancelled sender does not cancel the others' wait.
+            if self._drain_waiter is None or self._drain_waiter.done():
+                self._drain_waiter = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drain_waiter)
 
 
 class TcpConnection(Connection):
