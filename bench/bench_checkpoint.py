@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--skip", choices=["recovery", "steady"], default=None)
     ap.add_argument("--recovery-json", type=Path, default=None,
-                    help="with --skip recovery: report the rows an earlier run wrote (checkpoint_recovery.partial.json)")
+                    help="report the recovery rows an earlier run wrote (checkpoint_recovery.partial.json) instead of measuring them")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     if not (args.model_dir / "config.json").exists():
@@ -226,9 +226,12 @@ def main() -> None:
     log_root = tempfile.mkdtemp(prefix="bench-checkpoint-logs-")
     points = [int(p) for p in args.points.split(",") if p.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
-    rec = json.loads(args.recovery_json.read_text()) if args.recovery_json else \
-        [] if args.skip == "recovery" else recovery(args.model_dir, log_root, points, args.repeats, vocab,
-                                                      args.out / "checkpoint_recovery.partial.json")
+    if args.recovery_json:  # rows measured by an earlier run
+        rec = json.loads(args.recovery_json.read_text())
+    elif args.skip == "recovery":
+        rec = []
+    else:
+        rec = recovery(args.model_dir, log_root, points, args.repeats, vocab, args.out / "checkpoint_recovery.partial.json")
     raw, info = ({}, {}) if args.skip == "steady" else steady(args.model_dir, log_root, args.rounds, args.concurrency,
                                                                args.tokens, vocab)
     print(f"\n`{command}`\n")
@@ -259,7 +262,6 @@ def main() -> None:
               f"pause mode spent {info['pause_s']:.1f} s paused")
     for note in scan_logs(log_root):
         print(f"note: {note}")
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checkpoint.json").write_text(json.dumps({"command": command, "recovery": rec, "steady": raw,
                                                           "steady_info": info}, indent=2) + "\n")
     plot(rec, raw, args.out)

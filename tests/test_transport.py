@@ -37,7 +37,9 @@ def test_concurrent_senders_all_finish_under_back_pressure() -> None:
                 return KvPut(i, f"r{i}", 0, k, k.clone())
 
             senders = [asyncio.create_task(conn.send(put(i))) for i in range(6)]
-            await asyncio.sleep(0.2)  # every sender is now queued behind the first's drain
+            await asyncio.sleep(0)  # one loop pass: each sender has written and reached drain
+            # The premise: at least two senders are waiting in drain at once.
+            assert sum(not t.done() for t in senders) >= 2
             start_reading.set()
             # A deadlock guard, not a timing assertion: a lost drain waiter never finishes.
             await asyncio.wait_for(asyncio.gather(*senders), 60)
