@@ -33,6 +33,7 @@ from fabric.transport.base import Connection, Transport
 log = logging.getLogger(__name__)
 
 MAX_QUEUE_BYTES = 256 << 20  # past this the store is not keeping up: drop, and say so in the stats
+COALESCE_BYTES = 256 << 10  # consecutive layers of a step are joined into one message up to this
 
 
 def _nbytes(msg: Message) -> int:
@@ -54,6 +55,10 @@ class Checkpointer:
         self.link: Connection | None = None
         self.queue: deque[Message] = deque()
         self.queued_bytes = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
+        self._pending_layer = 0  # the first of them
+        self._pending_spans: list[tuple[str, int, int]] = []
+        self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
@@ -86,6 +91,7 @@ class Checkpointer:
         self.link, self.store_id = link, store_id
         self.queue.clear()
         self.queued_bytes = 0
+        self._pending, self._pending_bytes = [], 0
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
         if self.mode == "incremental":
@@ -127,16 +133,35 @@ class Checkpointer:
     # -- what the AW hands over --------------------------------------------------------------
     def record_layer(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer `layer` wrote KV k, v [T, K, d] for `spans` (request, first token, tokens), rows in
-        order. Returns at once: the segment waits for an idle gap."""
+        order. Returns at once. Consecutive layers of a step are joined into one segment message
+        (up to COALESCE_BYTES, and always at the last layer), which waits for an idle gap: one
+        message per step instead of one per layer costs the AW and the store a fraction of the CPU."""
         if self.mode != "incremental" or not self.active or not spans:
             return
-        ids, starts, counts = [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans]
-        self._enqueue(KvAppend(next(self._seq), layer, ids, starts, counts, k, v))
+        if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
+            self._flush()  # a step that stopped part-way (its data is still right: KV is deterministic)
+        if not self._pending:
+            self._pending_layer, self._pending_spans = layer, spans
+        self._pending.append((k, v))
+        self._pending_bytes += 2 * k.numel() * k.element_size()
+        if layer == self.cfg.num_layers - 1 or self._pending_bytes >= COALESCE_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        spans = self._pending_spans
+        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
+        v = torch.stack([vv for _, vv in self._pending])
+        self._pending, self._pending_bytes = [], 0
+        self._enqueue(KvAppend(next(self._seq), self._pending_layer, [s[0] for s in spans], [s[1] for s in spans],
+                               [s[2] for s in spans], k, v))
 
     def finished(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
+            self._flush()  # segments of these requests must not reach the store after their KvDone
             self._enqueue(KvDone(request_ids))
 
     def step_done(self, running: list[Sequence]) -> None:
@@ -176,7 +201,7 @@ class Checkpointer:
                 self.bytes_sent += n
                 if in_gap:
                     self.bytes_in_gaps += n
-                if isinstance(msg, KvAppend) and msg.layer == self.cfg.num_layers - 1:
+                if isinstance(msg, KvAppend) and msg.layer + msg.k.shape[0] == self.cfg.num_layers:
                     for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
                         self.sent_upto[rid] = max(self.sent_upto.get(rid, 0), start + count)
                 elif isinstance(msg, KvPut):

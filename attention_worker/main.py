@@ -8,10 +8,12 @@ finished requests. Gateway connections only enqueue submits and aborts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from fabric.messages.control import PeerAlive, PeerFailed, Register, RoutingUpda
 from fabric.messages.expert import Ping, Pong
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
-from fabric.process import fatal_on_error, mark_failed
+from fabric.process import fatal_on_error, mark_failed, run_niced
 from fabric.routing import RoutingTable
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
@@ -51,6 +53,7 @@ class AttentionWorker:
         self.runner: ModelRunner | None = None
         self.weights: AttentionWeights | None = None
         self.work = asyncio.Event()
+        self.restoring: dict[str, asyncio.Task[None]] = {}  # request -> its restore from the store, under way
         self.steps = 0
         self.tokens_out = 0
 
@@ -82,19 +85,38 @@ class AttentionWorker:
             if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
                 raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
             seq = Sequence.from_submit(msg, conn)
-            if msg.request_id in self.scheduler.by_id:
+            if msg.request_id in self.scheduler.by_id or msg.request_id in self.restoring:
                 raise RequestError(f"request {msg.request_id} is already running here")
             if msg.restore_from and self.ckpt is not None:
-                await self._restore(seq, msg.restore_from)
-            try:
-                self.scheduler.add(seq)
-            except RequestError:
-                self.kv.blocks.release(seq.block_table)
-                raise
+                # Each restore waits for the store; they run side by side, not one after another.
+                task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
+                self.restoring[msg.request_id] = task
+            else:
+                self._add(seq)
         except RequestError as exc:
             await conn.send(RequestFailed(msg.request_id, str(exc), 400))
             return
         mine.add(msg.request_id)
+        self.work.set()
+
+    def _add(self, seq: Sequence) -> None:
+        try:
+            self.scheduler.add(seq)
+        except RequestError:
+            self.kv.blocks.release(seq.block_table)
+            raise
+
+    async def _restore_and_add(self, seq: Sequence, owner: str) -> None:
+        try:
+            await self._restore(seq, owner)
+        finally:
+            self.restoring.pop(seq.request_id, None)  # (an abort has popped it already)
+        try:
+            self._add(seq)
+        except RequestError as exc:
+            with contextlib.suppress(PeerDeadError):
+                await seq.client.send(RequestFailed(seq.request_id, str(exc), 400))
+            return
         self.work.set()
 
     async def _restore(self, seq: Sequence, owner: str) -> None:
@@ -166,7 +188,10 @@ class AttentionWorker:
                 pass  # handle_client's cleanup drops its requests
 
     def _remove(self, request_id: str) -> None:
-        if self.scheduler.remove(request_id) is not None and self.ckpt is not None:
+        restoring = self.restoring.pop(request_id, None)
+        if restoring is not None:
+            restoring.cancel()  # aborted while its KV was on the way
+        if (self.scheduler.remove(request_id) is not None or restoring is not None) and self.ckpt is not None:
             self.ckpt.finished([request_id])
 
     async def _fail_all(self, chunks: list[Any], message: str) -> None:
@@ -206,7 +231,7 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
     torch.set_num_threads(cfg.threads)
     aw = AttentionWorker(cfg)
     t0 = time.perf_counter()
-    aw.weights = await asyncio.to_thread(AttentionWeights.load, cfg.model, aw.model)
+    aw.weights = await asyncio.to_thread(run_niced, partial(AttentionWeights.load, cfg.model, aw.model), cfg.boot_nice)
     log.info("loaded attention weights (%.1f MiB) in %.2fs", aw.weights.bytes_read / 2**20, time.perf_counter() - t0)
     listener = await aw.transport.listen(cfg.host, cfg.port, aw.handle_client)
     link = OrchestratorLink(*cfg.orchestrator_addr)

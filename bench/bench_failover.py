@@ -29,7 +29,19 @@ SCENARIOS: dict[str, list[str]] = {
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
 }
-FIELDS = ["stall_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s"]
+FIELDS = ["stall_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s",
+          "normal_gap_s", "degraded_gap_s"]
+
+
+def gap_context(res: dict[str, Any]) -> dict[str, float | None]:
+    """What a stall reads against: the median token gap before the kill, and while the cluster is
+    one worker short (from 1 s after the kill until the replacement is ready)."""
+    m = res["metrics"]
+    kill = m["kill_at_s"]
+    end = kill + (m.get("replacement_ready_s") or 3.0)
+    before = [g for t, g, *_ in res["gaps"] if t < kill]
+    short = [g for t, g, *_ in res["gaps"] if kill + 1.0 < t < end]
+    return {"normal_gap_s": med(before), "degraded_gap_s": med(short)}
 
 
 def med(vals: list[float | None]) -> float | None:
@@ -89,7 +101,8 @@ def main() -> None:
             if not (out / "results.json").exists():
                 print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
                 continue
-            runs[name].append(json.loads((out / "results.json").read_text())["metrics"])
+            res = json.loads((out / "results.json").read_text())
+            runs[name].append({**res["metrics"], **gap_context(res)})
     rows = []
     for name in chosen:
         ms = runs[name]
@@ -106,12 +119,13 @@ def main() -> None:
 
     print(f"\n`{command}`\n")
     print("| scenario | runs | stall (median) | first token after kill | found dead by a peer | declared dead "
-          "(orchestrator) | replacement ready | back to 90% tok/s | requests lost | outputs equal to failure-free run |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "(orchestrator) | replacement ready | back to 90% tok/s | token gap before / one worker short | requests lost | "
+          "outputs equal to failure-free run |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['scenario']} | {r['runs']} | {ms(r['stall_s'])} | {ms(r['time_to_first_success_s'])} | "
               f"{ms(r['suspected_s'])} | {ms(r['detected_s'])} | {ms(r['replacement_ready_s'])} | {ms(r['time_to_90pct_throughput_s'])} | "
-              f"{r['lost']} of {r['requests']} | {'yes' if r['all_equal'] else 'no'} |")
+              f"{ms(r['normal_gap_s'])} / {ms(r['degraded_gap_s'])} | {r['lost']} of {r['requests']} | {'yes' if r['all_equal'] else 'no'} |")
     fabric_ew = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / fabric"), None)
     restart = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / restart-all"), None)
     if fabric_ew and restart:

@@ -45,79 +45,125 @@ class KvLayout:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
-class RequestLog:
-    """One request's segments, stored per layer in growable tensors k, v [L, cap, K, d] with a
-    presence map [cap, L] (the commit records), so appending a span and reading a prefix back
-    are a few tensor operations however long the request is."""
+class BlockPool:
+    """KV blocks of BLOCK_TOKENS tokens, k and v [L, B, K, d] each, reused: a finished request's
+    blocks go to the next one, so steady-state checkpointing neither allocates nor copies on growth
+    (fresh memory costs a page fault per 4 KiB on first touch)."""
 
-    def __init__(self, layout: KvLayout, capacity: int = 16) -> None:
+    BLOCK_TOKENS = 32
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.shape = (layout.num_layers, self.BLOCK_TOKENS, layout.num_kv_heads, layout.head_dim)
+        self.dtype = layout.dtype
+        self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.free:
+            return self.free.pop()
+        return torch.empty(self.shape, dtype=self.dtype), torch.empty(self.shape, dtype=self.dtype)
+
+    def give(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.free.extend(b for b in blocks if b[0].shape == self.shape and b[0].dtype == self.dtype)
+
+
+class RequestLog:
+    """One request's segments, stored in blocks of B tokens (k, v [L, B, K, d] each, from a
+    `BlockPool`), with a commit record per token: a bitmask of the layers present (bit l = layer
+    l). A span is a tensor copy per block it touches and a little integer arithmetic, however many
+    layers and tokens it carries."""
+
+    def __init__(self, layout: KvLayout, pool: BlockPool) -> None:
         self.layout = layout
-        shape = (layout.num_layers, capacity, layout.num_kv_heads, layout.head_dim)
-        self.k = torch.empty(shape, dtype=layout.dtype)
-        self.v = torch.empty(shape, dtype=layout.dtype)
-        self.present = torch.zeros((capacity, layout.num_layers), dtype=torch.bool)
+        self.pool = pool
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.present: list[int] = []  # per token: bitmask of the layers held
+        self.full = (1 << layout.num_layers) - 1  # a committed token's mask
         self.frontier = 0  # committed tokens: 0..frontier-1 all have every layer
-        self.bytes = 0  # bytes of the segments held (the tensors may hold up to 2x this)
+        self.bytes = 0  # bytes of the segments held (the blocks hold up to B-1 tokens more)
         self.duplicates = 0
         self.out_of_order = 0
         self.last_seq = 0
         self.orphaned = False  # its AW is dead: evictable
 
     def _grow(self, tokens: int) -> None:
-        cap = self.present.shape[0]
-        if tokens <= cap:
-            return
-        new = max(tokens, 2 * cap)
-        lay = self.layout
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            t = torch.empty((lay.num_layers, new, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
-            t[:, :cap] = old
-            setattr(self, name, t)
-        present = torch.zeros((new, lay.num_layers), dtype=torch.bool)
-        present[:cap] = self.present
-        self.present = present
+        if tokens > len(self.present):
+            self.present.extend([0] * (tokens - len(self.present)))
+        while len(self.blocks) * BlockPool.BLOCK_TOKENS < tokens:
+            self.blocks.append(self.pool.take())
+
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [m, n, K, d] into layers layer.., tokens start.."""
+        n, done, size = k.shape[1], 0, BlockPool.BLOCK_TOKENS
+        while done < n:
+            b, off = divmod(start + done, size)
+            c = min(size - off, n - done)
+            kb, vb = self.blocks[b]
+            kb[layer:layer + k.shape[0], off:off + c] = k[:, done:done + c]
+            vb[layer:layer + k.shape[0], off:off + c] = v[:, done:done + c]
+            done += c
+
+    def release(self) -> None:
+        """Its blocks go back to the pool (the request is gone)."""
+        self.pool.give(self.blocks)
+        self.blocks = []
 
     def append_span(self, layer: int, start: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Tokens start .. start+n-1 of one layer, k, v [n, K, d]; returns the bytes added
-        (segments already held are duplicates: ignored and counted)."""
-        n = k.shape[0]
+        """Layers layer .. layer+m-1 of tokens start .. start+n-1, k, v [m, n, K, d]; returns the
+        bytes added (segments already held are duplicates: ignored and counted)."""
+        m, n = k.shape[0], k.shape[1]
         if seq_no < self.last_seq:
             self.out_of_order += 1
         self.last_seq = max(self.last_seq, seq_no)
         self._grow(start + n)
-        new = ~self.present[start:start + n, layer]  # [n]
-        fresh = int(new.sum())
-        self.duplicates += n - fresh
-        if fresh == n:
-            self.k[layer, start:start + n] = k
-            self.v[layer, start:start + n] = v
-        elif fresh:
-            idx = torch.nonzero(new).squeeze(1)
-            self.k[layer, start + idx] = k[idx]
-            self.v[layer, start + idx] = v[idx]
-        self.present[start:start + n, layer] = True
-        rows = self.present[self.frontier:].all(dim=1)  # the commit records past the frontier
-        missing = torch.nonzero(~rows)
-        self.frontier += int(missing[0, 0]) if missing.numel() else int(rows.shape[0])
+        bits = ((1 << m) - 1) << layer
+        present = self.present
+        held = [present[t] & bits for t in range(start, start + n)]
+        if not any(held):  # the usual case: all new
+            self._write(layer, start, k, v)
+            fresh = m * n
+        else:
+            fresh = 0
+            for j, h in enumerate(held):
+                if not h:  # a new token
+                    self._write(layer, start + j, k[:, j:j + 1], v[:, j:j + 1])
+                    fresh += m
+                elif h != bits:  # some of these layers of it are held already
+                    for i in range(m):
+                        if not h >> (layer + i) & 1:
+                            self._write(layer + i, start + j, k[i:i + 1, j:j + 1], v[i:i + 1, j:j + 1])
+                            fresh += 1
+        self.duplicates += m * n - fresh
+        for t in range(start, start + n):
+            present[t] |= bits
+        f, end = self.frontier, len(present)
+        while f < end and present[f] == self.full:
+            f += 1
+        self.frontier = f
         added = fresh * self.layout.segment_bytes
         self.bytes += added
         return added
 
     def append(self, token: int, layer: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """One segment, k, v [K, d]."""
-        return self.append_span(layer, token, seq_no, k[None], v[None])
+        return self.append_span(layer, token, seq_no, k[None, None], v[None, None])
 
     @property
     def gaps(self) -> int:
         """Tokens past the frontier that have segments (waiting for a gap to fill)."""
-        return int(self.present[self.frontier + 1:].any(dim=1).sum())
+        return sum(1 for mask in self.present[self.frontier + 1:] if mask)
 
     def kv(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed tokens [0, upto) as k, v [L, upto, K, d] (copies)."""
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
-        return self.k[:, :upto].clone(), self.v[:, :upto].clone()
+        lay, size = self.layout, BlockPool.BLOCK_TOKENS
+        k = torch.empty((lay.num_layers, upto, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
+        v = torch.empty_like(k)
+        for b in range(0, upto, size):
+            kb, vb = self.blocks[b // size]
+            k[:, b:b + size] = kb[:, :min(size, upto - b)]
+            v[:, b:b + size] = vb[:, :min(size, upto - b)]
+        return k, v
 
 
 class AwBucket:
@@ -127,6 +173,7 @@ class AwBucket:
         self.aw_id = aw_id
         self.layout = layout
         self.capacity = capacity
+        self.pool = BlockPool(layout)
         self.requests: OrderedDict[str, RequestLog] = OrderedDict()  # least recently used first
         self.bytes_used = 0
         self.segments = 0
@@ -135,7 +182,7 @@ class AwBucket:
     def _log(self, request_id: str) -> RequestLog:
         req = self.requests.get(request_id)
         if req is None:
-            req = self.requests[request_id] = RequestLog(self.layout)
+            req = self.requests[request_id] = RequestLog(self.layout, self.pool)
         self.requests.move_to_end(request_id)
         return req
 
@@ -144,30 +191,38 @@ class AwBucket:
             victim = next((rid for rid, r in self.requests.items() if r.orphaned and rid != keep), None)
             if victim is None:
                 raise StoreFullError(f"{self.aw_id}'s bucket is full ({self.capacity} bytes) of live requests")
-            self.drop(victim)
+            self.finish(victim)
             self.evictions += 1
+
+    def append_layers(self, request_id: str, layer: int, start: int, seq_no: int, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Layers layer .. layer+m-1 of tokens start .. start+n-1: k, v [m, n, K, d]."""
+        segments = k.shape[0] * k.shape[1]
+        self._make_room(segments * self.layout.segment_bytes, request_id)
+        self.bytes_used += self._log(request_id).append_span(layer, start, seq_no, k, v)
+        self.segments += segments
 
     def append_layer(self, request_id: str, layer: int, start: int, seq_no: int, k: torch.Tensor,
                      v: torch.Tensor) -> None:
         """Tokens start .. start+n-1 of one layer: k, v [n, K, d]."""
-        self._make_room(k.shape[0] * self.layout.segment_bytes, request_id)
-        self.bytes_used += self._log(request_id).append_span(layer, start, seq_no, k, v)
-        self.segments += k.shape[0]
+        self.append_layers(request_id, layer, start, seq_no, k[None], v[None])
 
     def put_tokens(self, request_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer of tokens start .. start+n-1: k, v [L, n, K, d] (the bulk path)."""
-        for layer in range(k.shape[0]):
-            self.append_layer(request_id, layer, start, 0, k[layer], v[layer])
+        self.append_layers(request_id, 0, start, 0, k, v)
 
     def frontier(self, request_id: str) -> int:
         req = self.requests.get(request_id)
         return req.frontier if req is not None else 0
 
     def finish(self, request_id: str) -> None:
-        """The request ended normally on its AW: nothing will need it again."""
-        self.drop(request_id)
+        """The request ended normally on its AW (or is evicted): nothing will need it again."""
+        req = self.drop(request_id)
+        if req is not None:
+            req.release()
 
     def drop(self, request_id: str) -> RequestLog | None:
+        """Takes the request out of this bucket (to `adopt` it into another, or to free it)."""
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.bytes_used -= req.bytes

@@ -2,7 +2,7 @@
 every AW's live requests in host memory, outside the AWs' failure domains.
 
 Per AW connection: `StoreHello` (who, and its KV layout) -> a bucket sized for it; then a stream
-of `KvAppend` (one layer of one step), `KvPut` (whole requests), `KvDone` (finished: freed) and
+of `KvAppend` (some layers of one step), `KvPut` (whole requests), `KvDone` (finished: freed) and
 `KvSync` (a barrier). A restoring AW sends `KvFetch(owner, request)`: the store answers with the
 request's committed KV (`KvRestore`) and re-homes the request to the asking AW's bucket, so it
 stays protected there. Buckets of dead AWs are kept for `--orphan-ttl-s`, then dropped.
@@ -95,21 +95,22 @@ class CheckpointStore:
             raise ProtocolError(f"checkpoint KV of shape {tuple(k.shape)} does not fit the layout")
 
     def _append(self, bucket: AwBucket, msg: KvAppend) -> None:
-        """k, v [T, K, d]: rows grouped per request span."""
-        self._check(bucket.layout, msg.k, msg.v, 3)
-        if not 0 <= msg.layer < bucket.layout.num_layers:
-            raise ProtocolError(f"kv_append: layer {msg.layer} out of range")
-        if not len(msg.request_ids) == len(msg.starts) == len(msg.counts) or sum(msg.counts) != msg.k.shape[0] \
+        """k, v [m, T, K, d]: layers msg.layer .. +m-1, columns grouped per request span."""
+        self._check(bucket.layout, msg.k, msg.v, 4)
+        if not 0 <= msg.layer < msg.layer + msg.k.shape[0] <= bucket.layout.num_layers:
+            raise ProtocolError(f"kv_append: layers {msg.layer}..+{msg.k.shape[0]} out of range")
+        if not len(msg.request_ids) == len(msg.starts) == len(msg.counts) or sum(msg.counts) != msg.k.shape[1] \
                 or any(c < 0 for c in msg.counts) or any(s < 0 for s in msg.starts):
-            raise ProtocolError("kv_append: spans do not match the rows")
-        row = 0
+            raise ProtocolError("kv_append: spans do not match the columns")
+        col = 0
         for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
             try:
-                bucket.append_layer(rid, msg.layer, start, msg.seq_no, msg.k[row:row + count], msg.v[row:row + count])
+                bucket.append_layers(rid, msg.layer, start, msg.seq_no, msg.k[:, col:col + count],
+                                     msg.v[:, col:col + count])
             except StoreFullError as exc:
                 self.full_errors += 1
                 log.warning("%s: %s", rid, exc)
-            row += count
+            col += count
 
     def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket) -> KvRestore:
         self.fetches += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -33,7 +34,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    _boot_nice_flag(p)
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _boot_nice_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--boot-nice", type=int, default=0,
+                   help="run start-up (imports, weight loading) this much nicer, 0..19 (replacements boot with 10)")
 
 
 def _gateway_policy_flags(p: argparse.ArgumentParser) -> None:
@@ -95,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flags of `moe-fabric checkpoint-store` for replacements (one shell-quoted string)")
     o.add_argument("--spawn-log-dir", default=None, help="replacements' logs go here (default: stderr)")
     o.add_argument("--max-replacements", type=int, default=16, help="crash-loop guard over the cluster's life")
+    o.add_argument("--replacement-boot-nice", type=int, default=10,
+                   help="replacements boot this much nicer than the serving workers (0..19)")
     o.add_argument("--confirm-timeout-ms", type=float, default=250.0,
                    help="a worker a peer reports dead is declared dead unless it answers the orchestrator within this")
     o.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -140,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--transport", choices=["tcp", "ucx", "auto"], default="auto")
     c.add_argument("--bucket-mib", type=int, default=1024, help="host memory per attention worker")
     c.add_argument("--orphan-ttl-s", type=float, default=60.0, help="keep a dead AW's checkpoints this long")
+    _boot_nice_flag(c)
     c.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
     d = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
@@ -207,16 +217,22 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return _role("gateway", gw, GatewayConfig(**_fields(args)))
     if cmd == "checkpoint-store":
-        from checkpoint_store.main import serve as store
-
-        return _role("checkpoint-store", store, CheckpointStoreConfig(**_fields(args)))
+        cs_cfg = CheckpointStoreConfig(**_fields(args))
+        return _role("checkpoint-store", _serve_of("checkpoint_store.main", cs_cfg.boot_nice), cs_cfg)
     if cmd == "attention-worker":
-        from attention_worker.main import serve as aw
+        aw_cfg = AttentionWorkerConfig(**_fields(args))
+        return _role("attention-worker", _serve_of("attention_worker.main", aw_cfg.boot_nice), aw_cfg)
+    ew_cfg = ExpertWorkerConfig(**_fields(args))
+    return _role("expert-worker", _serve_of("expert_worker.main", ew_cfg.boot_nice), ew_cfg)
 
-        return _role("attention-worker", aw, AttentionWorkerConfig(**_fields(args)))
-    from expert_worker.main import serve as ew
 
-    return _role("expert-worker", ew, ExpertWorkerConfig(**_fields(args)))
+def _serve_of(module: str, boot_nice: int) -> Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]]:
+    """A worker role's `serve`. Importing it (torch and the rest) is most of a worker's start-up:
+    it runs `boot_nice` nicer, so a replacement takes CPU from the serving workers only when idle."""
+    from fabric.process import run_niced
+
+    mod = run_niced(lambda: importlib.import_module(module), boot_nice)
+    return mod.serve  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

@@ -35,12 +35,15 @@ class RoleConfig:
     port: int = 0
     transport: str = "tcp"
     parent_pid: int | None = None
+    boot_nice: int = 0  # start-up work (imports, weight loading) runs this much nicer: replacements boot in the background
 
     def __post_init__(self) -> None:
         parse_hostport(self.orchestrator)
         _check_port(self.port, "port")
         if self.transport not in ("tcp", "ucx", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}")
+        if not 0 <= self.boot_nice <= 19:
+            raise ConfigError(f"boot_nice must be in 0..19, got {self.boot_nice}")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -148,6 +151,7 @@ class OrchestratorConfig:
     spawn_store_args: str = ""  # `moe-fabric checkpoint-store` flags for replacements (shell words)
     spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
     max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
+    replacement_boot_nice: int = 10  # replacements boot (imports, weights) this much nicer than the serving workers
     confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
     parent_pid: int | None = None
 
@@ -161,6 +165,8 @@ class OrchestratorConfig:
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
         if self.max_replacements < 0 or self.confirm_timeout_ms <= 0:
             raise ConfigError("max_replacements must be >= 0 and confirm_timeout_ms > 0")
+        if not 0 <= self.replacement_boot_nice <= 19:
+            raise ConfigError(f"replacement_boot_nice must be in 0..19, got {self.replacement_boot_nice}")
 
 
 @dataclass(frozen=True)

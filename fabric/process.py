@@ -11,7 +11,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1
 
@@ -43,6 +45,33 @@ def watch_parent(parent_pid: int | None) -> None:
             threading.Event().wait(1.0)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def run_niced(fn: Callable[[], T], nice: int) -> T:
+    """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it. On Linux
+    niceness is per thread, so the caller keeps its own (no process may lower its niceness again
+    unprivileged: this is how a replacement boots in the background and then serves at full
+    priority). Elsewhere, or with nice <= 0, `fn` just runs here."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return fn()
+    out: list[Any] = []
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            out.append((False, exc))
+
+    t = threading.Thread(target=body, name="boot", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 _failed = threading.Event()  # set when the process must exit non-zero after its cleanup

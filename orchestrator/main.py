@@ -236,7 +236,7 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     orch.provisioner = make_provisioner(  # replacements dial the port actually bound
         cfg.provisioner, {"attention": cfg.spawn_attention_args, "expert": cfg.spawn_expert_args,
                           "checkpoint_store": cfg.spawn_store_args},
-        f"{cfg.host}:{port}", cfg.spawn_log_dir)
+        f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.replacement_boot_nice)
     orch._watch = asyncio.create_task(orch.watch_replacements())
     if cfg.port_file:
         tmp = Path(cfg.port_file + ".tmp")

@@ -71,8 +71,9 @@ class NoProvisioner(Provisioner):
 
 
 class LocalProvisioner(Provisioner):
-    def __init__(self, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None) -> None:
+    def __init__(self, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None, boot_nice: int = 10) -> None:
         self.args = {role: shlex.split(a) for role, a in args_by_role.items()}
+        self.boot_nice = boot_nice  # a replacement's start-up yields the CPU to the workers serving meanwhile
         self.orchestrator = orchestrator
         self.log_dir = log_dir
         self.children: list[Spawned] = []
@@ -87,6 +88,8 @@ class LocalProvisioner(Provisioner):
         argv = [*self.args[role]]
         if "--orchestrator" not in argv:
             argv += ["--orchestrator", self.orchestrator]
+        if "--boot-nice" not in argv and self.boot_nice:
+            argv += ["--boot-nice", str(self.boot_nice)]
         cmd = [sys.executable, "-m", "fabric.cli", ROLE_COMMAND[role], *argv, "--parent-pid", str(os.getpid())]
         out = None
         if self.log_dir:
@@ -132,7 +135,8 @@ class LocalProvisioner(Provisioner):
                 p.wait()
 
 
-def make_provisioner(kind: str, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None) -> Provisioner:
+def make_provisioner(kind: str, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None,
+                     boot_nice: int = 10) -> Provisioner:
     if kind == "local":
-        return LocalProvisioner(args_by_role, orchestrator, log_dir)
+        return LocalProvisioner(args_by_role, orchestrator, log_dir, boot_nice)
     return NoProvisioner()

@@ -121,3 +121,45 @@ def test_finish_frees_at_once_and_accounting_stays_exact() -> None:
     assert "x" not in b.requests and log.bytes_used == 6 * SEG
     log.drop_aw("aw-0")
     assert log.bytes_used == 0
+
+
+def kv_block(tokens: range, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [m, n, K, d] of these layers and tokens."""
+    k = torch.stack([torch.stack([kv_of(t, layer)[0] for t in tokens]) for layer in layers])
+    v = torch.stack([torch.stack([kv_of(t, layer)[1] for t in tokens]) for layer in layers])
+    return k, v
+
+
+def test_a_span_of_several_layers_commits_and_skips_the_segments_already_held() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    bucket.append_layers("r", 0, 0, 1, *kv_block(range(0, 3), range(0, 2)))  # layers 0-1 of tokens 0-2
+    assert bucket.frontier("r") == 0 and bucket.bytes_used == 6 * SEG
+    append(bucket, "r", 3, 2)  # one segment of token 3
+    bucket.append_layers("r", 1, 0, 2, *kv_block(range(0, 4), range(1, 3)))  # layers 1-2 of tokens 0-3
+    req = bucket.requests["r"]
+    # held already: layer 1 of tokens 0-2 and layer 2 of token 3; token 3 still lacks layer 0
+    assert req.duplicates == 4 and req.frontier == 3 and req.gaps == 0
+    assert bucket.bytes_used == 6 * SEG + SEG + 4 * SEG
+    append(bucket, "r", 3, 0)
+    assert req.frontier == 4
+    k, v = req.kv(4)
+    want_k, want_v = kv_block(range(0, 4), range(0, 3))
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_spans_across_blocks_and_finished_requests_hand_their_blocks_on() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    size = bucket.pool.BLOCK_TOKENS
+    n = 2 * size + 5
+    bucket.put_tokens("r", 0, *kv_block(range(0, n - 3), range(0, 3)))  # spans three blocks
+    bucket.append_layers("r", 0, n - 3, 1, *kv_block(range(n - 3, n), range(0, 3)))
+    req = bucket.requests["r"]
+    assert req.frontier == n and len(req.blocks) == 3
+    k, v = req.kv(n)
+    want_k, want_v = kv_block(range(0, n), range(0, 3))
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    blocks = {id(kb) for kb, _ in req.blocks}
+    bucket.finish("r")
+    assert len(bucket.pool.free) == 3 and bucket.bytes_used == 0
+    append(bucket, "s", 0, 0)
+    assert id(bucket.requests["s"].blocks[0][0]) in blocks and len(bucket.pool.free) == 2

@@ -28,9 +28,9 @@ class StoreHello(Message):
 @register
 @dataclass
 class KvAppend(Message):
-    """One layer's new KV of one AW step: rows [sum(counts[:i]), +counts[i]) of k and v are tokens
-    starts[i] .. starts[i] + counts[i] - 1 of request request_ids[i]. `seq_no` increases with every
-    message an AW sends (the log's order)."""
+    """The new KV of consecutive layers layer .. layer + m - 1 of one AW step: columns
+    [sum(counts[:i]), +counts[i]) of k and v are tokens starts[i] .. starts[i] + counts[i] - 1 of
+    request request_ids[i]. `seq_no` increases with every message an AW sends (the log's order)."""
 
     kind = "kv_append"
     seq_no: int
@@ -38,8 +38,8 @@ class KvAppend(Message):
     request_ids: list[str]
     starts: list[int]
     counts: list[int]
-    k: torch.Tensor  # [T, K, d]
-    v: torch.Tensor  # [T, K, d]
+    k: torch.Tensor  # [m, T, K, d]
+    v: torch.Tensor  # [m, T, K, d]
 
 
 @register
