@@ -131,8 +131,12 @@ class AttentionWorker:
             log.warning("%s: no checkpoint to restore from (%s); replaying", seq.request_id, exc)
             return
         n = self.ckpt.restore_into(seq, frontier, k, v)
-        log.info("%s: restored %d of %d tokens from %s's checkpoint in %.1f ms; recomputing %d", seq.request_id, n,
-                 seq.num_tokens, owner, (time.perf_counter() - t0) * 1e3, seq.num_tokens - n)
+        if n:
+            log.info("%s: restored %d of %d tokens from %s's checkpoint in %.1f ms; recomputing %d", seq.request_id,
+                     n, seq.num_tokens, owner, (time.perf_counter() - t0) * 1e3, seq.num_tokens - n)
+        else:
+            log.info("%s: no checkpoint of %s's to restore from; replaying %d tokens", seq.request_id, owner,
+                     seq.num_tokens)
 
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:

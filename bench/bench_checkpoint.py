@@ -114,12 +114,13 @@ def aw_stats(fab: Fabric) -> dict[str, float]:
 
 
 def recovery(model: Path, log_root: str, points: list[int], repeats: int, vocab: int,
-             partial: Path) -> list[dict[str, Any]]:
+             partial: Path, modes: list[str]) -> list[dict[str, Any]]:
     """Rows so far are rewritten to `partial` after each failure point (a long run that breaks
     keeps what it measured)."""
     rows = []
     prompt = make_prompts(1, 16, vocab, 1)[0]
-    for name, over in RECOVERY.items():
+    for name in modes:
+        over = RECOVERY[name]
         for point in points:
             runs = []
             for rep in range(repeats):
@@ -142,6 +143,19 @@ def recovery(model: Path, log_root: str, points: list[int], repeats: int, vocab:
     return rows
 
 
+def cpu_seconds(fab: Fabric) -> float | None:
+    """User + system CPU time of every process of a fabric so far (Linux /proc; None elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for _, proc in fab.procs:
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def steady(model: Path, log_root: str, rounds: int, conc: int, tokens: int, vocab: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
     prompts = make_prompts(conc, 32, vocab, 0)
     fabs: dict[str, Fabric] = {}
@@ -150,12 +164,17 @@ def steady(model: Path, log_root: str, rounds: int, conc: int, tokens: int, voca
         for name, over in STEADY.items():
             fabs[name] = start(model, log_root, name, **over)
             asyncio.run(fabric_round(f"http://127.0.0.1:{fabs[name].port}/v1/completions", prompts[:2], 16))
+        cpu0 = {name: cpu_seconds(fab) for name, fab in fabs.items()}
         for r in range(rounds):
             order = list(STEADY) if r % 2 == 0 else list(reversed(STEADY))
             for name in order:
                 st = asyncio.run(fabric_round(f"http://127.0.0.1:{fabs[name].port}/v1/completions", prompts, tokens))
                 raw[name].append(st["tok_s"])
                 print(f"  round {r + 1}/{rounds} {name}: {st['tok_s']:.1f} tok/s", flush=True)
+        cpu1 = {name: cpu_seconds(fab) for name, fab in fabs.items()}
+        tokens_out = rounds * conc * tokens
+        cpu_per_ktok = {name: (cpu1[name] - c0) / tokens_out * 1000 if c0 is not None and cpu1[name] is not None
+                        else None for name, c0 in cpu0.items()}
         time.sleep(1.2)
         aws = [w["stats"] for w in fabs["incremental"].cluster()["workers"] if w["role"] == "attention"]
         sent = sum(a.get("ckpt_bytes_sent", 0) for a in aws)
@@ -166,7 +185,7 @@ def steady(model: Path, log_root: str, rounds: int, conc: int, tokens: int, voca
         info = {"ckpt_bytes_sent": sent, "gap_share": gaps / sent if sent else None,
                 "lag_tokens_p50": max(lag) if lag else None, "lag_tokens_max": max(lag_max) if lag_max else None,
                 "dropped_bytes": sum(a.get("ckpt_dropped_bytes", 0) for a in aws),
-                "pause_s": sum(a.get("ckpt_pause_s", 0.0) for a in paused)}
+                "pause_s": sum(a.get("ckpt_pause_s", 0.0) for a in paused), "cpu_s_per_1000_tokens": cpu_per_ktok}
     finally:
         for fab in fabs.values():
             fab.stop()
@@ -215,6 +234,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--skip", choices=["recovery", "steady"], default=None)
+    ap.add_argument("--modes", default=",".join(RECOVERY), help="comma-separated recovery modes to measure")
     ap.add_argument("--recovery-json", type=Path, default=None,
                     help="report the recovery rows an earlier run wrote (checkpoint_recovery.partial.json) instead of measuring them")
     args = ap.parse_args()
@@ -231,7 +251,11 @@ def main() -> None:
     elif args.skip == "recovery":
         rec = []
     else:
-        rec = recovery(args.model_dir, log_root, points, args.repeats, vocab, args.out / "checkpoint_recovery.partial.json")
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if unknown := [m for m in modes if m not in RECOVERY]:
+            sys.exit(f"unknown recovery modes {unknown}; choose from {list(RECOVERY)}")
+        rec = recovery(args.model_dir, log_root, points, args.repeats, vocab,
+                       args.out / "checkpoint_recovery.partial.json", modes)
     raw, info = ({}, {}) if args.skip == "steady" else steady(args.model_dir, log_root, args.rounds, args.concurrency,
                                                                args.tokens, vocab)
     print(f"\n`{command}`\n")
@@ -249,13 +273,16 @@ def main() -> None:
                       f"parallel replay / restore = {by['parallel replay'] / by['restore (store)']:.1f}x")
     if raw:
         base = raw["no checkpointing"]
+        cpu = info.get("cpu_s_per_1000_tokens", {})
         print("\n| checkpointing | output tok/s (median) | min | max | vs none (medians) | vs none (median of "
-              "per-round ratios) |")
-        print("|---|---:|---:|---:|---:|---:|")
+              "per-round ratios) | CPU s per 1000 tokens (all processes) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name, vals in raw.items():
             paired = statistics.median(x / b for x, b in zip(vals, base, strict=True))  # same round: same noise
+            c = cpu.get(name)
             print(f"| {name} | {statistics.median(vals):.1f} | {min(vals):.1f} | {max(vals):.1f} | "
-                  f"{statistics.median(vals) / statistics.median(base):.3f}x | {paired:.3f}x |")
+                  f"{statistics.median(vals) / statistics.median(base):.3f}x | {paired:.3f}x | "
+                  f"{'–' if c is None else f'{c:.2f}'} |")
         gap = info["gap_share"]
         print(f"\nincremental: {info['ckpt_bytes_sent'] / 2**20:.1f} MiB sent, "
               f"{'–' if gap is None else f'{gap * 100:.1f}%'} of it while expert calls were in flight (link idle "

@@ -168,16 +168,18 @@ class Fabric:
             return dict(json.loads(r.read()))
 
     def stop(self, grace: float = 10.0) -> None:
-        """Idempotent. The gateway first (it drains its running requests), then the workers, then
-        the orchestrator (which stops the replacements it started), so no worker outlives the
-        orchestrator it reports to; SIGKILL after `grace`."""
+        """Idempotent. The gateway first (it drains its running requests), then the AWs, then the
+        EWs and checkpoint stores, then the orchestrator (which stops the replacements it
+        started), so no worker outlives the orchestrator it reports to; SIGKILL after `grace`."""
         if any(p.poll() is None for n, p in self.procs if n == "orchestrator"):
             self.announce_shutdown()
         gateway = [p for n, p in self.procs if n == "gateway"]
-        workers = [p for n, p in self.procs if n not in ("gateway", "orchestrator")]
+        attention = [p for n, p in self.procs if n.startswith("attention-worker")]
+        others = [p for n, p in self.procs if n not in ("gateway", "orchestrator") and not n.startswith("attention-worker")]
         orchestrator = [p for n, p in self.procs if n == "orchestrator"]
         self._stop_group(gateway, self.cfg.drain_timeout + grace)
-        self._stop_group(workers, grace)
+        self._stop_group(attention, grace)  # before the EWs and stores they use, which then see no "lost" peer
+        self._stop_group(others, grace)
         self._stop_group(orchestrator, grace)
 
     @staticmethod
