@@ -156,14 +156,14 @@ class RequestLog:
         """Committed tokens [0, upto) as k, v [L, upto, K, d] (copies)."""
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
-        lay, size = self.layout, BlockPool.BLOCK_TOKENS
-        k = torch.empty((lay.num_layers, upto, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
-        v = torch.empty_like(k)
-        for b in range(0, upto, size):
-            kb, vb = self.blocks[b // size]
-            k[:, b:b + size] = kb[:, :min(size, upto - b)]
-            v[:, b:b + size] = vb[:, :min(size, upto - b)]
-        return k, v
+        if upto == 0:
+            lay = self.layout
+            empty = torch.empty((lay.num_layers, 0, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
+            return empty, empty.clone()
+        size = BlockPool.BLOCK_TOKENS
+        full, rest = divmod(upto, size)
+        parts = self.blocks[:full] + ([(kb[:, :rest], vb[:, :rest]) for kb, vb in self.blocks[full:full + 1]] if rest else [])
+        return torch.cat([kb for kb, _ in parts], dim=1), torch.cat([vb for _, vb in parts], dim=1)
 
 
 class AwBucket:

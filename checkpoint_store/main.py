@@ -152,6 +152,9 @@ class CheckpointStore:
 
 
 async def serve(cfg: CheckpointStoreConfig, stop: asyncio.Event) -> None:
+    # Copies only: a second intra-op thread buys nothing here and, on a host whose cores the
+    # workers keep busy, makes every small tensor copy wait for a thread to be scheduled.
+    torch.set_num_threads(1)
     store = CheckpointStore(cfg)
     listener = await store.transport.listen(cfg.host, cfg.port, store.handle)
     link = OrchestratorLink(*cfg.orchestrator_addr)
