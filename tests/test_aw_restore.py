@@ -1,0 +1,84 @@
+"""An AW's bookkeeping of restores from the checkpoint store: a dead AW's requests are fetched
+side by side, and one aborted while its KV is on the way leaves nothing behind. The store's side
+is a gate here (the integration tests in test_checkpoint.py restore through a real store)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attention_worker.checkpointer import Checkpointer
+from attention_worker.main import AttentionWorker
+from fabric.config import AttentionWorkerConfig
+from fabric.messages.base import Message
+from fabric.messages.client import Submit
+
+
+class GatedCheckpointer(Checkpointer):
+    """The real checkpointer, with `fetch` held until `gate` opens and `finished` recorded."""
+
+    def __init__(self, aw: AttentionWorker) -> None:
+        super().__init__("aw-0", aw.model, aw.kv, None, None)  # type: ignore[arg-type]  # no links here
+        self.gate = asyncio.Event()
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.done: list[str] = []
+
+    async def fetch(self, owner: str, request_id: str, max_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.gate.wait()
+        finally:
+            self.in_flight -= 1
+        cfg = self.cfg
+        k = torch.randn(cfg.num_layers, max_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.torch_dtype)
+        return max_tokens, k, -k
+
+    def finished(self, request_ids: list[str]) -> None:
+        self.done += request_ids
+
+
+class Client:
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    async def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+
+def submit(rid: str) -> Submit:
+    return Submit(rid, [5, 6, 7, 8], 8, 0.0, 1.0, 0, 0, [], True, [9, 10], restore_from="aw-1")
+
+
+async def _scenario(model: Path) -> dict[str, Any]:
+    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4))
+    ckpt = aw.ckpt = GatedCheckpointer(aw)
+    client, mine = Client(), set[str]()
+    free = aw.kv.blocks.num_free
+    for rid in ("a", "b", "c"):  # each returns at once (restores waiting in line would time out here)
+        await asyncio.wait_for(aw._submit(submit(rid), client, mine), 5)  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    out: dict[str, Any] = {"most_in_flight": ckpt.most_in_flight, "restoring": sorted(aw.restoring)}
+    aw._remove("b")  # aborted mid-fetch
+    await asyncio.sleep(0)
+    ckpt.gate.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    out.update(restoring_after=sorted(aw.restoring), scheduled=sorted(aw.scheduler.by_id), done=ckpt.done,
+               computed={rid: s.num_computed for rid, s in aw.scheduler.by_id.items()}, sent=client.sent,
+               blocks_used=free - aw.kv.blocks.num_free, blocks_of_two=2 * len(aw.scheduler.by_id["a"].block_table))
+    return out
+
+
+def test_restores_run_side_by_side_and_an_abort_mid_fetch_leaves_nothing(hf_models: dict[str, Path]) -> None:
+    out = asyncio.run(_scenario(hf_models["mixtral"]))
+    assert out["most_in_flight"] == 3 and out["restoring"] == ["a", "b", "c"]  # all three fetches at once
+    assert out["restoring_after"] == [] and out["scheduled"] == ["a", "c"]
+    assert out["done"] == ["b"]  # the store is told to free the aborted request's checkpoint
+    assert out["computed"] == {"a": 5, "c": 5}  # 6 tokens known, all but the last restored
+    assert out["blocks_used"] == out["blocks_of_two"]  # nothing allocated for "b"
+    assert out["sent"] == []  # no error for anyone
