@@ -58,7 +58,6 @@ class Checkpointer:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
         self._pending_layer = 0  # the first of them
         self._pending_spans: list[tuple[str, int, int]] = []
-        self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
@@ -91,7 +90,7 @@ class Checkpointer:
         self.link, self.store_id = link, store_id
         self.queue.clear()
         self.queued_bytes = 0
-        self._pending, self._pending_bytes = [], 0
+        self._pending = []
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
         if self.mode == "incremental":
@@ -142,9 +141,8 @@ class Checkpointer:
             self._flush()  # a step that stopped part-way (its data is still right: KV is deterministic)
         if not self._pending:
             self._pending_layer, self._pending_spans = layer, spans
-        self._pending.append((k, v))
-        self._pending_bytes += 2 * k.numel() * k.element_size()
-        if layer == self.cfg.num_layers - 1 or self._pending_bytes >= COALESCE_BYTES:
+        self._pending.append((k, v))  # every layer of a step has the same shape
+        if layer == self.cfg.num_layers - 1 or 2 * len(self._pending) * k.numel() * k.element_size() >= COALESCE_BYTES:
             self._flush()
 
     def _flush(self) -> None:
@@ -153,7 +151,7 @@ class Checkpointer:
         spans = self._pending_spans
         k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
         v = torch.stack([vv for _, vv in self._pending])
-        self._pending, self._pending_bytes = [], 0
+        self._pending = []
         self._enqueue(KvAppend(next(self._seq), self._pending_layer, [s[0] for s in spans], [s[1] for s in spans],
                                [s[2] for s in spans], k, v))
 

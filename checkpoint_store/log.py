@@ -44,6 +44,11 @@ class KvLayout:
         """Bytes of one token's k and v for one layer."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    def empty_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [L, 0, K, d]: no tokens."""
+        shape = (self.num_layers, 0, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+
 
 class BlockPool:
     """KV blocks of BLOCK_TOKENS tokens, k and v [L, B, K, d] each, reused: a finished request's
@@ -143,10 +148,6 @@ class RequestLog:
         self.bytes += added
         return added
 
-    def append(self, token: int, layer: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """One segment, k, v [K, d]."""
-        return self.append_span(layer, token, seq_no, k[None, None], v[None, None])
-
     @property
     def gaps(self) -> int:
         """Tokens past the frontier that have segments (waiting for a gap to fill)."""
@@ -157,9 +158,7 @@ class RequestLog:
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
         if upto == 0:
-            lay = self.layout
-            empty = torch.empty((lay.num_layers, 0, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
-            return empty, empty.clone()
+            return self.layout.empty_kv()
         size = BlockPool.BLOCK_TOKENS
         full, rest = divmod(upto, size)
         parts = self.blocks[:full] + ([(kb[:, :rest], vb[:, :rest]) for kb, vb in self.blocks[full:full + 1]] if rest else [])
@@ -201,11 +200,6 @@ class AwBucket:
         self._make_room(segments * self.layout.segment_bytes, request_id)
         self.bytes_used += self._log(request_id).append_span(layer, start, seq_no, k, v)
         self.segments += segments
-
-    def append_layer(self, request_id: str, layer: int, start: int, seq_no: int, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-        """Tokens start .. start+n-1 of one layer: k, v [n, K, d]."""
-        self.append_layers(request_id, layer, start, seq_no, k[None], v[None])
 
     def put_tokens(self, request_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer of tokens start .. start+n-1: k, v [L, n, K, d] (the bulk path)."""

@@ -114,13 +114,11 @@ class CheckpointStore:
 
     def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket) -> KvRestore:
         self.fetches += 1
-        empty = torch.empty((bucket.layout.num_layers, 0, bucket.layout.num_kv_heads, bucket.layout.head_dim),
-                            dtype=bucket.layout.dtype)
         owner = self.log.buckets.get(msg.owner)
         req = owner.requests.get(msg.request_id) if owner is not None else None
         if owner is None or req is None or req.frontier == 0:
             log.info("fetch %s from %s: nothing stored", msg.request_id, msg.owner)
-            return KvRestore(msg.call_id, 0, empty, empty)
+            return KvRestore(msg.call_id, 0, *bucket.layout.empty_kv())
         n = min(req.frontier, max(0, msg.max_tokens))
         k, v = req.kv(n)  # [L, n, K, d]
         self.log.move(msg.request_id, msg.owner, asker)  # protected on its new AW from now on

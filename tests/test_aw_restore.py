@@ -25,11 +25,15 @@ class GatedCheckpointer(Checkpointer):
         self.gate = asyncio.Event()
         self.in_flight = 0
         self.most_in_flight = 0
+        self.all_waiting = asyncio.Event()  # set once `expect` fetches wait at the gate together
+        self.expect = 3
         self.done: list[str] = []
 
     async def fetch(self, owner: str, request_id: str, max_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.in_flight == self.expect:
+            self.all_waiting.set()
         try:
             await self.gate.wait()
         finally:
@@ -61,14 +65,13 @@ async def _scenario(model: Path) -> dict[str, Any]:
     free = aw.kv.blocks.num_free
     for rid in ("a", "b", "c"):  # each returns at once (restores waiting in line would time out here)
         await asyncio.wait_for(aw._submit(submit(rid), client, mine), 5)  # type: ignore[arg-type]
-    await asyncio.sleep(0.01)
-    out: dict[str, Any] = {"most_in_flight": ckpt.most_in_flight, "restoring": sorted(aw.restoring)}
+    tasks = dict(aw.restoring)
+    await asyncio.wait_for(ckpt.all_waiting.wait(), 5)  # every fetch is at the store at once
+    out: dict[str, Any] = {"most_in_flight": ckpt.most_in_flight, "restoring": sorted(tasks)}
     aw._remove("b")  # aborted mid-fetch
-    await asyncio.sleep(0)
     ckpt.gate.set()
-    for _ in range(10):
-        await asyncio.sleep(0)
-    out.update(restoring_after=sorted(aw.restoring), scheduled=sorted(aw.scheduler.by_id), done=ckpt.done,
+    await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 5)
+    out.update(b_cancelled=tasks["b"].cancelled(), restoring_after=sorted(aw.restoring), scheduled=sorted(aw.scheduler.by_id), done=ckpt.done,
                computed={rid: s.num_computed for rid, s in aw.scheduler.by_id.items()}, sent=client.sent,
                blocks_used=free - aw.kv.blocks.num_free, blocks_of_two=2 * len(aw.scheduler.by_id["a"].block_table))
     return out
@@ -77,7 +80,7 @@ async def _scenario(model: Path) -> dict[str, Any]:
 def test_restores_run_side_by_side_and_an_abort_mid_fetch_leaves_nothing(hf_models: dict[str, Path]) -> None:
     out = asyncio.run(_scenario(hf_models["mixtral"]))
     assert out["most_in_flight"] == 3 and out["restoring"] == ["a", "b", "c"]  # all three fetches at once
-    assert out["restoring_after"] == [] and out["scheduled"] == ["a", "c"]
+    assert out["b_cancelled"] and out["restoring_after"] == [] and out["scheduled"] == ["a", "c"]
     assert out["done"] == ["b"]  # the store is told to free the aborted request's checkpoint
     assert out["computed"] == {"a": 5, "c": 5}  # 6 tokens known, all but the last restored
     assert out["blocks_used"] == out["blocks_of_two"]  # nothing allocated for "b"

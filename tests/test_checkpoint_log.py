@@ -22,7 +22,7 @@ def kv_of(token: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def append(bucket: AwBucket, rid: str, token: int, layer: int, seq: int = 0) -> None:
     k, v = kv_of(token, layer)
-    bucket.append_layer(rid, layer, token, seq, k[None], v[None])
+    bucket.append_layers(rid, layer, token, seq, k[None, None], v[None, None])
 
 
 def test_out_of_order_segments_reach_the_right_frontier_and_content() -> None:
