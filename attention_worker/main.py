@@ -56,6 +56,7 @@ class AttentionWorker:
         self.restoring: dict[str, asyncio.Task[None]] = {}  # request -> its restore from the store, under way
         self.steps = 0
         self.tokens_out = 0
+        self.restore_join_s = 0.0  # steps spent waiting for restores to join them
 
     # -- gateway connections ------------------------------------------------------------------
     async def handle_client(self, conn: Connection) -> None:
@@ -150,6 +151,7 @@ class AttentionWorker:
                     await _wait_any(self.work, stop)
                 continue
             await self.refe.set_active(True)
+            await self._join_restores()
             chunks = self.scheduler.schedule()
             # With work pending, something is always schedulable: running requests decode, and with
             # none running every block is free and `add` refused requests larger than the cache.
@@ -163,6 +165,16 @@ class AttentionWorker:
             if self.ckpt is not None:
                 self.ckpt.step_done(self.scheduler.running)
                 await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
+
+    async def _join_restores(self) -> None:
+        """A restore that finishes just after a step starts waits out that whole step before its
+        request decodes again. Restores take tens of ms, a step on a loaded AW one to two hundred:
+        so the step waits a bounded while for the restores under way (a dead AW's requests arrive
+        together) and takes them along."""
+        if self.restoring and self.cfg.restore_join_ms > 0:
+            t0 = time.perf_counter()
+            await asyncio.wait(list(self.restoring.values()), timeout=self.cfg.restore_join_ms / 1e3)
+            self.restore_join_s += time.perf_counter() - t0
 
     async def _emit(self, chunks: list[Any], logits: torch.Tensor) -> None:
         per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
@@ -219,6 +231,7 @@ class AttentionWorker:
             "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
             "suspected_at": dict(self.refe.suspected_at) if self.refe else {},
             **(self.ckpt.stats() if self.ckpt else {}),
+            "restore_join_s": round(self.restore_join_s, 3),
             "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
             "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
         }

@@ -40,7 +40,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 
 def _boot_nice_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--boot-nice", type=int, default=0,
-                   help="run start-up (imports, weight loading) this much nicer, 0..19 (replacements boot with 10)")
+                   help="run start-up (imports, weight loading) this much nicer, 0..19, or 20: in the idle class (replacements boot with 20)")
 
 
 def _gateway_policy_flags(p: argparse.ArgumentParser) -> None:
@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flags of `moe-fabric checkpoint-store` for replacements (one shell-quoted string)")
     o.add_argument("--spawn-log-dir", default=None, help="replacements' logs go here (default: stderr)")
     o.add_argument("--max-replacements", type=int, default=16, help="crash-loop guard over the cluster's life")
-    o.add_argument("--replacement-boot-nice", type=int, default=10,
-                   help="replacements boot this much nicer than the serving workers (0..19)")
+    o.add_argument("--replacement-boot-nice", type=int, default=20,
+                   help="replacements boot this much nicer than the serving workers (0..19; 20: the idle class)")
     o.add_argument("--confirm-timeout-ms", type=float, default=250.0,
                    help="a worker a peer reports dead is declared dead unless it answers the orchestrator within this")
     o.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--checkpoint", choices=["incremental", "pause", "off"], default="incremental",
                    help="KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)")
     a.add_argument("--checkpoint-pause-every", type=int, default=8, help="steps between full copies with --checkpoint pause")
+    a.add_argument("--restore-join-ms", type=float, default=50.0,
+                   help="a step waits at most this long for restores already under way, so they join it (0: never)")
 
     e = sub.add_parser("expert-worker", help="run one expert worker")
     _worker_flags(e)

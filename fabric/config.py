@@ -42,8 +42,8 @@ class RoleConfig:
         _check_port(self.port, "port")
         if self.transport not in ("tcp", "ucx", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}")
-        if not 0 <= self.boot_nice <= 19:
-            raise ConfigError(f"boot_nice must be in 0..19, got {self.boot_nice}")
+        if not 0 <= self.boot_nice <= 20:
+            raise ConfigError(f"boot_nice must be in 0..20 (20: the idle class), got {self.boot_nice}")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -88,14 +88,15 @@ class AttentionWorkerConfig(WorkerConfig):
     expert_wait_s: float = 30.0  # how long a step waits for a replacement when every copy of an expert is gone
     checkpoint: str = "incremental"  # KV checkpoints to the store: "incremental", "pause" (baseline) or "off"
     checkpoint_pause_every: int = 8  # steps between full copies in "pause" mode
+    restore_join_ms: float = 50.0  # a step waits this long at most for restores already under way
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
         _check_probes(self.probe_interval_ms, self.probe_misses)
-        if self.expert_wait_s < 0:
-            raise ConfigError("expert_wait_s must be >= 0")
+        if self.expert_wait_s < 0 or self.restore_join_ms < 0:
+            raise ConfigError("expert_wait_s and restore_join_ms must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 
@@ -151,7 +152,7 @@ class OrchestratorConfig:
     spawn_store_args: str = ""  # `moe-fabric checkpoint-store` flags for replacements (shell words)
     spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
     max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
-    replacement_boot_nice: int = 10  # replacements boot (imports, weights) this much nicer than the serving workers
+    replacement_boot_nice: int = 20  # replacements boot (imports, weights) nicer than the serving workers; 20: idle class
     confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
     parent_pid: int | None = None
 
@@ -165,8 +166,8 @@ class OrchestratorConfig:
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
         if self.max_replacements < 0 or self.confirm_timeout_ms <= 0:
             raise ConfigError("max_replacements must be >= 0 and confirm_timeout_ms > 0")
-        if not 0 <= self.replacement_boot_nice <= 19:
-            raise ConfigError(f"replacement_boot_nice must be in 0..19, got {self.replacement_boot_nice}")
+        if not 0 <= self.replacement_boot_nice <= 20:
+            raise ConfigError(f"replacement_boot_nice must be in 0..20 (20: the idle class), got {self.replacement_boot_nice}")
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,17 @@ def watch_parent(parent_pid: int | None) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
+IDLE_NICE = 20  # boot_nice 20 means the idle class: below nice 19, as the kernel itself treats SCHED_IDLE
+
+
 def run_niced(fn: Callable[[], T], nice: int) -> T:
     """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it. On Linux
-    niceness is per thread, so the caller keeps its own (no process may lower its niceness again
-    unprivileged: this is how a replacement boots in the background and then serves at full
-    priority). Elsewhere, or with nice <= 0, `fn` just runs here."""
+    niceness and scheduling policy are per thread, so the caller keeps its own (no process may
+    lower its niceness again unprivileged: this is how a replacement boots in the background and
+    then serves at full priority). `nice` = IDLE_NICE puts the thread in SCHED_IDLE instead: it
+    runs only on a CPU nothing else wants, and a serving thread that wakes takes the CPU back at
+    once (a nice-19 thread still costs a waking thread up to a time slice; on a step with dozens
+    of wake-ups, that adds up). Elsewhere, or with nice <= 0, `fn` just runs here."""
     if nice <= 0 or not sys.platform.startswith("linux"):
         return fn()
     out: list[Any] = []
@@ -59,7 +65,10 @@ def run_niced(fn: Callable[[], T], nice: int) -> T:
     def body() -> None:
         tid = threading.get_native_id()
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            if nice >= IDLE_NICE:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         try:
             out.append((True, fn()))
         except BaseException as exc:  # handed to the caller

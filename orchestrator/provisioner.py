@@ -71,7 +71,7 @@ class NoProvisioner(Provisioner):
 
 
 class LocalProvisioner(Provisioner):
-    def __init__(self, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None, boot_nice: int = 10) -> None:
+    def __init__(self, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None, boot_nice: int = 20) -> None:
         self.args = {role: shlex.split(a) for role, a in args_by_role.items()}
         self.boot_nice = boot_nice  # a replacement's start-up yields the CPU to the workers serving meanwhile
         self.orchestrator = orchestrator
@@ -136,7 +136,7 @@ class LocalProvisioner(Provisioner):
 
 
 def make_provisioner(kind: str, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None,
-                     boot_nice: int = 10) -> Provisioner:
+                     boot_nice: int = 20) -> Provisioner:
     if kind == "local":
         return LocalProvisioner(args_by_role, orchestrator, log_dir, boot_nice)
     return NoProvisioner()

@@ -85,3 +85,32 @@ def test_restores_run_side_by_side_and_an_abort_mid_fetch_leaves_nothing(hf_mode
     assert out["computed"] == {"a": 5, "c": 5}  # 6 tokens known, all but the last restored
     assert out["blocks_used"] == out["blocks_of_two"]  # nothing allocated for "b"
     assert out["sent"] == []  # no error for anyone
+
+
+async def _join(model: Path, join_ms: float, open_gate: bool) -> dict[str, Any]:
+    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4,
+                                               restore_join_ms=join_ms))
+    ckpt = aw.ckpt = GatedCheckpointer(aw)
+    ckpt.expect = 1
+    await aw._submit(submit("a"), Client(), set())  # type: ignore[arg-type]
+    await asyncio.wait_for(ckpt.all_waiting.wait(), 5)
+    join = asyncio.create_task(aw._join_restores())  # a step boundary with a restore under way
+    for _ in range(20):
+        await asyncio.sleep(0)
+    waited = not join.done()
+    if open_gate:
+        ckpt.gate.set()
+    await asyncio.wait_for(join, 5)
+    out = {"waited": waited, "scheduled": sorted(aw.scheduler.by_id), "restoring": sorted(aw.restoring)}
+    for task in aw.restoring.values():
+        task.cancel()
+    return out
+
+
+def test_a_step_waits_a_bounded_while_for_restores_under_way(hf_models: dict[str, Path]) -> None:
+    # The restore lands while the step waits: it is scheduled before the step runs.
+    out = asyncio.run(_join(hf_models["mixtral"], 10_000, open_gate=True))
+    assert out == {"waited": True, "scheduled": ["a"], "restoring": []}
+    # The store does not answer: the step goes on without it once the bound has passed.
+    out = asyncio.run(_join(hf_models["mixtral"], 50, open_gate=False))
+    assert out == {"waited": True, "scheduled": [], "restoring": ["a"]}

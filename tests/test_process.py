@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from fabric.process import run_niced
+from fabric.process import IDLE_NICE, run_niced
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
 
@@ -25,6 +25,16 @@ def test_run_niced_lowers_only_the_work_thread() -> None:
     assert inside == before + 5
     assert _nice_of_this_thread() == before  # the caller (a role's event loop) keeps its priority
     assert run_niced(_nice_of_this_thread, 0) == before  # 0: runs in place
+
+
+def test_run_niced_idle_class_for_the_work_thread_only() -> None:
+    def policy() -> int:
+        return os.sched_getscheduler(threading.get_native_id())
+
+    before = policy()
+    assert before != os.SCHED_IDLE
+    assert run_niced(policy, IDLE_NICE) == os.SCHED_IDLE
+    assert policy() == before  # the caller stays in its class: no way back from SCHED_IDLE unprivileged
 
 
 def test_run_niced_hands_exceptions_to_the_caller() -> None:

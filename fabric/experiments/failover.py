@@ -6,8 +6,10 @@ without failure for reference outputs, then again while one worker of the chosen
 SIGINT `--at` seconds in. `--mode fabric` lets the fabric heal itself; `--mode restart-all` is the
 MegaScale-Infer-like baseline: stop every process, start a fresh fabric (weights reloaded) and
 resubmit each unfinished request as prompt + tokens received, for the tokens that remain.
-Metrics: the stall (largest token gap spanning the kill), time to first success, time back to
-90 % of the pre-failure throughput, requests lost, and whether every output equals the reference.
+Metrics: the stall (per stream the longer of its first two token gaps after the kill, the
+largest over the streams), time to first success, when the victim's process was gone, time back
+to 90 % of the pre-failure throughput, requests lost, and whether every output equals the
+reference.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def report(exp: Experiment, ref: Run, fail: Run, cluster: dict[str, Any] | None 
     differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
     gone = lost(fail, args.tokens)
     found = detection(exp, fail, cluster)
-    metrics = {"kill_at_s": kill, "new_fabric_ready_s": fail.ready, "stall_s": stall,
+    metrics = {"kill_at_s": kill, "victim_gone_s": None if fail.gone is None else fail.gone - kill,
+               "new_fabric_ready_s": fail.ready, "stall_s": stall,
                "time_to_first_success_s": tfs, "baseline_tok_s": baseline,
                "time_to_90pct_throughput_s": ttp, "requests": len(fail.streams), "requests_lost": len(gone),
                "lost": gone, "outputs_equal": not differ, "differing": differ,

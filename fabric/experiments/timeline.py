@@ -22,9 +22,12 @@ def token_gaps(streams: Sequence[Sequence[float]]) -> list[tuple[float, float, i
 
 
 def stall(streams: Sequence[Sequence[float]], kill: float) -> float | None:
-    """The largest gap between consecutive tokens of one stream that spans the kill; None if no stream does."""
-    spans = [b - a for times in streams for a, b in zip(times, times[1:]) if a <= kill < b]
-    return max(spans) if spans else None
+    """The longest a stream waited for a token because of the kill: per stream, the larger of its
+    first two token gaps that end after the kill, the largest over the streams; None if no gap
+    ends after it. The first gap alone (the one spanning the kill) misses the real wait when the
+    victim's last step was already on its way and reached the client just after the signal."""
+    waits = [g for times in streams for g in [b - a for a, b in zip(times, times[1:]) if b > kill][:2]]
+    return max(waits) if waits else None
 
 
 def first_success(streams: Sequence[Sequence[float]], kill: float) -> float | None:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from fabric.errors import FabricError
 
 if TYPE_CHECKING:
+    import subprocess
+
     import aiohttp
 
     from fabric.experiments.failover import Experiment
@@ -50,6 +52,7 @@ class Run:
         self.ready: float | None = None
         self.victim_pid: int | None = None
         self.kill_wall: float | None = None  # time.time() of the kill, to compare with the orchestrator's clock
+        self.gone: float | None = None  # when the victim's process had exited (SIGSTOP: it stays)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -116,6 +119,7 @@ class Run:
         self.kill, self.victim_pid, self.kill_wall = self.now(), victim.pid, time.time()
         say(f"{self.name}: t={self.kill:.2f} s {sig.name} {name} (pid {victim.pid}), "
             f"{sum(len(s.tokens) for s in self.streams)} tokens so far")
+        watch = asyncio.create_task(self.watch_exit(victim)) if sig != signal.SIGSTOP else None
         if self.exp.args.mode == "restart-all":
             self.up.clear()
             for task in list(self.attempts):
@@ -124,6 +128,16 @@ class Run:
             self.ready = self.now()
             say(f"{self.name}: t={self.ready:.2f} s fresh fabric ready; resubmitting unfinished requests")
             self.up.set()
+        if watch is not None:
+            await watch
+
+    async def watch_exit(self, victim: subprocess.Popen[bytes]) -> None:
+        """Records when the victim's process is gone (polled every 2 ms, for at most 10 s)."""
+        deadline = self.now() + 10.0
+        while victim.poll() is None and self.now() < deadline:
+            await asyncio.sleep(0.002)
+        if victim.poll() is not None:
+            self.gone = self.now()
 
     async def progress(self) -> None:
         last = 0
