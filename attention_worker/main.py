@@ -33,7 +33,7 @@ from fabric.messages.control import PeerAlive, PeerFailed, Register, RoutingUpda
 from fabric.messages.expert import Ping, Pong
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
-from fabric.process import fatal_on_error, mark_failed, run_niced
+from fabric.process import fatal_on_error, mark_failed, run_niced_async
 from fabric.routing import RoutingTable
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
@@ -248,7 +248,7 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
     torch.set_num_threads(cfg.threads)
     aw = AttentionWorker(cfg)
     t0 = time.perf_counter()
-    aw.weights = await asyncio.to_thread(run_niced, partial(AttentionWeights.load, cfg.model, aw.model), cfg.boot_nice)
+    aw.weights = await run_niced_async(partial(AttentionWeights.load, cfg.model, aw.model), cfg.boot_nice)
     log.info("loaded attention weights (%.1f MiB) in %.2fs", aw.weights.bytes_read / 2**20, time.perf_counter() - t0)
     listener = await aw.transport.listen(cfg.host, cfg.port, aw.handle_client)
     link = OrchestratorLink(*cfg.orchestrator_addr)

@@ -159,9 +159,11 @@ class RequestLog:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
         if upto == 0:
             return self.layout.empty_kv()
-        size = BlockPool.BLOCK_TOKENS
-        full, rest = divmod(upto, size)
-        parts = self.blocks[:full] + ([(kb[:, :rest], vb[:, :rest]) for kb, vb in self.blocks[full:full + 1]] if rest else [])
+        full, rest = divmod(upto, BlockPool.BLOCK_TOKENS)
+        parts = self.blocks[:full]
+        if rest:  # the part of the last block in use
+            kb, vb = self.blocks[full]
+            parts = [*parts, (kb[:, :rest], vb[:, :rest])]
         return torch.cat([kb for kb, _ in parts], dim=1), torch.cat([vb for _, vb in parts], dim=1)
 
 

@@ -24,7 +24,7 @@ from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.control import AssignExperts, Register, RoutingUpdate, WorkerReady, WorkerStats
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
-from fabric.process import fatal_on_error, mark_failed, run_niced
+from fabric.process import fatal_on_error, mark_failed, run_niced_async
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
 
@@ -176,7 +176,7 @@ async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
             if isinstance(msg, AssignExperts):
                 units = [(int(u[0]), int(u[1])) for u in msg.experts]
                 t0 = time.perf_counter()
-                await asyncio.to_thread(run_niced, partial(ew.executor.load, cfg.model, units), cfg.boot_nice)
+                await run_niced_async(partial(ew.executor.load, cfg.model, units), cfg.boot_nice)
                 log.info("%s loaded %d experts (%.1f MiB) in %.2fs", wid, len(units), ew.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
                 await link.send(WorkerReady(0))
                 tasks.append(asyncio.create_task(ew.report_stats(link)))

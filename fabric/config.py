@@ -20,6 +20,11 @@ def _check_probes(interval_ms: float, misses: int) -> None:
         raise ConfigError("probe_interval_ms must be >= 0 (0 turns probing off) and probe_misses >= 1")
 
 
+def _check_boot_nice(nice: int, name: str) -> None:
+    if not 0 <= nice <= 20:
+        raise ConfigError(f"{name} must be in 0..20 (20: the idle class), got {nice}")
+
+
 def _check_port(port: int, name: str) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
@@ -42,8 +47,7 @@ class RoleConfig:
         _check_port(self.port, "port")
         if self.transport not in ("tcp", "ucx", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}")
-        if not 0 <= self.boot_nice <= 20:
-            raise ConfigError(f"boot_nice must be in 0..20 (20: the idle class), got {self.boot_nice}")
+        _check_boot_nice(self.boot_nice, "boot_nice")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -166,8 +170,7 @@ class OrchestratorConfig:
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
         if self.max_replacements < 0 or self.confirm_timeout_ms <= 0:
             raise ConfigError("max_replacements must be >= 0 and confirm_timeout_ms > 0")
-        if not 0 <= self.replacement_boot_nice <= 20:
-            raise ConfigError(f"replacement_boot_nice must be in 0..20 (20: the idle class), got {self.replacement_boot_nice}")
+        _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
 
 
 @dataclass(frozen=True)

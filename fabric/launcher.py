@@ -173,14 +173,14 @@ class Fabric:
         started), so no worker outlives the orchestrator it reports to; SIGKILL after `grace`."""
         if any(p.poll() is None for n, p in self.procs if n == "orchestrator"):
             self.announce_shutdown()
-        gateway = [p for n, p in self.procs if n == "gateway"]
-        attention = [p for n, p in self.procs if n.startswith("attention-worker")]
-        others = [p for n, p in self.procs if n not in ("gateway", "orchestrator") and not n.startswith("attention-worker")]
-        orchestrator = [p for n, p in self.procs if n == "orchestrator"]
-        self._stop_group(gateway, self.cfg.drain_timeout + grace)
-        self._stop_group(attention, grace)  # before the EWs and stores they use, which then see no "lost" peer
-        self._stop_group(others, grace)
-        self._stop_group(orchestrator, grace)
+        def rank(name: str) -> int:  # AWs before the EWs and stores they use, which then see no "lost" peer
+            if name in ("gateway", "orchestrator"):
+                return 0 if name == "gateway" else 3
+            return 1 if name.startswith("attention-worker") else 2
+
+        for r in range(4):
+            self._stop_group([p for n, p in self.procs if rank(n) == r],
+                             self.cfg.drain_timeout + grace if r == 0 else grace)
 
     @staticmethod
     def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:

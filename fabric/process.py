@@ -50,17 +50,9 @@ def watch_parent(parent_pid: int | None) -> None:
 IDLE_NICE = 20  # boot_nice 20 means the idle class: below nice 19, as the kernel itself treats SCHED_IDLE
 
 
-def run_niced(fn: Callable[[], T], nice: int) -> T:
-    """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it. On Linux
-    niceness and scheduling policy are per thread, so the caller keeps its own (no process may
-    lower its niceness again unprivileged: this is how a replacement boots in the background and
-    then serves at full priority). `nice` = IDLE_NICE puts the thread in SCHED_IDLE instead: it
-    runs only on a CPU nothing else wants, and a serving thread that wakes takes the CPU back at
-    once (a nice-19 thread still costs a waking thread up to a time slice; on a step with dozens
-    of wake-ups, that adds up). Elsewhere, or with nice <= 0, `fn` just runs here."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return fn()
-    out: list[Any] = []
+def _start_niced(fn: Callable[[], T], nice: int, deliver: Callable[[bool, Any], object]) -> threading.Thread:
+    """Starts `fn` in a fresh thread at `nice` (see run_niced); `deliver(ok, result or exception)`
+    is called in that thread when it ends."""
 
     def body() -> None:
         tid = threading.get_native_id()
@@ -70,17 +62,56 @@ def run_niced(fn: Callable[[], T], nice: int) -> T:
             else:
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         try:
-            out.append((True, fn()))
+            result = fn()
         except BaseException as exc:  # handed to the caller
-            out.append((False, exc))
+            deliver(False, exc)
+        else:
+            deliver(True, result)
 
     t = threading.Thread(target=body, name="boot", daemon=True)
     t.start()
-    t.join()
+    return t
+
+
+def _niced_here(nice: int) -> bool:
+    return nice <= 0 or not sys.platform.startswith("linux")
+
+
+def run_niced(fn: Callable[[], T], nice: int) -> T:
+    """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it. On Linux
+    niceness and scheduling policy are per thread, so the caller keeps its own (no process may
+    lower its niceness again unprivileged: this is how a replacement boots in the background and
+    then serves at full priority). A fresh thread, not a pool's: a pool thread would stay niced.
+    `nice` = IDLE_NICE puts the thread in SCHED_IDLE instead: it runs only on a CPU nothing else
+    wants, and a serving thread that wakes takes the CPU back at once (a nice-19 thread still
+    costs a waking thread up to a time slice; on a step with dozens of wake-ups, that adds up).
+    Elsewhere, or with nice <= 0, `fn` just runs here."""
+    if _niced_here(nice):
+        return fn()
+    out: list[tuple[bool, Any]] = []
+    _start_niced(fn, nice, lambda ok, value: out.append((ok, value))).join()
     ok, value = out[0]
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
+
+
+async def run_niced_async(fn: Callable[[], T], nice: int) -> T:
+    """`run_niced` for an event loop: the loop keeps running while `fn` does (in a thread either way)."""
+    if _niced_here(nice):
+        return await asyncio.to_thread(fn)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():  # (the caller may have been cancelled meanwhile)
+            if ok:
+                done.set_result(value)
+            else:
+                done.set_exception(value)
+
+    _start_niced(fn, nice, lambda ok, value: loop.call_soon_threadsafe(settle, ok, value))
+    return await done
 
 
 _failed = threading.Event()  # set when the process must exit non-zero after its cleanup

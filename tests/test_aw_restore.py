@@ -112,5 +112,5 @@ def test_a_step_waits_a_bounded_while_for_restores_under_way(hf_models: dict[str
     out = asyncio.run(_join(hf_models["mixtral"], 10_000, open_gate=True))
     assert out == {"waited": True, "scheduled": ["a"], "restoring": []}
     # The store does not answer: the step goes on without it once the bound has passed.
-    out = asyncio.run(_join(hf_models["mixtral"], 50, open_gate=False))
+    out = asyncio.run(_join(hf_models["mixtral"], 500, open_gate=False))  # (well past 20 loop turns)
     assert out == {"waited": True, "scheduled": [], "restoring": ["a"]}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
 
 import pytest
 
-from fabric.process import IDLE_NICE, run_niced
+from fabric.process import IDLE_NICE, run_niced, run_niced_async
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
 
@@ -43,3 +44,36 @@ def test_run_niced_hands_exceptions_to_the_caller() -> None:
 
     with pytest.raises(ValueError, match="bad checkpoint"):
         run_niced(boom, 3)
+
+
+def test_run_niced_async_keeps_the_loop_running_and_its_thread_in_its_class() -> None:
+    def policy() -> int:
+        return os.sched_getscheduler(threading.get_native_id())
+
+    async def scenario() -> tuple[int, int, int]:
+        loop_thread = policy()
+        ticks = 0
+        release = threading.Event()
+
+        def work() -> int:
+            release.wait(5)  # held until the loop has shown it runs meanwhile
+            return policy()
+
+        task = asyncio.ensure_future(run_niced_async(work, IDLE_NICE))
+        while ticks < 3:  # the loop is not blocked by the boot work
+            await asyncio.sleep(0)
+            ticks += 1
+        release.set()
+        return loop_thread, await asyncio.wait_for(task, 5), policy()
+
+    before, inside, after = asyncio.run(scenario())
+    assert inside == os.SCHED_IDLE and before == after != os.SCHED_IDLE
+
+    async def failing() -> None:
+        def boom() -> None:
+            raise ValueError("bad experts file")
+
+        await run_niced_async(boom, IDLE_NICE)
+
+    with pytest.raises(ValueError, match="bad experts file"):
+        asyncio.run(failing())
