@@ -291,7 +291,7 @@ class ForwardingEngine:
             if n:
                 spans[e] = (row, n)
             row += n
-        y = await self._run_experts(layer, x[token_of_row], spans, pad=True)  # [R, D] in expert order
+        y = await self._run_experts(layer, x.index_select(0, token_of_row), spans, pad=True)  # [R, D] in expert order
         w = weights.reshape(-1)[order].to(x.dtype)  # [R]
         return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
 
@@ -332,7 +332,8 @@ class ForwardingEngine:
             idx = [torch.tensor([r for e in plan[ew] for r in range(spans[e][0], spans[e][0] + spans[e][1])],
                                 dtype=torch.long) for ew in ews]
             results = await asyncio.gather(
-                *(self.call(ew, layer, plan[ew], [spans[e][1] for e in plan[ew]], xs[i], replay) for ew, i in zip(ews, idx)),
+                *(self.call(ew, layer, plan[ew], [spans[e][1] for e in plan[ew]], xs.index_select(0, i), replay)
+                  for ew, i in zip(ews, idx)),
                 return_exceptions=True,
             )
             failed: list[int] = []

@@ -1,7 +1,10 @@
 """Data-path benchmark: the fabric over tcp/ucx vs transformers `generate` vs this machine's compute limit.
 
-All systems run alternately in one process run on the same `bench` demo weights, `--repeats` times each; the
-table reports medians. Example (the full run):
+The tcp fabrics stay up for the whole run; each repeat runs, per concurrency, one transformers round and
+one round of each tcp fabric back to back (who goes first alternates), then starts a ucx fabric for its
+rounds (idle UCX workers poll, so it cannot stay up beside the others), on the same `bench` demo weights. The
+table reports medians, and the median of the per-round ratios to the transformers round next to it, which
+cancels most of a shared, noisy machine's drift. Example (the full run):
 
     python bench/bench_datapath.py --concurrency 1,16 --tokens 128 --repeats 3
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -17,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +89,18 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats
     return summarize(n, end - t0, gaps)
 
 
-def run_fabric(model: Path, transport: str, concs: list[int], prompts: list[list[int]], tokens: int,
-               log_root: str) -> dict[int, Stats]:
+@contextlib.contextmanager
+def running_fabric(model: Path, transport: str, sched: str, log_root: str) -> Iterator[str]:
+    """A fabric (2 AWs + 2 EWs) up and warmed; yields its completions URL."""
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport=transport,
-                      port=free_port(), ready_timeout=300)
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-", dir=log_root)
+                      port=free_port(), ready_timeout=300, sched=sched)
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-", dir=log_root)
     url = f"http://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
     with Fabric(cfg, log_dir=log_dir):
-        print(f"  fabric {transport}: ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
-        asyncio.run(fabric_round(url, prompts[:1], tokens))  # warm-up
-        out: dict[int, Stats] = {}
-        for c in concs:
-            out[c] = asyncio.run(fabric_round(url, prompts[:c], tokens))
-            print(f"  fabric {transport} C={c}: {out[c]['tok_s']:.1f} tok/s", flush=True)
-    return out
+        print(f"  fabric {transport} (sched {sched}): ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
+        asyncio.run(fabric_round(url, [[1] * 8], 16))  # warm-up
+        yield url
 
 
 def load_hf(model: Path) -> Any:
@@ -157,11 +159,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(x: float | None, spec: str) -> str:
         return "–" if x is None or x != x else format(x, spec)
 
-    lines = ["| system | concurrency | output tok/s | TBT p50 ms | TBT p99 ms | tok/s vs transformers |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| system | concurrency | output tok/s | TBT p50 ms | TBT p99 ms | tok/s vs transformers (medians)"
+             " | vs transformers (median of per-round ratios) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['concurrency']} | {f(r['tok_s'], '.1f')} | {f(r.get('tbt_p50_ms'), '.2f')}"
-                     f" | {f(r.get('tbt_p99_ms'), '.2f')} | {f(r.get('vs_transformers'), '.2f')}x |")
+                     f" | {f(r.get('tbt_p99_ms'), '.2f')} | {f(r.get('vs_transformers'), '.2f')}x"
+                     f" | {f(r.get('vs_transformers_per_round'), '.2f')}{'x' if r.get('vs_transformers_per_round') else ''} |")
     return "\n".join(lines)
 
 
@@ -194,6 +198,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--concurrency", default="1,16", help="comma-separated numbers of concurrent streams")
     ap.add_argument("--transports", default="tcp,ucx")
+    ap.add_argument("--normal-sched", action="store_true",
+                    help="add a tcp row with the workers in the normal scheduling class (`serve --sched normal`)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -222,25 +228,67 @@ def main() -> None:
     hf = load_hf(model)
     hf_round(hf, prompts[:1], args.tokens, args.hf_threads)  # warm-up
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
-    systems = [f"fabric {t}" for t in transports] + [HF]
+    fabrics = {f"fabric {t}": (t, "auto") for t in transports}
+    if args.normal_sched:
+        fabrics.update({f"fabric {t}, --sched normal": (t, "normal") for t in transports if t == "tcp"})  # ucx: auto is normal
+    systems = [*fabrics, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
+    ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in fabrics}
     rates: list[dict[str, float]] = []
     errors: list[str] = []
-    for rep in range(args.repeats):
-        print(f"repeat {rep + 1}/{args.repeats}", flush=True)
-        for t in transports:
+    # UCX workers keep polling (~20% of a core each) while idle, which would slow every other
+    # system's rounds: a ucx fabric runs in each repeat on its own, started and stopped there.
+    kept = {n: ts for n, ts in fabrics.items() if ts[0] == "tcp"}
+    with contextlib.ExitStack() as stack:
+        # The tcp fabrics stay up (idle between their rounds) for the whole run, so the systems'
+        # rounds alternate closely and each fabric round has a transformers round next to it.
+        urls: dict[str, str] = {}
+        for name, (t, sched) in kept.items():
             try:
-                for c, stats in run_fabric(model, t, concs, prompts, args.tokens, log_root).items():
-                    raw[f"fabric {t}"][c].append(stats)
+                urls[name] = stack.enter_context(running_fabric(model, t, sched, log_root))
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
-                errors.append(f"repeat {rep + 1} fabric {t}: {type(exc).__name__}: {exc}")
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)
-        for c in concs:
-            raw[HF][c].append(hf_round(hf, prompts[:c], args.tokens, args.hf_threads))
-            print(f"  transformers C={c}: {raw[HF][c][-1]['tok_s']:.1f} tok/s", flush=True)
-        rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
-        rate.update({f"{c}x512x4096": matmul_gflops(c, 512, 4096) for c in concs})
-        rates.append(rate)
+        for rep in range(args.repeats):
+            print(f"repeat {rep + 1}/{args.repeats}", flush=True)
+            hf_now: dict[int, Stats] = {}
+            for c in concs:
+                order = [HF, *urls] if rep % 2 == 0 else [*urls, HF]  # alternate who goes first
+                done: dict[str, Stats] = {}
+                for name in order:
+                    try:
+                        if name == HF:
+                            done[name] = hf_round(hf, prompts[:c], args.tokens, args.hf_threads)
+                        else:
+                            done[name] = asyncio.run(fabric_round(urls[name], prompts[:c], args.tokens))
+                    except Exception as exc:
+                        errors.append(f"repeat {rep + 1} {name} C={c}: {type(exc).__name__}: {exc}")
+                        print(f"  ERROR {errors[-1]}", flush=True)
+                        continue
+                    raw[name][c].append(done[name])
+                    print(f"  {name} C={c}: {done[name]['tok_s']:.1f} tok/s", flush=True)
+                for name in urls:
+                    if name in done and HF in done:
+                        ratios[name][c].append(done[name]["tok_s"] / done[HF]["tok_s"])
+                if HF in done:
+                    hf_now[c] = done[HF]
+            for name, (t, sched) in fabrics.items():
+                if name in kept:
+                    continue
+                try:
+                    with running_fabric(model, t, sched, log_root) as url:
+                        for c in concs:
+                            st = asyncio.run(fabric_round(url, prompts[:c], args.tokens))
+                            raw[name][c].append(st)
+                            print(f"  {name} C={c}: {st['tok_s']:.1f} tok/s", flush=True)
+                            if c in hf_now:
+                                ratios[name][c].append(st["tok_s"] / hf_now[c]["tok_s"])
+                except Exception as exc:
+                    errors.append(f"repeat {rep + 1} {name}: {type(exc).__name__}: {exc}")
+                    print(f"  ERROR {errors[-1]}", flush=True)
+            rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+            rate.update({f"{c}x512x4096": matmul_gflops(c, 512, 4096) for c in concs})
+            rates.append(rate)
 
     best = max(r["1024x1024x1024"] for r in rates)
     bound = best * 1e9 / (2 * active)
@@ -252,6 +300,8 @@ def main() -> None:
                 continue
             hf_tok = statistics.median(r["tok_s"] for r in raw[HF][c]) if raw[HF][c] else None
             st["vs_transformers"] = st["tok_s"] / hf_tok if hf_tok else None
+            per_round = ratios.get(s, {}).get(c) or ([1.0] if s == HF else [])
+            st["vs_transformers_per_round"] = statistics.median(per_round) if per_round else None
             rows.append({"system": s, "concurrency": c, "repeats": len(raw[s][c]) if s != LIMIT else len(rates), **st})
 
     print(f"\n`{command}`\n")
@@ -265,7 +315,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"command": command, "args": {k: str(v) for k, v in vars(args).items()}, "model": str(model),
               "active_params_per_token": active, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-              "matmul_gflops": rates, "rows": rows, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
+              "matmul_gflops": rates, "rows": rows, "per_round_ratios": {s: {str(c): v for c, v in d.items()} for s, d in ratios.items()}, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
               "errors": errors, "log_notes": notes, "log_dir": log_root}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, concs, args.out / "datapath_tok_s.png")

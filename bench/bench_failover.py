@@ -26,6 +26,9 @@ SCENARIOS: dict[str, list[str]] = {
     "EW SIGINT / fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
     "AW SIGINT / fabric": ["--role", "attention", "--signal", "INT", "--mode", "fabric"],
     "AW SIGINT / replay": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--checkpoint-stores", "0"],
+    "AW SIGINT / fabric (sched normal)": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--sched", "normal"],
+    "AW SIGINT / fabric (replacement at once)": ["--role", "attention", "--signal", "INT", "--mode", "fabric",
+                                                  "--replacement-delay-ms", "0"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
 }

@@ -25,6 +25,9 @@ def _check_boot_nice(nice: int, name: str) -> None:
         raise ConfigError(f"{name} must be in 0..20 (20: the idle class), got {nice}")
 
 
+SCHED_POLICIES = ("auto", "batch", "normal")
+
+
 def _check_port(port: int, name: str) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
@@ -41,6 +44,7 @@ class RoleConfig:
     transport: str = "tcp"
     parent_pid: int | None = None
     boot_nice: int = 0  # start-up work (imports, weight loading) runs this much nicer: replacements boot in the background
+    sched: str = "auto"  # CPU scheduling policy: "batch" (a woken peer does not preempt it), "normal", or "auto" (see sched_policy)
 
     def __post_init__(self) -> None:
         parse_hostport(self.orchestrator)
@@ -48,10 +52,20 @@ class RoleConfig:
         if self.transport not in ("tcp", "ucx", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}")
         _check_boot_nice(self.boot_nice, "boot_nice")
+        if self.sched not in SCHED_POLICIES:
+            raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
         return parse_hostport(self.orchestrator)
+
+    @property
+    def sched_policy(self) -> str:
+        """`auto` is `batch` over `--transport tcp` and `normal` otherwise: ucxx's progress engine
+        ran its round trips ~4x slower in SCHED_BATCH here, and `auto` transport may pick it."""
+        if self.sched != "auto":
+            return self.sched
+        return "batch" if self.transport == "tcp" else "normal"
 
 
 @dataclass(frozen=True)
@@ -157,6 +171,7 @@ class OrchestratorConfig:
     spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
     max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
     replacement_boot_nice: int = 20  # replacements boot (imports, weights) nicer than the serving workers; 20: idle class
+    replacement_delay_ms: float = 500.0  # a replacement starts this long after the death: recovery gets the CPU first
     confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
     parent_pid: int | None = None
 
@@ -168,8 +183,8 @@ class OrchestratorConfig:
             raise ConfigError("shadows_per_expert must be >= 0")
         if self.provisioner not in ("none", "local"):
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
-        if self.max_replacements < 0 or self.confirm_timeout_ms <= 0:
-            raise ConfigError("max_replacements must be >= 0 and confirm_timeout_ms > 0")
+        if self.max_replacements < 0 or self.confirm_timeout_ms <= 0 or self.replacement_delay_ms < 0:
+            raise ConfigError("max_replacements and replacement_delay_ms must be >= 0, confirm_timeout_ms > 0")
         _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
 
 
@@ -197,6 +212,7 @@ class ServeConfig:
     resume: str = "restore"  # how a dead AW's requests resume: restore, or replay (parallel, sequential)
     probe_interval_ms: float = 10.0  # AW->EW and gateway->AW liveness probes (0: off)
     probe_misses: int = 3
+    sched: str = "auto"  # CPU scheduling policy of the workers, the store and the gateway (not the orchestrator)
 
     def __post_init__(self) -> None:
         if self.attention_workers < 1 or self.expert_workers < 1:
@@ -208,3 +224,5 @@ class ServeConfig:
             raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
         _check_port(self.port, "port")
         _check_port(self.orchestrator_port, "orchestrator_port")
+        if self.sched not in SCHED_POLICIES:
+            raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")

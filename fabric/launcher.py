@@ -85,11 +85,12 @@ class Fabric:
         common = ["--model", self.model, "--host", cfg.host, "--transport", self.transport,
                   *(["--dtype", cfg.dtype] if cfg.dtype else [])]
         probes = ["--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses)]
+        sched = ["--sched", cfg.sched]
         return {
-            "expert-worker": [*common, "--gather", cfg.gather, *self.extra.get("expert-worker", [])],
-            "attention-worker": [*common, *probes, "--checkpoint", cfg.checkpoint,
+            "expert-worker": [*common, *sched, "--gather", cfg.gather, *self.extra.get("expert-worker", [])],
+            "attention-worker": [*common, *sched, *probes, "--checkpoint", cfg.checkpoint,
                                  *self.extra.get("attention-worker", [])],
-            "checkpoint-store": [*common[:6], *self.extra.get("checkpoint-store", [])],
+            "checkpoint-store": [*common[:6], *sched, *self.extra.get("checkpoint-store", [])],
         }
 
     def start(self) -> None:
@@ -122,7 +123,7 @@ class Fabric:
         name = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         policy = ["--max-waiting", str(cfg.max_waiting), "--drain-timeout", str(cfg.drain_timeout), "--routing", cfg.routing,
                   "--probe-interval-ms", str(cfg.probe_interval_ms), "--probe-misses", str(cfg.probe_misses),
-                  "--resume", cfg.resume]
+                  "--resume", cfg.resume, "--sched", cfg.sched]
         key = {"MOE_FABRIC_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line: ps shows it
         self._spawn("gateway", "gateway", ["--model", self.model, *orch, "--host", cfg.host, "--port", str(cfg.port),
                                            "--transport", self.transport, *name, *policy], env=key)

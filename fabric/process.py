@@ -47,6 +47,21 @@ def watch_parent(parent_pid: int | None) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
+def set_sched(policy: str) -> None:
+    """Puts the calling thread, and every thread it starts later, in a CPU scheduling class:
+    "batch" (SCHED_BATCH) or "normal" (SCHED_OTHER). A fabric's workers wake each other dozens of
+    times a step; under the default policy the woken peer preempts the sender in the middle of
+    its sends when they share a core. Batch tasks are not preempted on wake-up, only at the end of
+    their time slice, so the sender finishes its burst (the next EW's call, its own bookkeeping)
+    and then blocks. Linux only; elsewhere (or if the kernel refuses) nothing changes."""
+    if policy == "normal" or not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot switch to SCHED_BATCH: %s", exc)
+
+
 IDLE_NICE = 20  # boot_nice 20 means the idle class: below nice 19, as the kernel itself treats SCHED_IDLE
 
 

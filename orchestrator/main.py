@@ -56,6 +56,7 @@ class Orchestrator:
         self._nonce = itertools.count(1)
         self.replacements_started = 0
         self._watch: asyncio.Task[None] | None = None
+        self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
@@ -138,6 +139,20 @@ class Orchestrator:
             self._replace(rec.role, worker_id)
 
     def _replace(self, role: str, replaces: str) -> None:
+        """Starts a replacement after `replacement_delay_ms`: in the first few hundred ms after a
+        death the survivors restore and reroute its work, and a process starting up (the
+        interpreter and `fabric.cli` at normal priority, the rest in the idle class) would take
+        CPU from them on a host they share. The replacement is not on that path: a dead AW's
+        requests resume on healthy AWs, a dead EW's experts on their shadows."""
+        delay = self.cfg.replacement_delay_ms / 1000
+        if delay <= 0:
+            self._start_replacement(role, replaces)
+            return
+        handle = asyncio.get_running_loop().call_later(delay, self._start_replacement, role, replaces)
+        self._delayed.add(handle)
+        asyncio.get_running_loop().call_later(delay, self._delayed.discard, handle)
+
+    def _start_replacement(self, role: str, replaces: str) -> None:
         if self.shutting_down:
             return
         if self.replacements_started >= self.cfg.max_replacements:
@@ -247,6 +262,8 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         orch.shutting_down = True
+        for handle in orch._delayed:
+            handle.cancel()
         if orch._watch is not None:
             orch._watch.cancel()
         await orch.provisioner.close()  # replacements stop while their orchestrator is still there

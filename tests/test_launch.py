@@ -71,6 +71,11 @@ def test_serve_demo_model_and_sigterm_stops_everything(launcher: tuple[subproces
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
     pids = child_pids(oport)
     assert len(pids) == 6 and all(alive(p) for p in pids)  # orchestrator, gateway, 1 AW, 2 EWs, checkpoint store
+    if sys.platform.startswith("linux"):  # `--sched batch` by default: every serving role, not the orchestrator
+        policies = {w["role"]: os.sched_getscheduler(w["pid"]) for w in get_json(f"http://127.0.0.1:{oport}/cluster")["workers"]}
+        assert policies.pop("orchestrator") == os.SCHED_OTHER
+        assert set(policies) == {"gateway", "attention", "expert", "checkpoint_store"}
+        assert set(policies.values()) == {os.SCHED_BATCH}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert wait_gone(pids, 15) == []
@@ -91,6 +96,9 @@ def test_bad_flags_exit_with_a_clear_message() -> None:
     r = subprocess.run([sys.executable, "-m", "fabric.cli", "orchestrator", "--model", "/nonexistent", "--expert-workers", "1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "config.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "fabric.cli", "expert-worker", "--model", "/x", "--orchestrator", "h:1",
+                        "--sched", "fifo"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--sched" in r.stderr and "batch" in r.stderr
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) -> None:

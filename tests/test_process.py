@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from fabric.process import IDLE_NICE, run_niced, run_niced_async
+from fabric.process import IDLE_NICE, run_niced, run_niced_async, set_sched
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
 
@@ -77,3 +77,26 @@ def test_run_niced_async_keeps_the_loop_running_and_its_thread_in_its_class() ->
 
     with pytest.raises(ValueError, match="bad experts file"):
         asyncio.run(failing())
+
+
+def test_set_sched_batch_covers_the_thread_and_those_it_starts_later() -> None:
+    def policy() -> int:
+        return os.sched_getscheduler(threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    def role_main() -> None:  # stands in for a role's main thread (the test's own must stay as it is)
+        set_sched("batch")
+        seen["main"] = policy()
+        child = threading.Thread(target=lambda: seen.__setitem__("child", policy()))
+        child.start()
+        child.join()
+        set_sched("normal")  # "normal" leaves the thread as it is
+        seen["after normal"] = policy()
+
+    before = policy()
+    t = threading.Thread(target=role_main)
+    t.start()
+    t.join()
+    assert seen == {"main": os.SCHED_BATCH, "child": os.SCHED_BATCH, "after normal": os.SCHED_BATCH}
+    assert policy() == before != os.SCHED_BATCH

@@ -80,13 +80,14 @@ def test_attention_worker_sigkill_is_replaced(hf_models: dict[str, Path], tmp_pa
         new = [w for w in cluster["workers"] if w["role"] == "attention" and w["state"] == "alive" and w["pid"] != pid]
         assert len(new) == 2
         # The replacement booted in the background (imports and weights in the idle scheduling
-        # class) and serves at the workers' normal priority: its event loop thread is not niced.
+        # class) and serves like the workers it joins: its event loop thread is not niced, and
+        # it is in the workers' class (`--sched batch`, passed on with the spawn arguments).
         repl = next(w for w in new if w["pid"] not in {p.pid for _, p in fabric.procs})
         if sys.platform.startswith("linux"):
             argv = Path(f"/proc/{repl['pid']}/cmdline").read_bytes().split(b"\0")
             assert argv[argv.index(b"--boot-nice") + 1] == b"20"
             assert os.getpriority(os.PRIO_PROCESS, repl["pid"]) == os.getpriority(os.PRIO_PROCESS, 0)
-            assert os.sched_getscheduler(repl["pid"]) == os.sched_getscheduler(0)
+            assert os.sched_getscheduler(repl["pid"]) == os.SCHED_BATCH
         # The new AW takes new requests: with least-work routing and an idle fabric, 8 concurrent
         # streams land on both AWs.
         assert run_streams(fabric) == reference

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-workers", type=int, default=3)
     p.add_argument("--checkpoint-stores", type=int, default=1,
                    help="0: no KV checkpoints, a dead AW's streams resume by replay")
+    p.add_argument("--sched", choices=["auto", "batch", "normal"], default="auto", help="the workers' CPU scheduling class")
+    p.add_argument("--replacement-delay-ms", type=float, default=None,
+                   help="the orchestrator's delay before it starts a replacement (default: its own)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -71,7 +74,7 @@ class Experiment:
         self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport="tcp",
                                expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180,
                                checkpoint_stores=args.checkpoint_stores,
-                               checkpoint="incremental" if args.checkpoint_stores else "off",
+                               checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
                                provisioner="none" if args.mode == "restart-all" else "local")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
@@ -86,7 +89,9 @@ class Experiment:
         from fabric.launcher import Fabric
 
         (self.out / logs).mkdir(parents=True, exist_ok=True)
-        fabric = Fabric(self.cfg, log_dir=str(self.out / logs))
+        delay = self.args.replacement_delay_ms
+        extra = {"orchestrator": ["--replacement-delay-ms", str(delay)]} if delay is not None else None
+        fabric = Fabric(self.cfg, extra_args=extra, log_dir=str(self.out / logs))
         self.fabrics.append(fabric)  # registered before start: cleanup stops it whatever happens
         return fabric
 

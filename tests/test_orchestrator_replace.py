@@ -1,0 +1,67 @@
+"""The orchestrator starts a replacement `replacement_delay_ms` after a death, never during a shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from fabric.config import OrchestratorConfig
+from orchestrator.main import Orchestrator
+from orchestrator.provisioner import NoProvisioner
+
+
+class Recorder(NoProvisioner):
+    """Records when the orchestrator starts a replacement (and says it did)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, str, float]] = []
+
+    def start(self, role: str, replaces: str) -> int | None:
+        self.started.append((role, replaces, time.monotonic()))
+        return 1000 + len(self.started)
+
+
+def _orchestrator(model: Path, delay_ms: float, max_replacements: int = 16) -> tuple[Orchestrator, Recorder]:
+    orch = Orchestrator(OrchestratorConfig(model=str(model), expert_workers=1, replacement_delay_ms=delay_ms,
+                                           max_replacements=max_replacements))
+    rec = Recorder()
+    orch.provisioner = rec
+    return orch, rec
+
+
+def test_replacement_waits_out_the_delay(hf_models: dict[str, Path]) -> None:
+    async def scenario() -> tuple[list[tuple[str, str, float]], float, int]:
+        orch, rec = _orchestrator(hf_models["mixtral"], 200)
+        t0 = time.monotonic()
+        orch._replace("attention", "aw-0")
+        await asyncio.sleep(0.05)
+        early = list(rec.started)
+        await asyncio.sleep(0.4)
+        assert early == []  # not yet at 50 ms
+        return rec.started, t0, orch.replacements_started
+
+    started, t0, count = asyncio.run(scenario())
+    assert [(r, w) for r, w, _ in started] == [("attention", "aw-0")] and count == 1
+    assert started[0][2] - t0 >= 0.2
+
+
+def test_no_delay_starts_at_once_and_the_cap_holds(hf_models: dict[str, Path]) -> None:
+    async def scenario() -> tuple[int, int]:
+        orch, rec = _orchestrator(hf_models["mixtral"], 0, max_replacements=1)
+        orch._replace("expert", "ew-0")
+        orch._replace("expert", "ew-1")  # over --max-replacements: refused
+        return len(rec.started), orch.replacements_started
+
+    assert asyncio.run(scenario()) == (1, 1)
+
+
+def test_shutdown_during_the_delay_starts_nothing(hf_models: dict[str, Path]) -> None:
+    async def scenario() -> int:
+        orch, rec = _orchestrator(hf_models["mixtral"], 100)
+        orch._replace("attention", "aw-1")
+        orch.shutting_down = True  # `POST /shutdown` arrived while the replacement was waiting
+        await asyncio.sleep(0.3)
+        return len(rec.started)
+
+    assert asyncio.run(scenario()) == 0
