@@ -12,11 +12,13 @@ Legend: T tokens in a step, L layers, n tokens of one request, K kv heads, d hea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger(__name__)
 
+PUT_TOKENS = 256  # a whole request goes to the store as KvPut messages of at most this many tokens
 MAX_QUEUE_BYTES = 256 << 20  # past this the store is not keeping up: drop, and say so in the stats
 COALESCE_BYTES = 256 << 10  # consecutive layers of a step are joined into one message up to this
 
@@ -62,7 +65,8 @@ class Checkpointer:
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
         self._calls = itertools.count(1)
-        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._replies: dict[int, asyncio.Future[Any]] = {}  # KvSync nonce -> KvSynced
+        self._restores: dict[int, asyncio.Queue[KvRestore | PeerDeadError]] = {}  # KvFetch call -> its chunks
         self.sent_upto: dict[str, int] = {}  # request -> tokens whose every layer has been sent
         # stats
         self.bytes_sent = 0
@@ -96,7 +100,8 @@ class Checkpointer:
         if self.mode == "incremental":
             for seq in running:
                 if seq.num_computed:
-                    self._enqueue(self._put(seq))
+                    for put in self._puts(seq):
+                        self._enqueue(put)
                     self.resent_requests += 1
         log.info("checkpointing to %s at %s:%d (%s); re-sending %d running requests", store_id, host, port,
                  self.mode, len(running))
@@ -108,26 +113,35 @@ class Checkpointer:
         if self.link is not None:
             await self.link.close()
         self.link = None
+        self._fail_waiters()
+
+    def _fail_waiters(self) -> None:
+        lost = PeerDeadError(self.store_id or "checkpoint store")
         for fut in self._replies.values():
             if not fut.done():
-                fut.set_exception(PeerDeadError(self.store_id or "checkpoint store"))
+                fut.set_exception(lost)
         self._replies.clear()
+        for chunks in self._restores.values():
+            chunks.put_nowait(lost)
+        self._restores.clear()
 
     async def _read_loop(self, link: Connection) -> None:
         try:
             while True:
                 msg = await link.recv()
-                fut = self._replies.pop(getattr(msg, "call_id", getattr(msg, "nonce", -1)), None)
+                if isinstance(msg, KvRestore):
+                    chunks = self._restores.get(msg.call_id)
+                    if chunks is not None:  # (else: a restore given up; its chunks are dropped)
+                        chunks.put_nowait(msg)
+                    continue
+                fut = self._replies.pop(getattr(msg, "nonce", -1), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
         except (PeerDeadError, ProtocolError) as exc:
             log.warning("checkpoint store %s lost (%s): serving on without checkpoints", self.store_id, exc)
         finally:
             await link.close()
-            for fut in self._replies.values():
-                if not fut.done():
-                    fut.set_exception(PeerDeadError(self.store_id or "checkpoint store"))
-            self._replies.clear()
+            self._fail_waiters()
 
     # -- what the AW hands over --------------------------------------------------------------
     def record_layer(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -208,12 +222,16 @@ class Checkpointer:
         except PeerDeadError:
             pass
 
-    def _put(self, seq: Sequence) -> KvPut:
+    def _puts(self, seq: Sequence) -> list[KvPut]:
+        """A request's whole KV as KvPut messages of at most PUT_TOKENS tokens each."""
         n = seq.num_computed
-        slots = torch.tensor(self.kv.slots(seq.block_table, 0, n), dtype=torch.long)
-        k = torch.stack([layer[slots] for layer in self.kv.k])  # [L, n, K, d]
-        v = torch.stack([layer[slots] for layer in self.kv.v])
-        return KvPut(next(self._seq), seq.request_id, 0, k, v)
+        out = []
+        for start in range(0, n, PUT_TOKENS):
+            slots = torch.tensor(self.kv.slots(seq.block_table, start, min(n, start + PUT_TOKENS)), dtype=torch.long)
+            k = torch.stack([layer.index_select(0, slots) for layer in self.kv.k])  # [L, c, K, d]
+            v = torch.stack([layer.index_select(0, slots) for layer in self.kv.v])
+            out.append(KvPut(next(self._seq), seq.request_id, start, k, v))
+        return out
 
     # -- pause-checkpoint-resume (the baseline) ----------------------------------------------
     async def maybe_pause(self, step: int, running: list[Sequence]) -> None:
@@ -222,49 +240,87 @@ class Checkpointer:
         assert self.link is not None
         t0 = time.perf_counter()
         for seq in running:
-            if seq.num_computed:
-                msg = self._put(seq)
+            for msg in self._puts(seq):
                 await self.link.send(msg)
                 self.bytes_sent += _nbytes(msg)
-        await self._request(KvSync(next(self._calls)), "nonce")
+        await self._sync()
         self.pauses += 1
         self.pause_s += time.perf_counter() - t0
 
-    # -- restoration -------------------------------------------------------------------------
-    async def fetch(self, owner: str, request_id: str, max_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The committed KV of a request `owner` checkpointed: (frontier, k [L, n, K, d], v)."""
-        if not self.active:
-            return 0, torch.empty(0), torch.empty(0)
-        reply = await self._request(KvFetch(next(self._calls), owner, request_id, max_tokens), "call_id")
-        assert isinstance(reply, KvRestore)
-        return reply.frontier, reply.k, reply.v
-
-    async def _request(self, msg: KvFetch | KvSync, key: str, timeout: float = 10.0) -> Any:
+    async def _sync(self, timeout: float = 10.0) -> None:
+        """Returns once the store has taken in everything sent before (KvSync -> KvSynced)."""
         assert self.link is not None
-        ident = getattr(msg, key)
+        nonce = next(self._calls)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._replies[ident] = fut
-        await self.link.send(msg)
+        self._replies[nonce] = fut
+        await self.link.send(KvSync(nonce))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, timeout)
         finally:
-            self._replies.pop(ident, None)
+            self._replies.pop(nonce, None)
 
-    def restore_into(self, seq: Sequence, frontier: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Writes the first tokens of a fetched KV into this AW's cache; returns how many (0 if no
-        blocks are free: the request then re-prefills). At least one token is left to compute, so
-        the step that follows yields the logits of the next token."""
-        n = min(frontier, seq.num_tokens - 1)
-        if n <= 0 or not self.kv.blocks.grow(seq.block_table, n):
+    # -- restoration -------------------------------------------------------------------------
+    async def fetch(self, owner: str, request_id: str, max_tokens: int) -> AsyncGenerator[KvRestore, None]:
+        """The committed KV of a request `owner` checkpointed, as the store's chunks in order (the
+        first says the frontier; none if there is no store). Raises PeerDeadError if the store is
+        lost, TimeoutError if a chunk takes over 10 s."""
+        if not self.active:
+            return
+        assert self.link is not None
+        call = next(self._calls)
+        chunks: asyncio.Queue[KvRestore | PeerDeadError] = asyncio.Queue()
+        self._restores[call] = chunks
+        try:
+            await self.link.send(KvFetch(call, owner, request_id, max_tokens))
+            while True:
+                chunk = await asyncio.wait_for(chunks.get(), 10.0)
+                if isinstance(chunk, PeerDeadError):
+                    raise chunk
+                yield chunk
+                if chunk.start + chunk.k.shape[1] >= chunk.frontier:
+                    return
+        finally:
+            self._restores.pop(call, None)
+
+    async def restore(self, seq: Sequence, owner: str) -> int:
+        """Per-request restoration: fetches the request's checkpointed KV and writes each chunk into
+        this AW's cache as it arrives. Returns the tokens restored: all committed ones but at least
+        one short of the request's end, so the step that follows yields the next token's logits;
+        0 if the store has nothing or no blocks are free (the request then re-prefills). Raises
+        PeerDeadError / TimeoutError if the store fails part-way. The blocks of an unfinished
+        restore (failed or cancelled) are released."""
+        want, written = 0, 0
+        try:
+            async with contextlib.aclosing(self.fetch(owner, seq.request_id, seq.num_tokens - 1)) as chunks:
+                async for chunk in chunks:
+                    if not want:  # the first chunk: how much there is
+                        want = min(chunk.frontier, seq.num_tokens - 1)
+                        if want <= 0 or not self.kv.blocks.grow(seq.block_table, want):
+                            return 0
+                    written += self._write(seq, chunk, want)
+        except BaseException:
+            self.kv.blocks.release(seq.block_table)
+            raise
+        if written < want:  # the stream ended early: not a usable prefix
+            self.kv.blocks.release(seq.block_table)
             return 0
-        slots = torch.tensor(self.kv.slots(seq.block_table, 0, n), dtype=torch.long)
+        seq.num_computed = want
+        if want:
+            self.restores += 1
+            self.restored_tokens += want
+        return want
+
+    def _write(self, seq: Sequence, chunk: KvRestore, want: int) -> int:
+        """Tokens chunk.start .. of chunk.k, v [L, c, K, d] that fall below `want` into the cache."""
+        end = min(want, chunk.start + chunk.k.shape[1])
+        if end <= chunk.start:
+            return 0
+        c = end - chunk.start
+        slots = torch.tensor(self.kv.slots(seq.block_table, chunk.start, end), dtype=torch.long)
         for layer in range(self.cfg.num_layers):
-            self.kv.k[layer][slots] = k[layer, :n]
-            self.kv.v[layer][slots] = v[layer, :n]
-        seq.num_computed = n
-        self.restores += 1
-        self.restored_tokens += n
-        return n
+            self.kv.k[layer].index_copy_(0, slots, chunk.k[layer, :c])
+            self.kv.v[layer].index_copy_(0, slots, chunk.v[layer, :c])
+        return c
 
     def stats(self) -> dict[str, Any]:
         lags = list(self.lags)

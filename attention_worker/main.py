@@ -127,11 +127,10 @@ class AttentionWorker:
         assert self.ckpt is not None
         t0 = time.perf_counter()
         try:
-            frontier, k, v = await self.ckpt.fetch(owner, seq.request_id, seq.num_tokens - 1)
+            n = await self.ckpt.restore(seq, owner)
         except (PeerDeadError, TimeoutError) as exc:
             log.warning("%s: no checkpoint to restore from (%s); replaying", seq.request_id, exc)
             return
-        n = self.ckpt.restore_into(seq, frontier, k, v)
         if n:
             log.info("%s: restored %d of %d tokens from %s's checkpoint in %.1f ms; recomputing %d", seq.request_id,
                      n, seq.num_tokens, owner, (time.perf_counter() - t0) * 1e3, seq.num_tokens - n)

@@ -1,10 +1,10 @@
 """Data-path benchmark: the fabric over tcp/ucx vs transformers `generate` vs this machine's compute limit.
 
-The tcp fabrics stay up for the whole run; each repeat runs, per concurrency, one transformers round and
-one round of each tcp fabric back to back (who goes first alternates), then starts a ucx fabric for its
-rounds (idle UCX workers poll, so it cannot stay up beside the others), on the same `bench` demo weights. The
-table reports medians, and the median of the per-round ratios to the transformers round next to it, which
-cancels most of a shared, noisy machine's drift. Example (the full run):
+The fabrics stay up for the whole run (idle between their rounds); each repeat runs, per concurrency,
+one transformers round and one round of each fabric back to back (who goes first alternates), on the
+same `bench` demo weights. The table reports medians, and the median of the per-round ratios to the
+transformers round next to it, which cancels most of a shared, noisy machine's drift. Example (the
+full run):
 
     python bench/bench_datapath.py --concurrency 1,16 --tokens 128 --repeats 3
 """
@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16", help="comma-separated numbers of concurrent streams")
     ap.add_argument("--transports", default="tcp,ucx")
     ap.add_argument("--normal-sched", action="store_true",
-                    help="add a tcp row with the workers in the normal scheduling class (`serve --sched normal`)")
+                    help="add a row per transport with the workers in the normal scheduling class (`serve --sched normal`)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -230,20 +230,17 @@ def main() -> None:
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     fabrics = {f"fabric {t}": (t, "auto") for t in transports}
     if args.normal_sched:
-        fabrics.update({f"fabric {t}, --sched normal": (t, "normal") for t in transports if t == "tcp"})  # ucx: auto is normal
+        fabrics.update({f"fabric {t}, --sched normal": (t, "normal") for t in transports})
     systems = [*fabrics, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
     ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in fabrics}
     rates: list[dict[str, float]] = []
     errors: list[str] = []
-    # UCX workers keep polling (~20% of a core each) while idle, which would slow every other
-    # system's rounds: a ucx fabric runs in each repeat on its own, started and stopped there.
-    kept = {n: ts for n, ts in fabrics.items() if ts[0] == "tcp"}
     with contextlib.ExitStack() as stack:
-        # The tcp fabrics stay up (idle between their rounds) for the whole run, so the systems'
+        # Every fabric stays up (idle between its rounds) for the whole run, so the systems'
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
-        for name, (t, sched) in kept.items():
+        for name, (t, sched) in fabrics.items():
             try:
                 urls[name] = stack.enter_context(running_fabric(model, t, sched, log_root))
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
@@ -251,7 +248,6 @@ def main() -> None:
                 print(f"  ERROR {errors[-1]}", flush=True)
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", flush=True)
-            hf_now: dict[int, Stats] = {}
             for c in concs:
                 order = [HF, *urls] if rep % 2 == 0 else [*urls, HF]  # alternate who goes first
                 done: dict[str, Stats] = {}
@@ -270,22 +266,6 @@ def main() -> None:
                 for name in urls:
                     if name in done and HF in done:
                         ratios[name][c].append(done[name]["tok_s"] / done[HF]["tok_s"])
-                if HF in done:
-                    hf_now[c] = done[HF]
-            for name, (t, sched) in fabrics.items():
-                if name in kept:
-                    continue
-                try:
-                    with running_fabric(model, t, sched, log_root) as url:
-                        for c in concs:
-                            st = asyncio.run(fabric_round(url, prompts[:c], args.tokens))
-                            raw[name][c].append(st)
-                            print(f"  {name} C={c}: {st['tok_s']:.1f} tok/s", flush=True)
-                            if c in hf_now:
-                                ratios[name][c].append(st["tok_s"] / hf_now[c]["tok_s"])
-                except Exception as exc:
-                    errors.append(f"repeat {rep + 1} {name}: {type(exc).__name__}: {exc}")
-                    print(f"  ERROR {errors[-1]}", flush=True)
             rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
             rate.update({f"{c}x512x4096": matmul_gflops(c, 512, 4096) for c in concs})
             rates.append(rate)

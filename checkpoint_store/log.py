@@ -18,6 +18,7 @@ Legend: L layers, n tokens, K kv heads, d head dim.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,16 +156,33 @@ class RequestLog:
 
     def kv(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed tokens [0, upto) as k, v [L, upto, K, d] (copies)."""
+        parts = list(self.chunks(upto, 1 << 62))
+        if not parts:
+            return self.layout.empty_kv()
+        _, k, v = parts[0]
+        return k.clone(), v.clone()
+
+    def chunks(self, upto: int, max_bytes: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Committed tokens [0, upto) as consecutive (start, k, v [L, c, K, d]) of whole blocks,
+        each chunk at most `max_bytes` of k and v together but at least one block. A chunk of one
+        full block is the block itself (no copy); committed tokens are never written again."""
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
-        if upto == 0:
-            return self.layout.empty_kv()
-        full, rest = divmod(upto, BlockPool.BLOCK_TOKENS)
-        parts = self.blocks[:full]
-        if rest:  # the part of the last block in use
-            kb, vb = self.blocks[full]
-            parts = [*parts, (kb[:, :rest], vb[:, :rest])]
-        return torch.cat([kb for kb, _ in parts], dim=1), torch.cat([vb for _, vb in parts], dim=1)
+        size = BlockPool.BLOCK_TOKENS
+        block_bytes = size * self.layout.num_layers * self.layout.segment_bytes
+        step = max(1, max_bytes // block_bytes)  # blocks per chunk
+        last = -(-upto // size)  # blocks in use
+        for b0 in range(0, last, step):
+            parts = []
+            for b in range(b0, min(b0 + step, last)):
+                kb, vb = self.blocks[b]
+                used = min(size, upto - b * size)
+                parts.append((kb, vb) if used == size else (kb[:, :used], vb[:, :used]))
+            if len(parts) == 1:
+                k, v = parts[0]
+            else:
+                k, v = torch.cat([kb for kb, _ in parts], dim=1), torch.cat([vb for _, vb in parts], dim=1)
+            yield b0 * size, k, v
 
 
 class AwBucket:

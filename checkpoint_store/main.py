@@ -39,6 +39,7 @@ from fabric.transport.base import Connection
 
 log = logging.getLogger("checkpoint_store")
 
+RESTORE_CHUNK_BYTES = 4 << 20  # k and v of one KvRestore message, at most (one block at least)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,7 +84,7 @@ class CheckpointStore:
             elif isinstance(msg, KvSync):
                 await conn.send(KvSynced(msg.nonce))
             elif isinstance(msg, KvFetch):
-                await conn.send(self._fetch(msg, hello.aw_id, bucket))
+                await self._fetch(msg, hello.aw_id, bucket, conn)
             else:
                 raise ProtocolError(f"unexpected {msg.kind} on a checkpoint connection")
 
@@ -112,21 +113,25 @@ class CheckpointStore:
                 log.warning("%s: %s", rid, exc)
             col += count
 
-    def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket) -> KvRestore:
+    async def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket, conn: Connection) -> None:
+        """Sends the request's committed KV in chunks of whole blocks (`RESTORE_CHUNK_BYTES`)."""
         self.fetches += 1
         owner = self.log.buckets.get(msg.owner)
         req = owner.requests.get(msg.request_id) if owner is not None else None
-        if owner is None or req is None or req.frontier == 0:
+        n = min(req.frontier, max(0, msg.max_tokens)) if req is not None else 0
+        if owner is None or req is None or n == 0:
             log.info("fetch %s from %s: nothing stored", msg.request_id, msg.owner)
-            return KvRestore(msg.call_id, 0, *bucket.layout.empty_kv())
-        n = min(req.frontier, max(0, msg.max_tokens))
-        k, v = req.kv(n)  # [L, n, K, d]
+            await conn.send(KvRestore(msg.call_id, 0, 0, *bucket.layout.empty_kv()))
+            return
         self.log.move(msg.request_id, msg.owner, asker)  # protected on its new AW from now on
         self.fetch_hits += 1
         self.restored_tokens += n
-        self.restored_bytes += k.numel() * k.element_size() * 2
+        # The asker sends nothing for this request until its restore ends, and committed tokens
+        # are never rewritten: the blocks stay as they are while their chunks are on the way.
+        for start, k, v in req.chunks(n, RESTORE_CHUNK_BYTES):  # k, v [L, c, K, d]
+            await conn.send(KvRestore(msg.call_id, n, start, k, v))
+            self.restored_bytes += k.numel() * k.element_size() * 2
         log.info("restored %s (%d tokens) from %s's bucket to %s", msg.request_id, n, msg.owner, asker)
-        return KvRestore(msg.call_id, n, k, v)
 
     def forget_dead(self, dead: list[str]) -> None:
         now = time.monotonic()

@@ -1,10 +1,12 @@
 """An AW's bookkeeping of restores from the checkpoint store: a dead AW's requests are fetched
-side by side, and one aborted while its KV is on the way leaves nothing behind. The store's side
-is a gate here (the integration tests in test_checkpoint.py restore through a real store)."""
+side by side, and one aborted while its KV is on the way (before or after its first chunk) leaves
+nothing behind, nor does a store lost part-way. The store's side is a gate here (the integration
+tests in test_checkpoint.py restore through a real store)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +15,33 @@ import torch
 from attention_worker.checkpointer import Checkpointer
 from attention_worker.main import AttentionWorker
 from fabric.config import AttentionWorkerConfig
+from fabric.errors import PeerDeadError
 from fabric.messages.base import Message
+from fabric.messages.checkpoint import KvRestore
 from fabric.messages.client import Submit
 
 
 class GatedCheckpointer(Checkpointer):
-    """The real checkpointer, with `fetch` held until `gate` opens and `finished` recorded."""
+    """The real checkpointer, with the store's side replaced: `fetch` waits at `gate`, then yields
+    the KV in chunks of `CHUNK` tokens, waiting at `mid` after the first (or failing there, with
+    `fail_mid`); `finished` is recorded."""
+
+    CHUNK = 2
 
     def __init__(self, aw: AttentionWorker) -> None:
         super().__init__("aw-0", aw.model, aw.kv, None, None)  # type: ignore[arg-type]  # no links here
         self.gate = asyncio.Event()
+        self.mid = asyncio.Event()
+        self.mid.set()
+        self.fail_mid = False
+        self.at_mid = asyncio.Event()
         self.in_flight = 0
         self.most_in_flight = 0
         self.all_waiting = asyncio.Event()  # set once `expect` fetches wait at the gate together
         self.expect = 3
         self.done: list[str] = []
 
-    async def fetch(self, owner: str, request_id: str, max_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    async def fetch(self, owner: str, request_id: str, max_tokens: int) -> AsyncGenerator[KvRestore, None]:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         if self.in_flight == self.expect:
@@ -40,7 +52,14 @@ class GatedCheckpointer(Checkpointer):
             self.in_flight -= 1
         cfg = self.cfg
         k = torch.randn(cfg.num_layers, max_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.torch_dtype)
-        return max_tokens, k, -k
+        for start in range(0, max_tokens, self.CHUNK):
+            if start:
+                self.at_mid.set()
+                await self.mid.wait()
+                if self.fail_mid:
+                    raise PeerDeadError("checkpoint store")
+            c = slice(start, start + self.CHUNK)
+            yield KvRestore(1, max_tokens, start, k[:, c], -k[:, c])
 
     def finished(self, request_ids: list[str]) -> None:
         self.done += request_ids
@@ -114,3 +133,37 @@ def test_a_step_waits_a_bounded_while_for_restores_under_way(hf_models: dict[str
     # The store does not answer: the step goes on without it once the bound has passed.
     out = asyncio.run(_join(hf_models["mixtral"], 500, open_gate=False))  # (well past 20 loop turns)
     assert out == {"waited": True, "scheduled": [], "restoring": ["a"]}
+
+
+async def _mid_stream(model: Path, fail: bool) -> dict[str, Any]:
+    """One restore stopped after its first chunk is in the cache: aborted, or the store lost."""
+    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4))
+    ckpt = aw.ckpt = GatedCheckpointer(aw)
+    ckpt.expect, ckpt.fail_mid = 1, fail
+    ckpt.gate.set()
+    ckpt.mid.clear()
+    client = Client()
+    free = aw.kv.blocks.num_free
+    await aw._submit(submit("a"), client, set())  # type: ignore[arg-type]
+    task = aw.restoring["a"]
+    await asyncio.wait_for(ckpt.at_mid.wait(), 5)
+    out: dict[str, Any] = {"blocks_mid": free - aw.kv.blocks.num_free}
+    if not fail:
+        aw._remove("a")
+    ckpt.mid.set()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+    seqs = aw.scheduler.by_id
+    out.update(cancelled=task.cancelled(), done=ckpt.done, sent=client.sent, scheduled=sorted(seqs),
+               computed={rid: s.num_computed for rid, s in seqs.items()}, restores=ckpt.restores,
+               blocks_after=free - aw.kv.blocks.num_free)
+    return out
+
+
+def test_a_restore_stopped_part_way_leaves_no_blocks(hf_models: dict[str, Path]) -> None:
+    out = asyncio.run(_mid_stream(hf_models["mixtral"], fail=False))  # the client went away
+    assert out["blocks_mid"] > 0  # the premise: the first chunk was written into allocated blocks
+    assert out["cancelled"] and out["done"] == ["a"] and out["scheduled"] == [] and out["blocks_after"] == 0
+    out = asyncio.run(_mid_stream(hf_models["mixtral"], fail=True))  # the store died mid-stream
+    assert out["blocks_mid"] > 0 and not out["cancelled"] and out["restores"] == 0
+    assert out["scheduled"] == ["a"] and out["computed"] == {"a": 0}  # it replays: prompt and outputs re-prefilled
+    assert out["blocks_after"] == 0 and out["sent"] == []  # no blocks held before its prefill is scheduled

@@ -130,26 +130,27 @@ def test_internal_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Pa
 
 
 async def throw_ucx(port: int) -> None:
-    """Bad messages over real UCX endpoints: bad magic, oversized lengths, a body larger than announced."""
-    import ucxx
+    """Every TCP payload again, over real UCX endpoints (the byte stream the transport frames
+    messages on), plus a prefix and body sent as separate UCX messages and a valid message
+    followed by garbage."""
+    from fabric.transport.ucx import UcxConnection, UcxTransport
 
-    payloads = [
-        [os.urandom(20)],
-        [prefix(2**31, 0, 2**31)],
-        [prefix(10, 2**20, 2**40)],
+    payloads = [[p] for p in bad_payloads()] + [
         [prefix(4, 0, 4), b"\xc1\xc1\xc1\xc1"],
-        [prefix(8, 0, 100), os.urandom(5000)],  # more bytes than announced: UCX truncation
+        [prefix(8, 0, 100), os.urandom(50)],  # truncated: the sender leaves before the body is whole
+        [hello_then(msg_bytes({"kind": "ping", "nonce": 1})), os.urandom(5000)],  # trailing garbage
     ]
+    transport = UcxTransport()
     for parts in payloads:
-        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        conn = await transport.connect("127.0.0.1", port)
+        assert isinstance(conn, UcxConnection)
         try:
-            for part in parts:
-                await asyncio.wait_for(ep.send(bytearray(part)), 5)
+            await asyncio.wait_for(conn.post(parts), 5)
             await asyncio.sleep(0.2)
         except Exception:
             pass  # the server may close first; what matters is that it keeps serving
         finally:
-            await ep.close()
+            await conn.close()
 
 
 def test_ucx_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
@@ -162,3 +163,6 @@ def test_ucx_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -
         assert all(proc.poll() is None for _, proc in fabric.procs), "a process died"
         status, after = post_json(base, body)
         assert status == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+    logs = "\n".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    closed = logs.count("closing connection from ucx://")
+    assert closed >= len(ports) * len(bad_payloads()), f"only {closed} bad UCX connections were logged and closed"

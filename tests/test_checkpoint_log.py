@@ -163,3 +163,24 @@ def test_spans_across_blocks_and_finished_requests_hand_their_blocks_on() -> Non
     assert len(bucket.pool.free) == 3 and bucket.bytes_used == 0
     append(bucket, "s", 0, 0)
     assert id(bucket.requests["s"].blocks[0][0]) in blocks and len(bucket.pool.free) == 2
+
+
+def test_chunks_cover_the_committed_tokens_in_order_within_the_byte_bound() -> None:
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    size = bucket.pool.BLOCK_TOKENS
+    n = 5 * size + 7  # six blocks, the last partly used
+    bucket.put_tokens("r", 0, *kv_block(range(0, n), range(0, 3)))
+    req = bucket.requests["r"]
+    want_k, want_v = req.kv(n)
+    block_bytes = size * 3 * SEG
+    for max_bytes, blocks_per_chunk in [(1, 1), (block_bytes, 1), (2 * block_bytes + 1, 2), (1 << 30, 6)]:
+        chunks = list(req.chunks(n, max_bytes))
+        assert [s for s, _, _ in chunks] == list(range(0, n, blocks_per_chunk * size))
+        assert all(k.shape[1] <= blocks_per_chunk * size and k.shape == v.shape for _, k, v in chunks)
+        assert torch.equal(torch.cat([k for _, k, _ in chunks], 1), want_k)
+        assert torch.equal(torch.cat([v for _, _, v in chunks], 1), want_v)
+    _, k0, _ = next(req.chunks(n, 1))
+    assert k0.data_ptr() == req.blocks[0][0].data_ptr()  # a full one-block chunk is the block, no copy
+    assert list(req.chunks(0, 1)) == []
+    with pytest.raises(ValueError):
+        next(req.chunks(n + 1, 1))

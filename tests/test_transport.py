@@ -1,12 +1,18 @@
-"""The TCP transport under send-side back-pressure: several tasks sending on one connection."""
+"""The transports' contract (`fabric/transport/base.py`) on both backends, and the TCP transport under
+send-side back-pressure: several tasks sending on one connection."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from importlib.util import find_spec
 
+import pytest
 import torch
 
+from fabric.errors import PeerDeadError
 from fabric.messages.checkpoint import KvPut
+from fabric.messages.expert import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
 
@@ -51,3 +57,84 @@ def test_concurrent_senders_all_finish_under_back_pressure() -> None:
 
     got = asyncio.run(main())
     assert sorted(got) == [(i, float(i)) for i in range(6)]
+
+
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_messages_arrive_whole_and_in_order(name: str) -> None:
+    """Both backends carry the same messages intact: empty, small and 8 MiB tensors, from three
+    tasks sending on one connection at once (no message interleaves with another)."""
+
+    async def main() -> list[KvPut]:
+        transport = make_transport(name)
+        got: list[KvPut] = []
+        done = asyncio.Event()
+        sizes = [0, 1, 3, 4096]  # tokens; 4096 is 8 MiB per tensor
+
+        async def handler(conn: Connection) -> None:
+            for _ in range(3 * len(sizes)):
+                msg = await conn.recv()
+                assert isinstance(msg, KvPut)
+                got.append(msg)
+            done.set()
+
+        listener = await transport.listen("127.0.0.1", 0, handler)
+        conn = await transport.connect("127.0.0.1", listener.port)
+
+        async def sender(task: int) -> None:
+            for n in sizes:
+                k = torch.arange(2 * n * 4 * 64, dtype=torch.float32).reshape(2, n, 4, 64) + task  # [L, n, K, d]
+                await conn.send(KvPut(task * 100 + n, f"t{task}", n, k, -k))
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(sender(t) for t in range(3))), 60)
+            await asyncio.wait_for(done.wait(), 60)
+        finally:
+            await conn.close()
+            await listener.close()
+        return got
+
+    got = asyncio.run(main())
+    for task in range(3):
+        mine = [m for m in got if m.request_id == f"t{task}"]
+        assert [m.start for m in mine] == [0, 1, 3, 4096]  # in the order sent
+        for m in mine:
+            want = torch.arange(m.k.numel(), dtype=torch.float32).reshape(m.k.shape) + task
+            assert torch.equal(m.k, want) and torch.equal(m.v, -want) and m.seq_no == task * 100 + m.start
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
+    """A closed peer ends a pending recv with PeerDeadError, and so does a send after it; a
+    connect to a port nobody listens on fails with PeerDeadError, not a hang."""
+
+    async def main() -> None:
+        transport = make_transport(name)
+        accepted: asyncio.Queue[Connection] = asyncio.Queue()
+
+        async def handler(conn: Connection) -> None:
+            await accepted.put(conn)
+            await asyncio.Event().wait()  # held open until the test closes it
+
+        listener = await transport.listen("127.0.0.1", 0, handler)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        server_side = await asyncio.wait_for(accepted.get(), 10)
+        reader = asyncio.create_task(conn.recv())
+        await asyncio.sleep(0.05)
+        await server_side.close()
+        with pytest.raises(PeerDeadError):
+            await asyncio.wait_for(reader, 10)
+        with pytest.raises(PeerDeadError):
+            await conn.send(Ping(1))
+        await conn.close()
+        await listener.close()
+
+        with socket.socket() as s:  # a port that was free a moment ago
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(PeerDeadError):
+            await transport.connect("127.0.0.1", port, timeout=5)
+
+    asyncio.run(main())

@@ -97,10 +97,15 @@ class KvFetch(Message):
 @register
 @dataclass
 class KvRestore(Message):
-    """The reply to `KvFetch`: the request's committed frontier (0: nothing stored) and its KV."""
+    """The reply to `KvFetch`, in chunks sent in order: the request's committed frontier (0:
+    nothing stored, one empty chunk) and its tokens start .. start + c - 1. The last chunk ends at
+    the frontier. Chunks keep each message a few MiB whatever the request's length (a long
+    request's whole KV can exceed the wire's body limit), and the asking AW writes each chunk into
+    its cache while the store sends the next."""
 
     kind = "kv_restore"
     call_id: int
     frontier: int
-    k: torch.Tensor  # [L, frontier, K, d]
-    v: torch.Tensor  # [L, frontier, K, d]
+    start: int
+    k: torch.Tensor  # [L, c, K, d]
+    v: torch.Tensor  # [L, c, K, d]
