@@ -293,10 +293,12 @@ async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
         stop.set()
         if loop_task is not None:
             loop_task.cancel()
-        await listener.close()
-        await aw.refe.close()
+        # The store link goes first: closing the gateways' connections drops their requests here,
+        # and the store must keep those checkpoints for the AWs that resume them.
         if aw.ckpt is not None:
             await aw.ckpt.close_link()
+        await listener.close()  # and every gateway connection: they resume elsewhere at once
+        await aw.refe.close()
         await link.close()
 
 

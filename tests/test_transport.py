@@ -107,8 +107,9 @@ def test_messages_arrive_whole_and_in_order(name: str) -> None:
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
-    """A closed peer ends a pending recv with PeerDeadError, and so does a send after it; a
-    connect to a port nobody listens on fails with PeerDeadError, not a hang."""
+    """A closed peer ends a pending recv with PeerDeadError, and so does a send after it, whether
+    the peer closed that connection or its listener; a connect to a port nobody listens on fails
+    with PeerDeadError, not a hang."""
 
     async def main() -> None:
         transport = make_transport(name)
@@ -129,7 +130,15 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
         with pytest.raises(PeerDeadError):
             await conn.send(Ping(1))
         await conn.close()
+
+        # Closing a listener closes what it accepted: a process going away tells its peers at once.
+        conn = await transport.connect("127.0.0.1", listener.port)
+        await asyncio.wait_for(accepted.get(), 10)
+        reader = asyncio.create_task(conn.recv())
         await listener.close()
+        with pytest.raises(PeerDeadError):
+            await asyncio.wait_for(reader, 10)
+        await conn.close()
 
         with socket.socket() as s:  # a port that was free a moment ago
             s.bind(("127.0.0.1", 0))

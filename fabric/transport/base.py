@@ -60,7 +60,9 @@ class Listener(abc.ABC):
     port: int
 
     @abc.abstractmethod
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Stops accepting and closes every connection this listener accepted, so that peers
+        learn at once that this process is going away (not when it has exited). Idempotent."""
 
 
 Handler = Callable[[Connection], Awaitable[None]]

@@ -187,12 +187,14 @@ class TcpConnection(Connection):
 
 
 class TcpListener(Listener):
-    def __init__(self, server: asyncio.Server) -> None:
+    def __init__(self, server: asyncio.Server, accepted: set[TcpConnection]) -> None:
         self._server = server
+        self._accepted = accepted
         self.port = server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         self._server.close()
+        await asyncio.gather(*(conn.close() for conn in list(self._accepted)))
 
 
 class TcpTransport(Transport):
@@ -204,16 +206,20 @@ class TcpTransport(Transport):
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         transport = self
+        accepted: set[TcpConnection] = set()
 
         class _ServerPipe(_Pipe):
             def connection_made(self, tr: asyncio.BaseTransport) -> None:
                 super().connection_made(tr)
-                task = asyncio.get_running_loop().create_task(guarded(handler, TcpConnection(self, transport.limits)))
+                conn = TcpConnection(self, transport.limits)
+                accepted.add(conn)
+                self.closed.add_done_callback(lambda _: accepted.discard(conn))
+                task = asyncio.get_running_loop().create_task(guarded(handler, conn))
                 transport._handlers.add(task)
                 task.add_done_callback(transport._handlers.discard)
 
         server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port)
-        return TcpListener(server)
+        return TcpListener(server, accepted)
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:

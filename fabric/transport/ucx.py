@@ -223,13 +223,16 @@ class UcxConnection(Connection):
 
 
 class UcxListener(Listener):
-    def __init__(self, listener: Any, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(self, listener: Any, accepted: set[UcxConnection]) -> None:
         self._listener = listener
-        self._tasks = tasks
+        self._accepted = accepted
         self.port = listener.port
 
     async def close(self) -> None:
         self._listener = None  # ucxx closes a listener when it is released
+        for conn in list(self._accepted):
+            await conn.close()
+        self._accepted.clear()
 
 
 class UcxTransport(Transport):
@@ -243,6 +246,7 @@ class UcxTransport(Transport):
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         progress = _progress()
         listener: Any = None
+        accepted: set[UcxConnection] = set()
 
         def on_conn_request(conn_request: Any, *_: Any) -> None:  # runs inside progress()
             try:
@@ -250,13 +254,15 @@ class UcxTransport(Transport):
             except Exception:
                 return  # the dialer gave up already
             conn = UcxConnection(ep, progress, f"ucx://{host}:{port}<-peer", self.limits)
+            accepted.add(conn)
             task = progress.loop.create_task(self._serve(conn, handler))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _: accepted.discard(conn))
 
         # ucxx binds all interfaces of the process's UCX context; `host` is what peers dial.
         listener = self._lib.UCXListener.create(progress.worker, port, on_conn_request)
-        return UcxListener(listener, self._tasks)
+        return UcxListener(listener, accepted)
 
     @staticmethod
     async def _serve(conn: UcxConnection, handler: Handler) -> None:
