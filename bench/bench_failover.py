@@ -1,9 +1,11 @@
 """Failover figures: `moe-fabric experiment failover` several times per scenario on the `bench`
 demo model, medians in one table (the README's), and a bar plot of the stalls.
 
-Scenarios: an EW gets SIGINT (fabric), an AW gets SIGINT (fabric), an EW gets SIGSTOP (a hung
-process: found by probes; the detection time is the orchestrator's verdict), and an EW gets
-SIGINT with every process restarted (restart-all, the MegaScale-Infer-like baseline).
+Scenarios: an EW gets SIGINT (fabric), an AW gets SIGINT (fabric; with the checkpoint store, by
+replay without one, and variants: the replacement started at once, the normal scheduling class,
+over ucx), an EW gets SIGSTOP (a hung process: found by probes; the detection time is the
+orchestrator's verdict), and an EW gets SIGINT with every process restarted (restart-all, the
+MegaScale-Infer-like baseline).
 
     python bench/bench_failover.py --repeats 3
 """
@@ -29,6 +31,8 @@ SCENARIOS: dict[str, list[str]] = {
     "AW SIGINT / fabric (sched normal)": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--sched", "normal"],
     "AW SIGINT / fabric (replacement at once)": ["--role", "attention", "--signal", "INT", "--mode", "fabric",
                                                   "--replacement-delay-ms", "0"],
+    "AW SIGINT / fabric over ucx": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
+    "EW SIGINT / fabric over ucx": ["--role", "expert", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
 }

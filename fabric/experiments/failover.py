@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-workers", type=int, default=3)
     p.add_argument("--checkpoint-stores", type=int, default=1,
                    help="0: no KV checkpoints, a dead AW's streams resume by replay")
+    p.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="the fabric's transport")
     p.add_argument("--sched", choices=["auto", "batch", "normal"], default="auto", help="the workers' CPU scheduling class")
     p.add_argument("--replacement-delay-ms", type=float, default=None,
                    help="the orchestrator's delay before it starts a replacement (default: its own)")
@@ -71,7 +72,7 @@ class Experiment:
         self.out = Path(args.out or f"results/failover-{args.role}-{args.mode}")
         port = free_port()
         # drain_timeout 0: a full restart does not wait for running requests.
-        self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport="tcp",
+        self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport=args.transport,
                                expert_workers=args.expert_workers, port=port, drain_timeout=0.0, ready_timeout=180,
                                checkpoint_stores=args.checkpoint_stores,
                                checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
@@ -107,7 +108,7 @@ class Experiment:
                         p.poll() is not None for _, p in self.fabric.procs):
                     raise
         say(f"fabric ready in {time.monotonic() - t:.1f} s ({self.cfg.attention_workers} AW + "
-            f"{self.cfg.expert_workers} EW over tcp, logs in {self.fabric.log_dir})")
+            f"{self.cfg.expert_workers} EW over {self.cfg.transport}, logs in {self.fabric.log_dir})")
 
     def restart(self) -> None:
         t = time.monotonic()
@@ -195,7 +196,7 @@ def report(exp: Experiment, ref: Run, fail: Run, cluster: dict[str, Any] | None 
     notes = scan_logs(exp.out)
     config = {**vars(args), "model": exp.model, "out": str(exp.out), "victim": VICTIMS[args.role],
               "victim_pid": fail.victim_pid, "load": f"closed loop C={args.concurrency}" if args.concurrency
-              else f"Poisson {args.rate} req/s", "transport": "tcp", "window_s": tl.WINDOW}
+              else f"Poisson {args.rate} req/s", "transport": args.transport, "window_s": tl.WINDOW}
     result = {"config": config, "metrics": metrics, "throughput": [[round(t, 3), v] for t, v in series],
               "reference_throughput": [[round(t, 3), v] for t, v in ref_series],
               "gaps": [[round(t, 4), round(g, 5), i] for t, g, i in gaps], "log_notes": notes,
