@@ -167,7 +167,7 @@ def steady(model: Path, log_root: str, rounds: int, conc: int, tokens: int, voca
     try:
         for name, over in STEADY.items():
             fabs[name] = start(model, log_root, name, **over)
-            asyncio.run(fabric_round(f"http://127.0.0.1:{fabs[name].port}/v1/completions", prompts[:2], 16))
+            asyncio.run(fabric_round(f"http://127.0.0.1:{fabs[name].port}/v1/completions", prompts, 16))  # warm-up at full concurrency
         cpu0 = {name: cpu_seconds(fab) for name, fab in fabs.items()}
         for r in range(rounds):
             order = list(STEADY) if r % 2 == 0 else list(reversed(STEADY))

@@ -29,7 +29,7 @@ import aiohttp
 import torch
 from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
-from fabric.config import ServeConfig
+from fabric.config import RoleConfig, ServeConfig
 from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
@@ -90,8 +90,11 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats
 
 
 @contextlib.contextmanager
-def running_fabric(model: Path, transport: str, sched: str, log_root: str) -> Iterator[str]:
-    """A fabric (2 AWs + 2 EWs) up and warmed; yields its completions URL."""
+def running_fabric(model: Path, transport: str, sched: str, log_root: str,
+                   warm: list[list[list[int]]] | None = None) -> Iterator[str]:
+    """A fabric (2 AWs + 2 EWs) up and warmed (a short round with each batch of prompts in
+    `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields its
+    completions URL."""
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport=transport,
                       port=free_port(), ready_timeout=300, sched=sched)
     log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-", dir=log_root)
@@ -99,7 +102,8 @@ def running_fabric(model: Path, transport: str, sched: str, log_root: str) -> It
     t = time.perf_counter()
     with Fabric(cfg, log_dir=log_dir):
         print(f"  fabric {transport} (sched {sched}): ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
-        asyncio.run(fabric_round(url, [[1] * 8], 16))  # warm-up
+        for batch in warm or [[[1] * 8]]:
+            asyncio.run(fabric_round(url, batch, 16))
         yield url
 
 
@@ -198,8 +202,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--concurrency", default="1,16", help="comma-separated numbers of concurrent streams")
     ap.add_argument("--transports", default="tcp,ucx")
-    ap.add_argument("--normal-sched", action="store_true",
-                    help="add a row per transport with the workers in the normal scheduling class (`serve --sched normal`)")
+    ap.add_argument("--other-sched", action="store_true",
+                    help="add a row per transport with the workers in the scheduling class `--sched auto` does not "
+                         "pick for it (`serve --sched normal` over tcp, `--sched batch` over ucx)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -226,11 +231,16 @@ def main() -> None:
     print(f"model {model}: {active / 1e6:.1f}M active params/token; torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
     hf = load_hf(model)
-    hf_round(hf, prompts[:1], args.tokens, args.hf_threads)  # warm-up
+    warm = [prompts[:c] for c in concs]
+    for batch in warm:  # warm-up, as every fabric gets
+        hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     fabrics = {f"fabric {t}": (t, "auto") for t in transports}
-    if args.normal_sched:
-        fabrics.update({f"fabric {t}, --sched normal": (t, "normal") for t in transports})
+    if args.other_sched:
+        for t in transports:
+            auto = RoleConfig(model=str(model), orchestrator="127.0.0.1:1", transport=t).sched_policy
+            other = "normal" if auto == "batch" else "batch"
+            fabrics[f"fabric {t}, --sched {other}"] = (t, other)
     systems = [*fabrics, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
     ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in fabrics}
@@ -242,7 +252,7 @@ def main() -> None:
         urls: dict[str, str] = {}
         for name, (t, sched) in fabrics.items():
             try:
-                urls[name] = stack.enter_context(running_fabric(model, t, sched, log_root))
+                urls[name] = stack.enter_context(running_fabric(model, t, sched, log_root, warm))
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)

@@ -4,6 +4,7 @@ send-side back-pressure: several tasks sending on one connection."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from importlib.util import find_spec
 
@@ -81,6 +82,7 @@ def test_messages_arrive_whole_and_in_order(name: str) -> None:
             done.set()
 
         listener = await transport.listen("127.0.0.1", 0, handler)
+        gc.collect()  # the listener object alone keeps listening (nothing only a gc cycle holds)
         conn = await transport.connect("127.0.0.1", listener.port)
 
         async def sender(task: int) -> None:
@@ -139,6 +141,8 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
         with pytest.raises(PeerDeadError):
             await asyncio.wait_for(reader, 10)
         await conn.close()
+        with pytest.raises(PeerDeadError):  # and it accepts no more
+            await transport.connect("127.0.0.1", listener.port, timeout=5)
 
         with socket.socket() as s:  # a port that was free a moment ago
             s.bind(("127.0.0.1", 0))

@@ -223,16 +223,19 @@ class UcxConnection(Connection):
 
 
 class UcxListener(Listener):
-    def __init__(self, listener: Any, accepted: set[UcxConnection]) -> None:
-        self._listener = listener
-        self._accepted = accepted
-        self.port = listener.port
+    def __init__(self) -> None:
+        self.closed = False
+        self.accepted: set[UcxConnection] = set()
+        self.port = 0
+        self.ucx_listener: Any = None  # held here: once only a callback cycle holds it, gc frees it
 
     async def close(self) -> None:
-        self._listener = None  # ucxx closes a listener when it is released
-        for conn in list(self._accepted):
+        # ucxx offers no way to stop a listener: an endpoint it accepted keeps it alive. A closed
+        # one refuses what still arrives (the endpoint is closed as it is made).
+        self.closed = True
+        for conn in list(self.accepted):
             await conn.close()
-        self._accepted.clear()
+        self.accepted.clear()
 
 
 class UcxTransport(Transport):
@@ -245,24 +248,27 @@ class UcxTransport(Transport):
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         progress = _progress()
-        listener: Any = None
-        accepted: set[UcxConnection] = set()
+        lst = UcxListener()
 
         def on_conn_request(conn_request: Any, *_: Any) -> None:  # runs inside progress()
             try:
-                ep = self._lib.UCXEndpoint.create_from_conn_request(listener, conn_request, True)
+                ep = self._lib.UCXEndpoint.create_from_conn_request(lst.ucx_listener, conn_request, True)
             except Exception:
                 return  # the dialer gave up already
             conn = UcxConnection(ep, progress, f"ucx://{host}:{port}<-peer", self.limits)
-            accepted.add(conn)
-            task = progress.loop.create_task(self._serve(conn, handler))
+            if lst.closed:  # refused: the dialer's connect fails at once
+                task = progress.loop.create_task(conn.close())
+            else:
+                lst.accepted.add(conn)
+                task = progress.loop.create_task(self._serve(conn, handler))
+                task.add_done_callback(lambda _: lst.accepted.discard(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(lambda _: accepted.discard(conn))
 
         # ucxx binds all interfaces of the process's UCX context; `host` is what peers dial.
-        listener = self._lib.UCXListener.create(progress.worker, port, on_conn_request)
-        return UcxListener(listener, accepted)
+        lst.ucx_listener = self._lib.UCXListener.create(progress.worker, port, on_conn_request)
+        lst.port = lst.ucx_listener.port
+        return lst
 
     @staticmethod
     async def _serve(conn: UcxConnection, handler: Handler) -> None:
