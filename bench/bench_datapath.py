@@ -29,7 +29,7 @@ import aiohttp
 import torch
 from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
-from fabric.config import RoleConfig, ServeConfig
+from fabric.config import ServeConfig, auto_sched
 from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
@@ -238,8 +238,7 @@ def main() -> None:
     fabrics = {f"fabric {t}": (t, "auto") for t in transports}
     if args.other_sched:
         for t in transports:
-            auto = RoleConfig(model=str(model), orchestrator="127.0.0.1:1", transport=t).sched_policy
-            other = "normal" if auto == "batch" else "batch"
+            other = "normal" if auto_sched(t) == "batch" else "batch"
             fabrics[f"fabric {t}, --sched {other}"] = (t, other)
     systems = [*fabrics, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}

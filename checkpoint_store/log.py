@@ -156,11 +156,10 @@ class RequestLog:
 
     def kv(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed tokens [0, upto) as k, v [L, upto, K, d] (copies)."""
-        parts = list(self.chunks(upto, 1 << 62))
+        parts = list(self.chunks(upto, 0))  # a block each, not copied
         if not parts:
             return self.layout.empty_kv()
-        _, k, v = parts[0]
-        return k.clone(), v.clone()
+        return torch.cat([k for _, k, _ in parts], dim=1), torch.cat([v for _, _, v in parts], dim=1)
 
     def chunks(self, upto: int, max_bytes: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Committed tokens [0, upto) as consecutive (start, k, v [L, c, K, d]) of whole blocks,

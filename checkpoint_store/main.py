@@ -119,7 +119,7 @@ class CheckpointStore:
         owner = self.log.buckets.get(msg.owner)
         req = owner.requests.get(msg.request_id) if owner is not None else None
         n = min(req.frontier, max(0, msg.max_tokens)) if req is not None else 0
-        if owner is None or req is None or n == 0:
+        if req is None or n == 0:
             log.info("fetch %s from %s: nothing stored", msg.request_id, msg.owner)
             await conn.send(KvRestore(msg.call_id, 0, 0, *bucket.layout.empty_kv()))
             return

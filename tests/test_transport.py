@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+from collections.abc import Awaitable
 from importlib.util import find_spec
+from typing import Any
 
 import pytest
 import torch
@@ -15,14 +17,25 @@ from fabric.errors import PeerDeadError
 from fabric.messages.checkpoint import KvPut
 from fabric.messages.expert import Ping
 from fabric.transport import make_transport
-from fabric.transport.base import Connection
+from fabric.transport.base import Connection, Listener
+
+
+async def finish(conn: Connection, listener: Listener, *waits: Awaitable[Any]) -> None:
+    """Awaits `waits` in turn, each with a 60 s deadlock guard (not a timing assertion), then
+    closes the connection and the listener whatever happened."""
+    try:
+        for w in waits:
+            await asyncio.wait_for(w, 60)
+    finally:
+        await conn.close()
+        await listener.close()
 
 
 def test_concurrent_senders_all_finish_under_back_pressure() -> None:
     """Each message is larger than the socket buffers, so every send waits in drain while the
     receiver is slow to start; all of those waits must end once it reads (a shared drain waiter)."""
 
-    async def main() -> list[tuple[int, float]]:
+    async def main() -> tuple[list[tuple[int, float]], int]:
         transport = make_transport("tcp")
         got: list[tuple[int, float]] = []
         start_reading = asyncio.Event()
@@ -38,25 +51,20 @@ def test_concurrent_senders_all_finish_under_back_pressure() -> None:
 
         listener = await transport.listen("127.0.0.1", 0, handler)
         conn = await transport.connect("127.0.0.1", listener.port)
-        try:
-            def put(i: int) -> KvPut:
-                k = torch.full((2, 4096, 4, 64), float(i))  # [L, n, K, d], 8 MiB
-                return KvPut(i, f"r{i}", 0, k, k.clone())
 
-            senders = [asyncio.create_task(conn.send(put(i))) for i in range(6)]
-            await asyncio.sleep(0)  # one loop pass: each sender has written and reached drain
-            # The premise: at least two senders are waiting in drain at once.
-            assert sum(not t.done() for t in senders) >= 2
-            start_reading.set()
-            # A deadlock guard, not a timing assertion: a lost drain waiter never finishes.
-            await asyncio.wait_for(asyncio.gather(*senders), 60)
-            await asyncio.wait_for(done.wait(), 60)
-        finally:
-            await conn.close()
-            await listener.close()
-        return got
+        def put(i: int) -> KvPut:
+            k = torch.full((2, 4096, 4, 64), float(i))  # [L, n, K, d], 8 MiB
+            return KvPut(i, f"r{i}", 0, k, k.clone())
 
-    got = asyncio.run(main())
+        senders = [asyncio.create_task(conn.send(put(i))) for i in range(6)]
+        await asyncio.sleep(0)  # one loop pass: each sender has written and reached drain
+        in_drain = sum(not t.done() for t in senders)
+        start_reading.set()
+        await finish(conn, listener, asyncio.gather(*senders), done.wait())  # a lost drain waiter never finishes
+        return got, in_drain
+
+    got, in_drain = asyncio.run(main())
+    assert in_drain >= 2  # the premise: at least two senders waited in drain at once
     assert sorted(got) == [(i, float(i)) for i in range(6)]
 
 
@@ -90,12 +98,7 @@ def test_messages_arrive_whole_and_in_order(name: str) -> None:
                 k = torch.arange(2 * n * 4 * 64, dtype=torch.float32).reshape(2, n, 4, 64) + task  # [L, n, K, d]
                 await conn.send(KvPut(task * 100 + n, f"t{task}", n, k, -k))
 
-        try:
-            await asyncio.wait_for(asyncio.gather(*(sender(t) for t in range(3))), 60)
-            await asyncio.wait_for(done.wait(), 60)
-        finally:
-            await conn.close()
-            await listener.close()
+        await finish(conn, listener, asyncio.gather(*(sender(t) for t in range(3))), done.wait())
         return got
 
     got = asyncio.run(main())
@@ -125,7 +128,8 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
         conn = await transport.connect("127.0.0.1", listener.port)
         server_side = await asyncio.wait_for(accepted.get(), 10)
         reader = asyncio.create_task(conn.recv())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # one loop turn: the reader has posted its receive and waits
+        assert not reader.done()
         await server_side.close()
         with pytest.raises(PeerDeadError):
             await asyncio.wait_for(reader, 10)

@@ -164,22 +164,30 @@ class UcxConnection(Connection):
         finally:
             self._waiting.discard(fut)
 
-    async def post(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Sends raw buffers, in order, and returns once UCX is done with them (no framing)."""
+    def _check_open(self) -> None:
         if self.closed or self._lost:
             raise PeerDeadError(self.peer, self._lost or "connection already closed")
+
+    async def _dead(self, exc: Exception) -> PeerDeadError:
+        """Closes this connection after a failed UCX request; returns the error to raise."""
+        await self.close()
+        if isinstance(exc, PeerDeadError):
+            return exc
+        err = PeerDeadError(self.peer, str(exc) or type(exc).__name__)
+        err.__cause__ = exc
+        return err
+
+    async def post(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Sends raw buffers, in order, and returns once UCX is done with them (no framing)."""
+        self._check_open()
         array = self._p.Array
         try:
             # Posted without an await in between: messages from concurrent senders never interleave.
             reqs = [(self._ep.stream_send(array(p)), p) for p in parts if memoryview(p).nbytes]
             for req, keep in reqs:
                 await self._wait(req, keep)
-        except PeerDeadError:
-            await self.close()
-            raise
         except Exception as exc:
-            await self.close()
-            raise PeerDeadError(self.peer, str(exc) or type(exc).__name__) from exc
+            raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
 
     async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
         parts = encode(header, frames)
@@ -188,16 +196,11 @@ class UcxConnection(Connection):
         await self.post(parts)
 
     async def recv_into(self, buf: bytearray | memoryview) -> None:
-        if self.closed or self._lost:
-            raise PeerDeadError(self.peer, self._lost or "connection already closed")
+        self._check_open()
         try:
             await self._wait(self._ep.stream_recv(self._p.Array(buf)), buf)
-        except PeerDeadError:
-            await self.close()
-            raise
         except Exception as exc:
-            await self.close()
-            raise PeerDeadError(self.peer, str(exc) or type(exc).__name__) from exc
+            raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
 
     async def _read_prefix(self) -> bytearray:
         buf = bytearray(PREFIX_SIZE)
@@ -233,8 +236,7 @@ class UcxListener(Listener):
         # ucxx offers no way to stop a listener: an endpoint it accepted keeps it alive. A closed
         # one refuses what still arrives (the endpoint is closed as it is made).
         self.closed = True
-        for conn in list(self.accepted):
-            await conn.close()
+        await asyncio.gather(*(conn.close() for conn in list(self.accepted)))
         self.accepted.clear()
 
 
