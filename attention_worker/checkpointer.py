@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import torch
@@ -46,8 +46,10 @@ def _nbytes(msg: Message) -> int:
 
 class Checkpointer:
     def __init__(self, aw_id: str, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, transport: Transport,
-                 mode: str = "incremental", pause_every: int = 8) -> None:
+                 mode: str = "incremental", pause_every: int = 8,
+                 on_lost: Callable[[str, str], None] | None = None) -> None:
         self.aw_id = aw_id
+        self.on_lost = on_lost  # (store id, reason): tells the orchestrator
         self.cfg = cfg
         self.kv = kv
         self.refe = refe
@@ -139,6 +141,8 @@ class Checkpointer:
                     fut.set_result(msg)
         except (PeerDeadError, ProtocolError) as exc:
             log.warning("checkpoint store %s lost (%s): serving on without checkpoints", self.store_id, exc)
+            if self.on_lost is not None and self.store_id is not None and self.link is link:
+                self.on_lost(self.store_id, str(exc))
         finally:
             await link.close()
             self._fail_waiters()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, ProtocolError
+from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError, ProtocolError
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.routing import EwAddress, RoutingTable
 from fabric.transport.base import Connection, Transport
@@ -42,6 +42,7 @@ class EwLink:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     dead: bool = False
     last_heard: float = field(default_factory=time.monotonic)  # any message from this EW
+    last_data: float = field(default_factory=time.monotonic)  # an expert result (or error) from this EW
     sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
     latency: float = 0.0  # smoothed call latency (EWMA), the yardstick of "silent too long"
 
@@ -52,7 +53,7 @@ class EwLink:
         try:
             while True:
                 msg = await self.data.recv()
-                self.last_heard = now = time.monotonic()
+                self.last_heard = self.last_data = now = time.monotonic()
                 call_id = getattr(msg, "call_id", -1)
                 sent = self.sent_at.pop(call_id, None)
                 if sent is not None:
@@ -99,11 +100,25 @@ class EwLink:
                 await self.control.close()
                 return
             try:
-                await self.control.send(Ping(next(nonce)))
+                self.control.send_nowait(Ping(next(nonce)))
             except PeerDeadError as exc:
                 self.fail(exc)
                 return
             sent += 1
+
+    async def stall_loop(self, deadline: float) -> None:
+        """Calls outstanding and no result for `deadline` (the send deadline), although the EW may
+        answer probes: its data path is stuck (a reader that stopped reading). Definitive: the EW
+        cannot serve, whatever its control channel says."""
+        while not self.dead:
+            await asyncio.sleep(deadline / 4)
+            silent = time.monotonic() - self.last_data
+            if self.pending and silent > deadline:
+                self.fail(PeerStalledError(self.addr.worker_id, f"no expert result for {silent * 1e3:.0f} ms "
+                                                                "with calls outstanding"))
+                await self.data.close()
+                await self.control.close()
+                return
 
     def fail(self, error: FabricError) -> None:
         """Marks the link dead and fails every call waiting on it (they are then replayed)."""
@@ -123,12 +138,12 @@ class EwLink:
 
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3,
-                 expert_wait: float = 30.0, on_dead: Callable[[str, str], None] | None = None) -> None:
+                 expert_wait: float = 30.0, on_dead: Callable[[str, str, bool], None] | None = None) -> None:
         self.aw_id = aw_id
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
         self.expert_wait = expert_wait
-        self.on_dead = on_dead  # (EW id, reason): tells the orchestrator, whose verdict is authoritative
+        self.on_dead = on_dead  # (EW id, reason, definitive): tells the orchestrator, whose verdict is authoritative
         self.transport = transport
         self.table: RoutingTable | None = None
         self.next_table: RoutingTable | None = None  # offered by the orchestrator, applied at a step boundary
@@ -185,18 +200,18 @@ class ForwardingEngine:
                 try:
                     self.links[ew_id] = await self._connect(addr)
                 except PeerDeadError as exc:
-                    self._declare_dead(ew_id, f"connect failed: {exc}")
+                    self._declare_dead(ew_id, f"connect failed: {exc}", False)
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
         self.table = table
 
-    def _declare_dead(self, ew_id: str, reason: str) -> None:
+    def _declare_dead(self, ew_id: str, reason: str, definitive: bool) -> None:
         if ew_id in self.dead:
             return
         self.dead.add(ew_id)
         self.suspected_at[ew_id] = time.time()
         if self.on_dead is not None:
-            self.on_dead(ew_id, reason)
+            self.on_dead(ew_id, reason, definitive)
 
     async def _wait_for_replica(self, layer: int, expert: int) -> None:
         """Every copy of (layer, expert) is gone: wait, bounded, for a table that has one again
@@ -226,11 +241,12 @@ class ForwardingEngine:
         await control.send(Hello(self.aw_id, "control"))
         await data.send(Hello(self.aw_id, "data"))
         link = EwLink(addr, control, data)
-        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
+        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop()),
+                      asyncio.create_task(link.stall_loop(data.send_timeout))]
         if self.probe_interval > 0:
             link.tasks.append(asyncio.create_task(link.probe_loop(self.probe_interval, self.probe_misses)))
         if self._active:
-            await control.send(AwActivity(True))
+            control.send_nowait(AwActivity(True))
         log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
         return link
 
@@ -242,7 +258,7 @@ class ForwardingEngine:
         for link in list(self.links.values()):
             if not link.dead:
                 try:
-                    await link.control.send(AwActivity(active))
+                    link.control.send_nowait(AwActivity(active))
                 except PeerDeadError:
                     pass
 
@@ -256,13 +272,20 @@ class ForwardingEngine:
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         if not link.pending:
-            link.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
+            link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         self.sending += 1
         self.send_idle.clear()
         try:
             await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
+        except BaseException:
+            # Nobody will await this call's future: take it back, or a later failure of the link
+            # would set an exception on it that nobody retrieves.
+            link.pending.pop(call_id, None)
+            link.sent_at.pop(call_id, None)
+            fut.cancel()
+            raise
         finally:
             self.sending -= 1
             if not self.sending:
@@ -341,7 +364,7 @@ class ForwardingEngine:
                 if isinstance(res, PeerDeadError):
                     if ew not in self.dead:
                         log.warning("%s is dead (%s); replaying its calls on the next replicas", ew, res)
-                        self._declare_dead(ew, str(res))
+                        self._declare_dead(ew, str(res), isinstance(res, PeerStalledError))
                     failed.extend(plan[ew])
                 elif isinstance(res, BaseException):
                     raise res

@@ -31,7 +31,10 @@ class Sequence:
     ignore_eos: bool
     logprobs: int = -1
     replay_chunk: int = 0  # >0: emitted tokens being recomputed go at most this many per step
-    client: Any = None  # the connection that receives this request's tokens
+    client: Any = None  # the connection that receives this request's tokens (None: detached)
+    submit: Submit | None = None  # as the gateway sent it (an Attach must ask for the same generation)
+    detached_until: float | None = None  # no client: kept running for an Attach until then (monotonic)
+    outputs: list[list[Any]] = field(default_factory=list)  # every StepOutput row so far (see Attached)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -39,11 +42,14 @@ class Sequence:
 
     @classmethod
     def from_submit(cls, msg: Submit, client: Any) -> Sequence:
-        return cls(
+        seq = cls(
             msg.request_id, list(msg.prompt_ids), list(msg.output_ids), msg.max_tokens, msg.temperature,
             msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, msg.logprobs,
-            msg.replay_chunk, client,
+            msg.replay_chunk, client, msg,
         )
+        # Tokens made before a resume (on an AW that died): their logprobs stayed with the gateway.
+        seq.outputs = [[msg.request_id, t, None, None, None] for t in msg.output_ids]
+        return seq
 
     @property
     def num_tokens(self) -> int:

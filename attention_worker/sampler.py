@@ -1,21 +1,33 @@
 """Sampling where a token depends only on (logits, seed, token index), so a request resumed on another
-AW continues identically. Greedy (temperature 0) is argmax, ties to the lowest id, as transformers."""
+AW continues identically. Greedy (temperature 0) is argmax, ties to the lowest id, as transformers.
+
+No sampling parameter can crash the worker: a temperature below `GREEDY_BELOW` is greedy (as vLLM
+treats it: 1/temperature would overflow float32, and the softmax of an overflow is NaN), and a
+distribution that is not finite (NaN or inf logits from the model) falls back to greedy on the
+finite logits instead of reaching `torch.multinomial`, which raises on it.
+"""
 
 from __future__ import annotations
 
 import torch
 
 _MIX = 0x9E3779B97F4A7C15
+GREEDY_BELOW = 1e-5
 
 
 def token_seed(seed: int, index: int) -> int:
     return (seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """argmax, NaN counting as the lowest value."""
+    return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))).item())
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, index: int) -> int:
     """logits [V] -> token id."""
-    if temperature <= 0.0 or top_k == 1:
-        return int(torch.argmax(logits).item())
+    if not temperature >= GREEDY_BELOW or top_k == 1:  # (also catches a NaN temperature)
+        return greedy(logits)
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.shape[0]:
         kth = torch.topk(scaled, top_k).values[-1]
@@ -27,18 +39,28 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        return greedy(logits)
     gen = torch.Generator().manual_seed(token_seed(seed, index))
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> list[object]:
     """[logprob of `token`, top-k [[id, logprob], ...]] under the raw distribution, or [None, None]
-    when the request asked for none (k < 0)."""
+    when the request asked for none (k < 0). A non-finite value becomes `FLOOR_LOGPROB` (JSON has
+    neither NaN nor infinities)."""
     if k < 0:
         return [None, None]
     logp = torch.log_softmax(logits.float(), dim=-1)
     top: list[list[float]] | None = None
     if k > 0:
         values, ids = torch.topk(logp, min(k, logp.shape[0]))
-        top = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]
-    return [float(logp[token]), top]
+        top = [[int(i), _finite(float(v))] for i, v in zip(ids.tolist(), values.tolist())]
+    return [_finite(float(logp[token])), top]
+
+
+FLOOR_LOGPROB = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if x == x and abs(x) != float("inf") else FLOOR_LOGPROB

@@ -33,10 +33,10 @@ import aiohttp
 from bench_datapath import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 from common import scan_logs
 
-from fabric.config import ServeConfig
-from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
 
 RECOVERY = {
     "restore (store)": {"resume": "restore", "checkpoint_stores": 1},
@@ -51,8 +51,8 @@ STEADY = {
 
 
 def start(model: Path, log_root: str, name: str, **over: Any) -> Fabric:
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport="tcp", port=free_port(),
-                      ready_timeout=300, routing="round-robin", **over)
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=1, transport="tcp",
+                      port=free_port(), ready_timeout=300, routing="round-robin", **over)
     fab = Fabric(cfg, log_dir=tempfile.mkdtemp(prefix=f"{name.split()[0]}-", dir=log_root))
     try:
         fab.start()
@@ -68,7 +68,7 @@ async def kill_at(fab: Fabric, prompt: list[int], point: int, tail: int) -> dict
     a fresh gateway's first request to the second AW it connected to (its log says which)."""
     assert fab.log_dir is not None
     deadline = time.monotonic() + 30
-    while len(order := re.findall(r"connected to (aw-\d+)", (Path(fab.log_dir) / "gateway.log").read_text())) < 2:
+    while len(order := re.findall(r"connected to (aw-\d+)", (Path(fab.log_dir) / "gateway-0.log").read_text())) < 2:
         if time.monotonic() > deadline:  # the gateway may still be connecting when /v1/models answers
             raise RuntimeError(f"the gateway connected to {order} only")
         await asyncio.sleep(0.1)
@@ -94,7 +94,7 @@ async def kill_at(fab: Fabric, prompt: list[int], point: int, tail: int) -> dict
                 os.kill(aw["pid"], signal.SIGKILL)
                 killed = now
     assert killed is not None and len(times) == point + tail, (killed, len(times))
-    assert "resuming after" in (Path(fab.log_dir) / "gateway.log").read_text(), "the request was not on the victim"
+    assert "resuming after" in (Path(fab.log_dir) / "gateway-0.log").read_text(), "the request was not on the victim"
     stall = max(b - a for a, b in zip(times, times[1:]) if b > killed)
     normal = statistics.median(b - a for a, b in zip(times[:point], times[1:point]))
     # The restoring AW logs how long its fetch and cache writes took (Tarragon's restoration time).

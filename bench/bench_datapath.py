@@ -29,10 +29,11 @@ import aiohttp
 import torch
 from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
-from fabric.config import ServeConfig, auto_sched
-from fabric.launcher import Fabric, free_port
+from fabric.config import auto_sched
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
 
 HF = "transformers generate"
 LIMIT = "compute limit"

@@ -98,7 +98,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in chosen:
             out = args.out / f"{name.replace(' ', '').replace('/', '-')}-{rep}"
-            cmd = [sys.executable, "-m", "fabric.cli", "experiment", "failover", *SCENARIOS[name],
+            cmd = [sys.executable, "-m", "launch.cli", "experiment", "failover", *SCENARIOS[name],
                    "--model", str(args.model_dir), "--out", str(out), *shlex.split(args.workload)]
             t = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)

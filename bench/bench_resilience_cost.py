@@ -25,10 +25,10 @@ from typing import Any
 from bench_datapath import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 from common import scan_logs
 
-from fabric.config import ServeConfig
-from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "resilient": {"shadows_per_expert": 1, "probe_interval_ms": 10.0, "provisioner": "local"},

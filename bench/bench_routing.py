@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
 
-from fabric.config import ServeConfig
-from fabric.launcher import Fabric, free_port
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
 
 POLICIES = ("least-work", "round-robin")
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tok_s")
@@ -103,8 +103,8 @@ def summarize(samples: list[Sample]) -> Sample:
 
 def run_policy(model: Path, policy: str, prompts: list[list[int]], offsets: list[float], tokens: int,
                log_root: str) -> list[Sample]:
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport="tcp", port=free_port(),
-                      routing=policy, ready_timeout=300)
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=1, transport="tcp",
+                      port=free_port(), routing=policy, ready_timeout=300)  # one gateway: its round-robin order
     log_dir = tempfile.mkdtemp(prefix=f"fabric-{policy}-", dir=log_root)
     url = f"http://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()

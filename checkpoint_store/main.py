@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -20,8 +19,8 @@ import torch
 
 from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
 from fabric.config import CheckpointStoreConfig
-from fabric.control_link import OrchestratorLink
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric.errors import ProtocolError
+from fabric.messages.base import Message
 from fabric.messages.checkpoint import (
     KvAppend,
     KvDone,
@@ -32,10 +31,10 @@ from fabric.messages.checkpoint import (
     KvSynced,
     StoreHello,
 )
-from fabric.messages.control import Register, RoutingUpdate, WorkerStats
-from fabric.process import mark_failed
+from fabric.messages.control import Role, RoutingUpdate
+from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
-from fabric.transport.base import Connection
+from fabric.transport.base import Connection, Listener
 
 log = logging.getLogger("checkpoint_store")
 
@@ -43,11 +42,14 @@ RESTORE_CHUNK_BYTES = 4 << 20  # k and v of one KvRestore message, at most (one 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointStore:
+class CheckpointStore(Service):
+    role = Role.STORE
+
     def __init__(self, cfg: CheckpointStoreConfig) -> None:
         self.cfg = cfg
         self.log = CheckpointLog()
-        self.transport = make_transport(cfg.transport)
+        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000)
+        self.listener: Listener | None = None
         self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
         self.fetches = 0
         self.fetch_hits = 0
@@ -55,7 +57,35 @@ class CheckpointStore:
         self.restored_bytes = 0
         self.full_errors = 0
 
-    async def handle(self, conn: Connection) -> None:
+    # -- the role runtime's side ---------------------------------------------------------------
+    async def start(self, runtime: Runtime) -> int:
+        # Copies only: a second intra-op thread buys nothing here and, on a host whose cores the
+        # workers keep busy, makes every small tensor copy wait for a thread to be scheduled.
+        torch.set_num_threads(1)
+        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
+        runtime.spawn(self._expire())
+        runtime.ready()
+        log.info("checkpoint store listening on %s:%d (%s)", self.cfg.host, self.listener.port, self.transport.name)
+        return self.listener.port
+
+    def registration(self) -> dict[str, Any]:
+        return {"ready": True, "info": {"transport": self.transport.name, "bucket_mib": self.cfg.bucket_mib}}
+
+    async def handle(self, msg: Message) -> None:
+        if isinstance(msg, RoutingUpdate):
+            self.forget_dead(msg.view.dead)
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.forget_dead([])
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+
+    # -- AW connections ---------------------------------------------------------------------
+    async def handle_conn(self, conn: Connection) -> None:
         hello = await conn.recv()
         if not isinstance(hello, StoreHello):
             raise ProtocolError(f"expected store_hello, got {hello.kind}")
@@ -155,34 +185,4 @@ class CheckpointStore:
 
 
 async def serve(cfg: CheckpointStoreConfig, stop: asyncio.Event) -> None:
-    # Copies only: a second intra-op thread buys nothing here and, on a host whose cores the
-    # workers keep busy, makes every small tensor copy wait for a thread to be scheduled.
-    torch.set_num_threads(1)
-    store = CheckpointStore(cfg)
-    listener = await store.transport.listen(cfg.host, cfg.port, store.handle)
-    link = OrchestratorLink(*cfg.orchestrator_addr)
-    wid = await link.connect(Register("checkpoint_store", os.getpid(), cfg.host, listener.port,
-                                      {"transport": store.transport.name, "bucket_mib": cfg.bucket_mib}))
-    log.info("%s listening on %s:%d (%s)", wid, cfg.host, listener.port, store.transport.name)
-
-    async def report() -> None:
-        while not link.closed.is_set():
-            await asyncio.sleep(1.0)
-            store.forget_dead([])
-            try:
-                await link.send(WorkerStats(store.stats()))
-            except PeerDeadError:
-                return
-
-    reporter = asyncio.create_task(report())
-    try:
-        while (msg := await link.next_message(stop)) is not None:
-            if isinstance(msg, RoutingUpdate):
-                store.forget_dead(msg.dead)
-        if link.closed.is_set() and not stop.is_set():
-            log.error("%s lost the orchestrator; exiting", wid)
-            mark_failed()
-    finally:
-        reporter.cancel()
-        await listener.close()
-        await link.close()
+    await Runtime(cfg, CheckpointStore(cfg)).serve(stop)

@@ -2,42 +2,50 @@
 
 Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
 over the rows of all calls in the batch -> send each AW its results. Connection handlers only
-validate and enqueue; the torch work happens in the main loop between I/O (one batch is a few
-small matmuls, well under the liveness-probe interval).
+validate and enqueue; the torch work runs in a thread, so the loop keeps answering probes. The
+role runtime (fabric/runtime.py) keeps the orchestrator link; the data path does not need it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from functools import partial
+from typing import Any
 
 import torch
 
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
+from fabric import faults
 from fabric.config import ExpertWorkerConfig
-from fabric.control_link import OrchestratorLink
 from fabric.errors import PeerDeadError, ProtocolError
-from fabric.messages.control import AssignExperts, Register, RoutingUpdate, WorkerReady, WorkerStats
+from fabric.messages.base import Message
+from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
-from fabric.process import fatal_on_error, mark_failed, run_niced_async
+from fabric.process import run_niced_async
+from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
-from fabric.transport.base import Connection
+from fabric.transport.base import Connection, Listener
 
 log = logging.getLogger("expert_worker")
 
 
-class ExpertWorker:
+class ExpertWorker(Service):
+    role = Role.EXPERT
+
     def __init__(self, cfg: ExpertWorkerConfig) -> None:
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.executor = ExpertExecutor(self.model)
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
-        self.transport = make_transport(cfg.transport)
+        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000)
+        self.runtime: Runtime | None = None
+        self.listener: Listener | None = None
+        self.slot = ""  # the placement slot whose experts this EW holds
+        self.loaded = False
         self.pending: list[PendingCall] = []
         self.active_aws: set[str] = set()
         self.wakeup = asyncio.Event()
@@ -47,9 +55,10 @@ class ExpertWorker:
         self.stale_calls = 0  # calls tagged with an older epoch: still served (we host the expert)
         self.fenced: set[str] = set()  # AWs the orchestrator declared dead: never waited for, never served
         self.conns: dict[str, list[Connection]] = {}
+        self.stalled = asyncio.Event()  # the test-only fault hook: a stuck reader (fabric/faults.py)
 
     # -- connection handlers ------------------------------------------------------------------
-    async def handle(self, conn: Connection) -> None:
+    async def handle_conn(self, conn: Connection) -> None:
         hello = await conn.recv()
         if not isinstance(hello, Hello) or hello.channel not in ("control", "data"):
             raise ProtocolError(f"expected hello, got {hello.kind}")
@@ -66,19 +75,66 @@ class ExpertWorker:
             if conn in conns:
                 conns.remove(conn)
 
-    async def routing_update(self, epoch: int, dead: list[str]) -> None:
+    # -- the role runtime's side ---------------------------------------------------------------
+    async def start(self, runtime: Runtime) -> int:
+        self.runtime = runtime
+        torch.set_num_threads(self.cfg.threads)
+        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
+        faults.stall_on_signal(self.stalled)
+        runtime.spawn(self.main_loop(runtime.stop), main_loop=True)
+        log.info("expert worker listening on %s:%d (%s)", self.cfg.host, self.listener.port, self.transport.name)
+        return self.listener.port
+
+    def registration(self) -> dict[str, Any]:
+        return {"slot": self.slot, "experts": [list(u) for u in sorted(self.executor.experts)], "ready": self.loaded,
+                "info": {"transport": self.transport.name, "gather": self.cfg.gather}}
+
+    async def handle(self, msg: Message) -> None:
+        if isinstance(msg, AssignExperts):
+            await self.assign(msg)
+        elif isinstance(msg, RoutingUpdate):
+            await self.routing_update(msg.view)
+
+    async def assign(self, msg: AssignExperts) -> None:
+        assert self.runtime is not None
+        units = [(int(u[0]), int(u[1])) for u in msg.experts]
+        todo = [u for u in units if u not in self.executor.experts]
+        if todo:
+            t0 = time.perf_counter()
+            await run_niced_async(partial(self.executor.load, self.cfg.model, todo), self.cfg.boot_nice)
+            log.info("%s loaded %d experts of slot %s (%.1f MiB) in %.2fs", self.runtime.worker_id, len(todo), msg.slot,
+                     self.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
+        self.slot, self.loaded = msg.slot, True
+        try:
+            await self.runtime.link.send(WorkerReady(self.epoch))
+        except PeerDeadError:
+            pass  # the next orchestrator learns it from the registration (ready, slot, experts)
+        self.runtime.ready()
+
+    def stats(self) -> dict[str, Any]:
+        tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
+        return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
+                "stale_calls": self.stale_calls, "expert_mib": round(self.executor.bytes_loaded / 2**20, 1),
+                "tokens_by_expert": tokens}
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+
+    async def routing_update(self, view: ClusterView) -> None:
         """From the orchestrator: the newest epoch, and the workers it declared dead. An EW never
         waits for a dead AW (Tarragon §5.2): it leaves the gather set at once, its pending calls
         are dropped and its connections closed (a hung AW that wakes up is not served)."""
-        self.epoch = max(self.epoch, epoch)
-        newly = [w for w in dead if w not in self.fenced and w.startswith("aw-")]
+        self.epoch = max(self.epoch, view.table.epoch if view.table else 0)
+        newly = [w for w in view.dead if w not in self.fenced]  # (only AWs ever connect here)
         for aw_id in newly:
             self.fenced.add(aw_id)
+            if aw_id in self.active_aws or aw_id in self.conns:
+                log.info("%s declared dead: no longer waited for", aw_id)
             self.active_aws.discard(aw_id)
             self.pending = [p for p in self.pending if p.aw_id != aw_id]
             for conn in self.conns.pop(aw_id, []):
                 await conn.close()
-            log.info("%s declared dead: no longer waited for", aw_id)
         if newly:
             self.wakeup.set()
 
@@ -99,6 +155,8 @@ class ExpertWorker:
 
     async def _data_loop(self, aw_id: str, conn: Connection) -> None:
         while True:
+            if self.stalled.is_set():
+                await asyncio.Event().wait()  # the fault hook: never read this connection again
             msg = await conn.recv()
             if not isinstance(msg, ExpertCall):
                 raise ProtocolError(f"unexpected {msg.kind} on the data channel")
@@ -148,45 +206,11 @@ class ExpertWorker:
             self.batches += 1
             for p, y in zip(batch, outputs):
                 try:
-                    await p.conn.send(ExpertResult(p.call.call_id, y))
+                    p.conn.send_nowait(ExpertResult(p.call.call_id, y))  # never wait on one slow AW
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
 
-    async def report_stats(self, link: OrchestratorLink) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
-            await link.send(WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3),
-                                         "epoch": self.epoch, "stale_calls": self.stale_calls,
-                                         "expert_mib": round(self.executor.bytes_loaded / 2**20, 1),
-                                         "tokens_by_expert": tokens}))
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
-    torch.set_num_threads(cfg.threads)
-    ew = ExpertWorker(cfg)
-    listener = await ew.transport.listen(cfg.host, cfg.port, ew.handle)
-    link = OrchestratorLink(*cfg.orchestrator_addr)
-    info = {"transport": ew.transport.name, "gather": cfg.gather}
-    wid = await link.connect(Register("expert", os.getpid(), cfg.host, listener.port, info))
-    log.info("%s listening on %s:%d (%s)", wid, cfg.host, listener.port, ew.transport.name)
-    tasks = [asyncio.create_task(fatal_on_error(ew.main_loop(stop), stop))]
-    try:
-        while (msg := await link.next_message(stop)) is not None:
-            if isinstance(msg, AssignExperts):
-                units = [(int(u[0]), int(u[1])) for u in msg.experts]
-                t0 = time.perf_counter()
-                await run_niced_async(partial(ew.executor.load, cfg.model, units), cfg.boot_nice)
-                log.info("%s loaded %d experts (%.1f MiB) in %.2fs", wid, len(units), ew.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
-                await link.send(WorkerReady(0))
-                tasks.append(asyncio.create_task(ew.report_stats(link)))
-            elif isinstance(msg, RoutingUpdate):
-                await ew.routing_update(int(msg.table.get("epoch", 0)) if msg.table else 0, msg.dead)
-        if link.closed.is_set() and not stop.is_set():
-            log.error("%s lost the orchestrator; exiting", wid)
-            mark_failed()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await listener.close()
-        await link.close()
+    await Runtime(cfg, ExpertWorker(cfg)).serve(stop)

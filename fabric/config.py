@@ -1,11 +1,29 @@
-"""Frozen per-role configs. CLI flags map 1:1 onto these fields (see fabric/cli.py); the launcher
-gives each spawned process its own copy via `dataclasses.replace`."""
+"""Frozen per-role configs, written once: every field is a command-line flag of its role's
+subcommand (`--field-name`, derived by `launch/flags.py` from the field's type, default and
+`opt(...)` metadata), and a launcher passes a child its config as the flags that differ from the
+defaults (`launch.flags.to_argv`). Validation lives in `__post_init__`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fabric.errors import ConfigError
+
+TRANSPORTS = ("tcp", "ucx", "auto")
+SCHED_POLICIES = ("auto", "batch", "normal")
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None,
+        hidden: bool = False) -> Any:
+    """A config field with what its command-line flag needs. `hidden`: not in --help (a launcher's)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar, "hidden": hidden})
+
+
+def req(help: str, *, metavar: str | None = None) -> Any:
+    """A required config field (a required flag)."""
+    return field(metadata={"help": help, "metavar": metavar})
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -15,7 +33,7 @@ def parse_hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _check_probes(interval_ms: float, misses: int) -> None:
+def check_probes(interval_ms: float, misses: int) -> None:
     if interval_ms < 0 or misses < 1:
         raise ConfigError("probe_interval_ms must be >= 0 (0 turns probing off) and probe_misses >= 1")
 
@@ -25,10 +43,7 @@ def _check_boot_nice(nice: int, name: str) -> None:
         raise ConfigError(f"{name} must be in 0..20 (20: the idle class), got {nice}")
 
 
-SCHED_POLICIES = ("auto", "batch", "normal")
-
-
-def _check_port(port: int, name: str) -> None:
+def check_port(port: int, name: str) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
 
@@ -42,27 +57,40 @@ def auto_sched(transport: str) -> str:
     return "batch" if transport == "tcp" else "normal"
 
 
+PROBE_INTERVAL_HELP = "probe a peer that is silent with work in flight this often (0: no probes)"
+PROBE_MISSES_HELP = "unanswered probes before the peer is declared dead"
+SEND_TIMEOUT_HELP = ("a peer that does not drain what this process sends for this long is declared dead "
+                     "(a stuck reader answers probes but blocks its senders)")
+
+
 @dataclass(frozen=True)
 class RoleConfig:
     """Fields every role that registers with the orchestrator shares."""
 
-    model: str
-    orchestrator: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    transport: str = "tcp"
-    parent_pid: int | None = None
-    boot_nice: int = 0  # start-up work (imports, weight loading) runs this much nicer: replacements boot in the background
-    sched: str = "auto"  # CPU scheduling policy: "batch" (a woken peer does not preempt it), "normal", or "auto" (see sched_policy)
+    model: str = req("Hugging Face checkpoint directory")
+    orchestrator: str = req("the orchestrator's address", metavar="HOST:PORT")
+    host: str = opt("127.0.0.1", "address to listen on and to advertise")
+    port: int = opt(0, "port to listen on (0: any free port)")
+    transport: str = opt("auto", "the AW/EW/store/gateway transport (auto: ucx where UCX finds RDMA, else tcp)",
+                         choices=TRANSPORTS)
+    boot_nice: int = opt(0, "run start-up (imports, weight loading) this much nicer, 0..19, or 20: in the idle class "
+                            "(replacements boot with 20)")
+    sched: str = opt("auto", "CPU scheduling policy (Linux): batch = a peer this process wakes does not preempt it "
+                             "mid-send; normal = the kernel's default; auto = batch with --transport tcp, else normal",
+                     choices=SCHED_POLICIES)
+    send_timeout_ms: float = opt(1000.0, SEND_TIMEOUT_HELP)
+    watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
         parse_hostport(self.orchestrator)
-        _check_port(self.port, "port")
-        if self.transport not in ("tcp", "ucx", "auto"):
+        check_port(self.port, "port")
+        if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}")
         _check_boot_nice(self.boot_nice, "boot_nice")
         if self.sched not in SCHED_POLICIES:
             raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
+        if self.send_timeout_ms <= 0:
+            raise ConfigError("send_timeout_ms must be > 0")
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -77,8 +105,8 @@ class RoleConfig:
 class WorkerConfig(RoleConfig):
     """Fields the attention and expert workers share."""
 
-    dtype: str | None = None
-    threads: int = 1
+    dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
+    threads: int = opt(1, "torch intra-op threads")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,9 +116,10 @@ class WorkerConfig(RoleConfig):
 
 @dataclass(frozen=True)
 class ExpertWorkerConfig(WorkerConfig):
-    gather: str = "sync"  # "sync": wait for every active AW; "threshold": min batch or max wait
-    min_batch_tokens: int = 1
-    max_wait_ms: float = 20.0
+    gather: str = opt("sync", "sync: run when every active AW has delivered; threshold: a minimum batch or the wait",
+                      choices=("sync", "threshold"))
+    min_batch_tokens: int = opt(1, "threshold gather: rows a layer needs before it runs")
+    max_wait_ms: float = opt(20.0, "the longest a call waits for the others of its batch")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,22 +131,23 @@ class ExpertWorkerConfig(WorkerConfig):
 
 @dataclass(frozen=True)
 class AttentionWorkerConfig(WorkerConfig):
-    block_size: int = 16
-    kv_cache_mib: int = 256
-    max_batch_tokens: int = 512  # token budget of one step (chunked prefill + decodes)
-    max_running: int = 64
-    probe_interval_ms: float = 10.0  # a silent EW link with calls in flight is probed this often (0: off)
-    probe_misses: int = 3  # unanswered probes before the EW is declared dead
-    expert_wait_s: float = 30.0  # how long a step waits for a replacement when every copy of an expert is gone
-    checkpoint: str = "incremental"  # KV checkpoints to the store: "incremental", "pause" (baseline) or "off"
-    checkpoint_pause_every: int = 8  # steps between full copies in "pause" mode
-    restore_join_ms: float = 50.0  # a step waits this long at most for restores already under way
+    block_size: int = opt(16, "tokens per KV-cache block")
+    kv_cache_mib: int = opt(256, "KV cache size")
+    max_batch_tokens: int = opt(512, "token budget of one step (chunked prefill + decodes)")
+    max_running: int = opt(64, "requests decoding at once")
+    probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
+    probe_misses: int = opt(3, PROBE_MISSES_HELP)
+    expert_wait_s: float = opt(30.0, "how long a step waits for a replacement when every copy of an expert is gone")
+    checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
+                          choices=("incremental", "pause", "off"))
+    checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
+    restore_join_ms: float = opt(50.0, "a step waits at most this long for restores already under way (0: never)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
-        _check_probes(self.probe_interval_ms, self.probe_misses)
+        check_probes(self.probe_interval_ms, self.probe_misses)
         if self.expert_wait_s < 0 or self.restore_join_ms < 0:
             raise ConfigError("expert_wait_s and restore_join_ms must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
@@ -126,8 +156,8 @@ class AttentionWorkerConfig(WorkerConfig):
 
 @dataclass(frozen=True)
 class CheckpointStoreConfig(RoleConfig):
-    bucket_mib: int = 1024  # host memory per AW bucket
-    orphan_ttl_s: float = 60.0  # a dead AW's bucket is dropped this long after its death
+    bucket_mib: int = opt(1024, "host memory per attention worker")
+    orphan_ttl_s: float = opt(60.0, "keep a dead AW's checkpoints this long")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,20 +167,26 @@ class CheckpointStoreConfig(RoleConfig):
 
 @dataclass(frozen=True)
 class GatewayConfig(RoleConfig):
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_waiting: int = 512  # requests waiting for their first token before new ones get 429
-    drain_timeout: float = 30.0
-    routing: str = "least-work"  # or "round-robin"
-    resume: str = "restore"  # a dead AW's requests: "restore" from the store, or replay ("parallel", "sequential")
-    probe_interval_ms: float = 10.0  # an AW with requests in flight and a silent link is probed this often (0: off)
-    probe_misses: int = 3  # unanswered probes before the AW is declared dead
+    port: int = opt(8000, "HTTP port")
+    reuse_port: bool = opt(False, "share the HTTP port with other gateways (SO_REUSEPORT): a dead gateway costs only "
+                                  "its own connections")
+    served_model_name: str | None = opt(None, "the model's name in the API (default: the directory's name)")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $MOE_FABRIC_API_KEY)")
+    max_body_bytes: int = opt(8 << 20, "larger request bodies get 413")
+    max_waiting: int = opt(512, "requests waiting for their first token beyond this get 429")
+    drain_timeout: float = opt(30.0, "seconds SIGTERM waits for running requests")
+    routing: str = opt("least-work", "how the gateway picks an attention worker", choices=("least-work", "round-robin"))
+    resume: str = opt("restore", "how a dead AW's requests resume: from the checkpoint store, or by replay (baselines)",
+                      choices=("restore", "parallel", "sequential"))
+    stream_resume_grace_s: float = opt(10.0, "a stream whose client (or gateway) went away keeps running this long for "
+                                             "a resume with Last-Event-ID, then is aborted")
+    resume_wait_s: float = opt(30.0, "a request whose AW died waits this long for a live one")
+    probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
+    probe_misses: int = opt(3, PROBE_MISSES_HELP)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_probes(self.probe_interval_ms, self.probe_misses)
+        check_probes(self.probe_interval_ms, self.probe_misses)
         if self.resume not in ("restore", "parallel", "sequential"):
             raise ConfigError(f"unknown resume mode {self.resume!r}; choose restore, parallel or sequential")
         if self.max_body_bytes < 1024 or self.max_waiting < 1 or self.drain_timeout < 0:
@@ -159,75 +195,58 @@ class GatewayConfig(RoleConfig):
             raise ConfigError(f"unknown routing policy {self.routing!r}; choose least-work or round-robin")
         if self.api_key == "":
             raise ConfigError("an empty API key would accept any request; omit it instead")
+        if self.stream_resume_grace_s < 0 or self.resume_wait_s < 0:
+            raise ConfigError("stream_resume_grace_s and resume_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    model: str
-    expert_workers: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    port_file: str | None = None
-    shadows_per_expert: int = 1  # inactive copies of each expert on other EWs
-    provisioner: str = "none"  # "local": start a replacement subprocess for every dead worker
-    spawn_attention_args: str = ""  # `moe-fabric attention-worker` flags for replacements (shell words)
-    spawn_expert_args: str = ""  # `moe-fabric expert-worker` flags for replacements (shell words)
-    spawn_store_args: str = ""  # `moe-fabric checkpoint-store` flags for replacements (shell words)
-    spawn_log_dir: str | None = None  # where replacements write their logs (default: inherit stderr)
-    max_replacements: int = 16  # replacements started over the cluster's life (a crash-loop guard)
-    replacement_boot_nice: int = 20  # replacements boot (imports, weights) nicer than the serving workers; 20: idle class
-    replacement_delay_ms: float = 500.0  # a replacement starts this long after the death: recovery gets the CPU first
-    confirm_timeout_ms: float = 250.0  # a worker reported dead is declared dead if it does not answer within this
-    parent_pid: int | None = None
+    model: str = req("Hugging Face checkpoint directory")
+    expert_workers: int = req("EWs to wait for before placing experts")
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(0, "port to listen on (0: any free port; a supervisor that restarts it passes a fixed one)")
+    shadows_per_expert: int = opt(1, "inactive copies of each expert on other EWs")
+    provisioner: str = opt("none", "who starts replacements: local = subprocesses on this host; supervisor = the "
+                                   "process that started this one (moe-fabric serve)",
+                           choices=("none", "local", "supervisor"))
+    spawn_attention_args: str = opt("", "flags of `moe-fabric attention-worker` for local replacements (shell words)",
+                                    metavar="ARGS")
+    spawn_expert_args: str = opt("", "flags of `moe-fabric expert-worker` for local replacements (shell words)",
+                                 metavar="ARGS")
+    spawn_store_args: str = opt("", "flags of `moe-fabric checkpoint-store` for local replacements (shell words)",
+                                metavar="ARGS")
+    spawn_log_dir: str | None = opt(None, "local replacements' logs go here (default: stderr)")
+    max_replacements: int = opt(16, "replacements started over this orchestrator's life (a crash-loop guard)")
+    replacement_boot_nice: int = opt(20, "replacements boot this much nicer than the serving workers "
+                                         "(0..19; 20: the idle class)")
+    replacement_delay_ms: float = opt(500.0, "start a replacement this long after the death, once the survivors have "
+                                             "taken over its work")
+    confirm_timeout_ms: float = opt(250.0, "a worker a peer reports dead is declared dead unless it answers within this")
+    rejoin_grace_ms: float = opt(1000.0, "a worker whose link dropped is declared dead unless it registers again "
+                                         "within this (a peer's report or a clean exit declares it at once)")
+    recovery_grace_s: float = opt(3.0, "a (re)started orchestrator waits this long for workers of an earlier one to "
+                                       "register again before it rebuilds the cluster from their reports")
+    generation: int = opt(0, "this orchestrator's fencing token; workers follow no older one "
+                             "(0: microseconds since the epoch, so a later start is newer)")
+    supervisor_fd: int | None = opt(None, "socket to the supervisor that starts replacements", hidden=True)
+    watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
-        _check_port(self.port, "port")
+        check_port(self.port, "port")
         if self.expert_workers < 1:
             raise ConfigError("the cluster needs at least one expert worker")
         if self.shadows_per_expert < 0:
             raise ConfigError("shadows_per_expert must be >= 0")
-        if self.provisioner not in ("none", "local"):
-            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
+        if self.provisioner not in ("none", "local", "supervisor"):
+            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none, local or supervisor")
+        if self.provisioner == "supervisor" and self.supervisor_fd is None:
+            raise ConfigError("--provisioner supervisor is for a supervisor that passes --supervisor-fd")
         if self.max_replacements < 0 or self.confirm_timeout_ms <= 0 or self.replacement_delay_ms < 0:
             raise ConfigError("max_replacements and replacement_delay_ms must be >= 0, confirm_timeout_ms > 0")
+        if self.rejoin_grace_ms < 0 or self.recovery_grace_s < 0 or self.generation < 0:
+            raise ConfigError("rejoin_grace_ms, recovery_grace_s and generation must be >= 0")
         _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
 
-
-@dataclass(frozen=True)
-class ServeConfig:
-    model: str | None = None
-    attention_workers: int = 2
-    expert_workers: int = 2
-    transport: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    orchestrator_port: int = 0
-    dtype: str | None = None
-    gather: str = "sync"
-    shadows_per_expert: int = 1
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_waiting: int = 512
-    drain_timeout: float = 30.0
-    routing: str = "least-work"
-    ready_timeout: float = 300.0
-    provisioner: str = "local"  # replace dead workers ("none": don't)
-    checkpoint_stores: int = 1  # KV checkpoint stores (0: none; AW deaths then replay)
-    checkpoint: str = "incremental"  # the AWs' checkpointing: incremental, pause (baseline) or off
-    resume: str = "restore"  # how a dead AW's requests resume: restore, or replay (parallel, sequential)
-    probe_interval_ms: float = 10.0  # AW->EW and gateway->AW liveness probes (0: off)
-    probe_misses: int = 3
-    sched: str = "auto"  # CPU scheduling policy of the workers, the store and the gateway (not the orchestrator)
-
-    def __post_init__(self) -> None:
-        if self.attention_workers < 1 or self.expert_workers < 1:
-            raise ConfigError("serve needs at least one attention worker and one expert worker")
-        if self.provisioner not in ("none", "local"):
-            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
-        _check_probes(self.probe_interval_ms, self.probe_misses)
-        if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
-            raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
-        _check_port(self.port, "port")
-        _check_port(self.orchestrator_port, "orchestrator_port")
-        if self.sched not in SCHED_POLICIES:
-            raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
+    @property
+    def sched_policy(self) -> str:
+        return "normal"  # the control plane is not on the datapath's wake-up chain

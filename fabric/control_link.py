@@ -1,22 +1,34 @@
-"""A worker's websocket link to the orchestrator: register once, then exchange control messages.
+"""A worker's websocket link to the orchestrator, kept up for as long as the worker runs.
 
-The link is the worker's lifeline: when it closes, the cluster is gone for this worker, and
-`closed` is set so the worker's main loop can shut down instead of serving a cluster nobody owns.
+The data path does not depend on this link: when it drops (the orchestrator died, restarts, or
+the network hiccuped), the worker keeps serving with its last view and reconnects with backoff,
+then registers again with its id, the newest orchestrator generation it has seen and its last
+view (see `Runtime.register`). Generation fencing: an orchestrator whose generation is older than
+one this worker has followed is a stale one (a hung process that woke up, or one partitioned away);
+the worker does not follow it. An orchestrator that answers `Fenced` has declared this worker dead:
+`run` returns and the worker leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import aiohttp
 
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
-from fabric.messages.control import LinkProbe, LinkProbeReply, Register, Registered
+from fabric.messages.control import Fenced, LinkProbe, LinkProbeReply, Register, Registered
 from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
+
+MIN_BACKOFF = 0.05  # seconds between reconnection attempts, doubling up to MAX_BACKOFF
+MAX_BACKOFF = 1.0
+HEARTBEAT = 5.0  # websocket pings: a hung orchestrator is noticed within 1.5x this
+REGISTER_TIMEOUT = 10.0
 
 
 def pack(msg: Message) -> bytes:
@@ -29,85 +41,104 @@ def unpack(data: bytes) -> Message:
     return decode_message(header, frames)
 
 
-class OrchestratorLink:
-    def __init__(self, host: str, port: int) -> None:
+class Registration(Message):
+    """Put in the inbox after every (re)registration (not sent on the wire)."""
+
+
+class _Stale(Exception):
+    pass
+
+
+class ControlLink:
+    def __init__(self, host: str, port: int, make_register: Callable[[], Register]) -> None:
         self.url = f"http://{host}:{port}/ws"
+        self.make_register = make_register
         self.worker_id = ""
-        self.closed = asyncio.Event()
+        self.generation = 0  # the newest orchestrator generation this worker followed
+        self.connected = asyncio.Event()
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._session: aiohttp.ClientSession | None = None
+        self.fenced: str | None = None  # why the orchestrator declared this worker dead
+        self.registrations = 0
         self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._reader: asyncio.Task[None] | None = None
 
-    async def connect(self, register: Register, timeout: float = 30.0) -> str:
-        """Registers (retrying while the orchestrator starts); returns the assigned worker id."""
-        self._session = aiohttp.ClientSession()
-        deadline = asyncio.get_running_loop().time() + timeout
+    async def run(self) -> None:
+        """Connects, registers and reads, again and again, until fenced (returns) or cancelled."""
+        delay = MIN_BACKOFF
+        down_since = time.monotonic()
+        last_warning = 0.0
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20,
+                                                  timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    now = time.monotonic()
+                    if now - down_since > 5.0 and now - last_warning > 30.0:
+                        last_warning = now
+                        log.warning("no orchestrator at %s for %.0f s (%s); serving on, still trying", self.url,
+                                    now - down_since, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(MAX_BACKOFF, delay * 2)
+                    continue
+                delay = MIN_BACKOFF
+                try:
+                    await self._session(ws)
+                    if self.fenced is not None:
+                        return
+                except _Stale:
+                    delay = MAX_BACKOFF
+                except (PeerDeadError, ProtocolError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    if self.registrations:
+                        log.warning("orchestrator link lost (%s); serving on, reconnecting", exc)
+                finally:
+                    self._ws = None
+                    self.connected.clear()
+                    await ws.close()
+                down_since = time.monotonic()
+                await asyncio.sleep(delay)
+
+    async def _session(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        await ws.send_bytes(pack(self.make_register()))
+        reply = await asyncio.wait_for(self._receive(ws), REGISTER_TIMEOUT)
+        if isinstance(reply, Fenced):
+            self.fenced = reply.reason
+            return
+        if not isinstance(reply, Registered):
+            raise ProtocolError(f"expected registered, got {reply.kind}")
+        if reply.generation < self.generation:
+            log.warning("the orchestrator at %s has generation %d, older than %d followed already: a stale one, "
+                        "not followed", self.url, reply.generation, self.generation)
+            raise _Stale
+        if self.registrations and reply.generation != self.generation:
+            log.info("registered with a new orchestrator (generation %d) as %s", reply.generation, reply.worker_id)
+        self.generation, self.worker_id = reply.generation, reply.worker_id
+        self.registrations += 1
+        self._ws = ws
+        self.connected.set()
+        self.inbox.put_nowait(Registration())
         while True:
-            try:
-                self._ws = await self._session.ws_connect(self.url, heartbeat=5.0, max_msg_size=64 << 20)
-                break
-            except aiohttp.ClientError as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    await self._session.close()
-                    raise PeerDeadError(self.url, f"orchestrator unreachable: {exc}") from exc
-                await asyncio.sleep(0.2)
-        try:
-            await self._ws.send_bytes(pack(register))
-            reply = await self._receive_one()
-            if not isinstance(reply, Registered):
-                raise ProtocolError(f"expected registered, got {reply.kind}")
-        except BaseException:
-            await self.close()
-            raise
-        self.worker_id = reply.worker_id
-        self._reader = asyncio.create_task(self._read_loop())
-        return self.worker_id
+            msg = await self._receive(ws)
+            if isinstance(msg, LinkProbe):  # answered here, whatever the main loop is doing
+                await ws.send_bytes(pack(LinkProbeReply(msg.nonce)))
+            elif isinstance(msg, Fenced):
+                self.fenced = msg.reason
+                return
+            else:
+                self.inbox.put_nowait(msg)
 
-    async def _receive_one(self) -> Message:
-        assert self._ws is not None
-        msg = await self._ws.receive()
+    async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> Message:
+        msg = await ws.receive()
         if msg.type != aiohttp.WSMsgType.BINARY:
             raise PeerDeadError(self.url, f"orchestrator link closed ({msg.type.name})")
         return unpack(msg.data)
 
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = await self._receive_one()
-                if isinstance(msg, LinkProbe):  # answered here, whatever the main loop is doing
-                    await self.send(LinkProbeReply(msg.nonce))
-                    continue
-                self.inbox.put_nowait(msg)
-        except (PeerDeadError, ProtocolError, aiohttp.ClientError) as exc:
-            log.warning("orchestrator link lost: %s", exc)
-        finally:
-            self.closed.set()
-
-    async def next_message(self, stop: asyncio.Event) -> Message | None:
-        """The next message from the orchestrator, or None once `stop` is set or the link closed."""
-        if not self.inbox.empty():
-            return self.inbox.get_nowait()
-        getter = asyncio.ensure_future(self.inbox.get())
-        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.closed.wait())]
-        await asyncio.wait([getter, *waiters], return_when=asyncio.FIRST_COMPLETED)
-        for w in waiters:
-            w.cancel()
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        return None
-
     async def send(self, msg: Message) -> None:
-        if self._ws is None or self._ws.closed:
-            raise PeerDeadError(self.url, "orchestrator link closed")
-        await self._ws.send_bytes(pack(msg))
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._ws is not None:
-            await self._ws.close()
-        if self._session is not None:
-            await self._session.close()
-        self.closed.set()
+        """Raises PeerDeadError when no orchestrator is connected (nothing is queued for later:
+        what an orchestrator needs after a reconnection, it gets from the registration)."""
+        ws = self._ws
+        if ws is None or ws.closed:
+            raise PeerDeadError(self.url, "no orchestrator connected")
+        try:
+            await ws.send_bytes(pack(msg))
+        except (ConnectionError, aiohttp.ClientError) as exc:
+            raise PeerDeadError(self.url, str(exc)) from exc

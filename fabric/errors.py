@@ -38,6 +38,11 @@ class PeerDeadError(FabricError):
         self.peer = peer
 
 
+class PeerStalledError(PeerDeadError):
+    """The peer took no data for the send deadline: a stuck reader on a live connection. It may
+    still answer probes, so this is definitive evidence, not a suspicion."""
+
+
 class RequestError(FabricError):
     """A single request cannot be served (bad parameters, too long); the request fails, not the process."""
 

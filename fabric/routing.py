@@ -1,7 +1,15 @@
 """The Expert Routing Table (ERT): logical expert -> ordered list of physical replicas on EWs.
 
-Owned by the orchestrator, versioned by `epoch`, pushed to every AW as a plain dict. The first
-live replica of a list serves traffic; later entries are fallbacks (shadows, in the failure issue).
+Owned by the orchestrator, versioned by (generation, epoch), pushed to every worker as a record
+inside `RoutingUpdate`. Placement is over *slots* (the EW ids of the first placement); the table
+says which live EW occupies each slot, and the placement tensor lists, for each logical expert,
+its slots in routing order (primary first, then shadows). A logical expert's replicas are the live
+occupants of its slots, in that order; the first not known dead serves traffic.
+
+The placement travels as one int16 tensor frame (`[L_moe, E, C]` slot indices, -1: no copy), so a
+Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame rather than a 1 MiB msgpack header.
+
+Legend: L_moe MoE layers, E experts per layer, C copies per expert (1 + shadows).
 """
 
 from __future__ import annotations
@@ -9,7 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fabric.errors import ProtocolError
+
+Unit = tuple[int, int]  # (layer, expert)
 
 
 @dataclass(frozen=True)
@@ -19,37 +31,102 @@ class EwAddress:
     port: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RoutingTable:
-    epoch: int
+    generation: int  # the orchestrator that published it (a fencing token: newer wins)
+    epoch: int  # increases with every table an orchestrator publishes (and across orchestrators)
     num_layers: int
     num_experts: int
-    replicas: dict[tuple[int, int], tuple[str, ...]]  # (layer, expert) -> EW ids, preferred first
-    expert_workers: dict[str, EwAddress] = field(default_factory=dict)
+    layers: list[int]  # the MoE layers, in order
+    slots: list[str]
+    occupants: list[str]  # per slot: the live EW serving it, "" when vacant
+    addresses: list[EwAddress]  # every live occupant
+    placement: torch.Tensor  # [L_moe, E, C] int16 slot indices, -1: none
+    _rows: list[list[list[int]]] = field(init=False, repr=False, compare=False)
+    _layer_index: dict[int, int] = field(init=False, repr=False, compare=False)
+    _by_id: dict[str, EwAddress] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Checks the table is self-consistent (a decoded one comes from the network)."""
+        p = self.placement
+        if p.dtype != torch.int16 or p.dim() != 3 or p.shape[0] != len(self.layers) or p.shape[1] != self.num_experts:
+            raise ProtocolError(f"routing table: placement of shape {tuple(p.shape)} {p.dtype} does not fit "
+                                f"{len(self.layers)} MoE layers x {self.num_experts} experts")
+        if len(self.occupants) != len(self.slots) or len(set(self.slots)) != len(self.slots):
+            raise ProtocolError("routing table: one occupant per distinct slot")
+        if p.numel() and (int(p.min()) < -1 or int(p.max()) >= len(self.slots)):
+            raise ProtocolError("routing table: placement names a slot that does not exist")
+        if any(not 0 <= lyr < self.num_layers for lyr in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise ProtocolError("routing table: MoE layers out of range")
+        by_id = {a.worker_id: a for a in self.addresses}
+        if any(o and o not in by_id for o in self.occupants):
+            raise ProtocolError("routing table: an occupant without an address")
+        object.__setattr__(self, "_rows", p.tolist())
+        object.__setattr__(self, "_layer_index", {lyr: i for i, lyr in enumerate(self.layers)})
+        object.__setattr__(self, "_by_id", by_id)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Tables are ordered by (generation, epoch): a newer orchestrator's table always wins."""
+        return self.generation, self.epoch
+
+    @property
+    def expert_workers(self) -> dict[str, EwAddress]:
+        return self._by_id
+
+    def replicas_of(self, layer: int, expert: int) -> tuple[str, ...]:
+        i = self._layer_index.get(layer)
+        if i is None or not 0 <= expert < self.num_experts:
+            return ()
+        return tuple(self.occupants[s] for s in self._rows[i][expert] if s >= 0 and self.occupants[s])
 
     def primary(self, layer: int, expert: int, dead: frozenset[str] | set[str] = frozenset()) -> str | None:
-        """First replica of (layer, expert) not in `dead`, or None if every copy is gone."""
-        for ew in self.replicas.get((layer, expert), ()):
-            if ew not in dead:
-                return ew
+        """First live replica of (layer, expert) not in `dead`, or None if every copy is gone."""
+        i = self._layer_index.get(layer)
+        if i is None or not 0 <= expert < self.num_experts:
+            return None
+        for s in self._rows[i][expert]:
+            if s >= 0:
+                ew = self.occupants[s]
+                if ew and ew not in dead:
+                    return ew
         return None
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def replicas(self) -> dict[Unit, tuple[str, ...]]:
+        return {(lyr, e): self.replicas_of(lyr, e) for lyr in self.layers for e in range(self.num_experts)}
+
+    def placement_map(self) -> dict[Unit, list[str]]:
+        """Every logical expert -> its slots in routing order (what a planner produced)."""
+        return {(lyr, e): [self.slots[s] for s in self._rows[i][e] if s >= 0]
+                for i, lyr in enumerate(self.layers) for e in range(self.num_experts)}
+
+    def slot_units(self, slot: str) -> list[Unit]:
+        """The (layer, expert) pairs placed on `slot`, any rank."""
+        s = self.slots.index(slot)
+        return [(lyr, e) for i, lyr in enumerate(self.layers) for e in range(self.num_experts) if s in self._rows[i][e]]
+
+    def to_json(self) -> dict[str, Any]:
         return {
+            "generation": self.generation,
             "epoch": self.epoch,
             "num_layers": self.num_layers,
             "num_experts": self.num_experts,
+            "slots": dict(zip(self.slots, self.occupants)),
             "replicas": [[lyr, e, list(ews)] for (lyr, e), ews in sorted(self.replicas.items())],
-            "expert_workers": {w: {"host": a.host, "port": a.port} for w, a in sorted(self.expert_workers.items())},
+            "expert_workers": {a.worker_id: {"host": a.host, "port": a.port}
+                               for a in sorted(self.addresses, key=lambda a: a.worker_id)},
         }
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> RoutingTable:
-        try:
-            replicas = {(int(lyr), int(e)): tuple(str(w) for w in ews) for lyr, e, ews in raw["replicas"]}
-            workers = {
-                str(w): EwAddress(str(w), str(a["host"]), int(a["port"])) for w, a in raw["expert_workers"].items()
-            }
-            return cls(int(raw["epoch"]), int(raw["num_layers"]), int(raw["num_experts"]), replicas, workers)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"malformed routing table: {exc}") from exc
+
+def placement_tensor(layers: list[int], num_experts: int, slots: list[str],
+                     placement: dict[Unit, list[str]]) -> torch.Tensor:
+    """A planner's unit -> slots map as the table's [L_moe, E, C] int16 tensor."""
+    copies = max((len(v) for v in placement.values()), default=1)
+    index = {s: i for i, s in enumerate(slots)}
+    t = torch.full((len(layers), num_experts, copies), -1, dtype=torch.int16)
+    for i, lyr in enumerate(layers):
+        for e in range(num_experts):
+            for c, s in enumerate(placement.get((lyr, e), [])):
+                t[i, e, c] = index[s]
+    return t

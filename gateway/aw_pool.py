@@ -2,6 +2,10 @@
 
 Each new request goes to the AW with the least outstanding work (prompt tokens still to prefill
 plus tokens still to decode, FailSafe §3.1), counted here from what this gateway sent.
+
+Suspects (see gateway/generation.py): a request whose AW died before it produced a token may be
+what killed it. At most one suspect per AW is in flight from this gateway until it produces a
+token, so that if the AW dies again, the suspect that was on it is the one that gets the blame.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fabric.errors import PeerDeadError, ProtocolError
-from fabric.messages.client import Abort, RequestFailed, StepOutput, Submit
+from fabric.messages.client import Abort, Attach, Attached, Detach, RequestFailed, StepOutput, Submit
+from fabric.messages.control import WorkerInfo
 from fabric.messages.expert import Ping, Pong
 from fabric.transport.base import Connection, Transport
 
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
+ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
 
 
 @dataclass
@@ -38,11 +43,17 @@ class Event:
     retryable: bool = False  # the AW was lost: the request can resume on another AW
 
 
+def token_event(row: list[object]) -> Event:
+    _, token, finish, logprob, top = row
+    return Event(token=token, finish_reason=finish, logprob=logprob, top=top)  # type: ignore[arg-type]
+
+
 @dataclass
 class Pending:
     submit: Submit
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     work: int = 0
+    attach: asyncio.Future[Attached] | None = None  # an Attach waiting for its answer
 
 
 class AwClient:
@@ -55,6 +66,7 @@ class AwClient:
         self.last_heard = time.monotonic()
         self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
         self.dead_reason: str | None = None
+        self.suspect: str | None = None  # the suspect request in flight here, until it produces a token
 
     def _heard(self) -> None:
         now = time.monotonic()
@@ -85,7 +97,7 @@ class AwClient:
                 await self.conn.close()
                 return
             try:
-                await self.conn.send(Ping(next(nonce)))
+                self.conn.send_nowait(Ping(next(nonce)))
             except PeerDeadError:
                 return
             sent += 1
@@ -94,7 +106,7 @@ class AwClient:
     def outstanding_work(self) -> int:
         return sum(p.work for p in self.requests.values())
 
-    async def read_loop(self) -> None:
+    async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
         reason = "attention worker connection lost"
         try:
             while True:
@@ -103,24 +115,42 @@ class AwClient:
                 if isinstance(msg, Pong):
                     continue
                 if isinstance(msg, StepOutput):
-                    for rid, token, finish, logprob, top in msg.outputs:
-                        p = self.requests.get(rid)
-                        if p is None:
-                            continue
-                        p.work = max(0, p.work - 1)
-                        if finish is not None:
-                            del self.requests[rid]
-                        p.queue.put_nowait(Event(token=token, finish_reason=finish, logprob=logprob, top=top))
+                    for row in msg.outputs:
+                        p = self.requests.get(row[0])
+                        if p is not None:
+                            self._deliver(row[0], p, row)
+                elif isinstance(msg, Attached):
+                    self._attached(msg)
                 elif isinstance(msg, RequestFailed):
                     p = self.requests.pop(msg.request_id, None)
                     if p is not None:
-                        p.queue.put_nowait(Event(error=msg.message, status=msg.status))
+                        p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
         except (PeerDeadError, ProtocolError) as exc:
             reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
+            if self.dead_reason is None:  # (a hung one was reported by its prober)
+                on_lost(self, str(exc))
         finally:
             for p in self.requests.values():
+                if p.attach is not None and not p.attach.done():
+                    p.attach.set_result(Attached(p.submit.request_id, False, []))
                 p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
             self.requests.clear()
+
+    def _deliver(self, rid: str, p: Pending, row: list[object]) -> None:
+        p.work = max(0, p.work - 1)
+        if row[2] is not None:  # finished
+            del self.requests[rid]
+        p.queue.put_nowait(token_event(row))
+
+    def _attached(self, msg: Attached) -> None:
+        p = self.requests.get(msg.request_id)
+        if p is None or p.attach is None or p.attach.done():
+            return
+        if not msg.found:
+            del self.requests[msg.request_id]
+        p.attach.set_result(msg)
+        for row in msg.outputs:  # everything so far, then StepOutputs as usual
+            self._deliver(msg.request_id, p, row)
 
 
 class AwPool:
@@ -134,12 +164,18 @@ class AwPool:
         self.probe_misses = probe_misses
         self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
-        self.dead: set[str] = set()  # AWs this gateway found hung: never used again
+        self.dead: set[str] = set()  # AWs this gateway found hung or the orchestrator declared dead
         # How a dead AW's requests resume elsewhere: "restore" (from the checkpoint store, replay
         # if it has nothing), "parallel" (replay: re-prefill prompt + emitted tokens) or
         # "sequential" (replay, one emitted token per step; a baseline).
         self.resume = "restore"
+        self.changed = asyncio.Event()  # set whenever an AW joins or a suspect slot frees up
         self._turn = 0
+
+    def _lost(self, client: AwClient, reason: str) -> None:
+        """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears it."""
+        if self.on_dead is not None and client.worker_id not in self.dead:
+            self.on_dead(client.worker_id, reason)
 
     def _hung(self, client: AwClient, reason: str) -> None:
         self.dead.add(client.worker_id)
@@ -148,62 +184,137 @@ class AwPool:
 
     @property
     def ready(self) -> bool:
-        return bool(self.clients)
+        return any(not c.conn.closed for c in self.clients.values())
 
-    async def update(self, workers: list[dict[str, Any]]) -> None:
-        alive = {w["id"]: w for w in workers
-                 if w.get("role") == "attention" and w.get("state") == "alive" and w["id"] not in self.dead}
-        for wid, w in alive.items():
-            old = self.clients.get(wid)
-            if old is not None and not old.conn.closed:
-                continue
-            if old is not None:  # closed by our probes, then vouched for by the orchestrator
-                if old.prober is not None:
-                    old.prober.cancel()
-                del self.clients[wid]
-            try:
-                conn = await self.transport.connect(w["host"], int(w["port"]))
-            except PeerDeadError as exc:
-                log.error("cannot reach %s: %s", wid, exc)
-                continue
-            client = AwClient(wid, conn)
-            client.reader = asyncio.create_task(client.read_loop())
-            if self.probe_interval > 0:
-                client.prober = asyncio.create_task(client.probe_loop(self.probe_interval, self.probe_misses, self._hung))
-            self.clients[wid] = client
-            log.info("connected to %s at %s:%s", wid, w["host"], w["port"])
-        for wid in [w for w in self.clients if w not in alive]:
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def update(self, aws: list[WorkerInfo], dead: list[str]) -> None:
+        """Connects to AWs new in the view (side by side) and drops those declared dead; an AW the
+        view lists as unreachable (its orchestrator link is down) stays in use."""
+        self.dead.update(dead)
+        alive = {w.id: w for w in aws if w.serving and w.id not in self.dead}
+        todo = [w for wid, w in alive.items() if wid not in self.clients or self.clients[wid].conn.closed]
+        await asyncio.gather(*(self._connect(w) for w in todo))
+        for wid in [w for w in self.clients if w in self.dead]:
             client = self.clients.pop(wid)
             if client.prober is not None:
                 client.prober.cancel()
             await client.conn.close()
 
-    def pick(self) -> AwClient:
-        live = [c for c in self.clients.values() if not c.conn.closed]
+    async def _connect(self, w: WorkerInfo) -> None:
+        old = self.clients.pop(w.id, None)
+        if old is not None and old.prober is not None:  # closed by our probes, then vouched for
+            old.prober.cancel()
+        try:
+            conn = await self.transport.connect(w.host, w.port, timeout=5.0)
+        except PeerDeadError as exc:
+            log.warning("cannot reach %s: %s", w.id, exc)
+            return
+        client = AwClient(w.id, conn)
+        client.reader = asyncio.create_task(client.read_loop(self._lost))
+        if self.probe_interval > 0:
+            client.prober = asyncio.create_task(client.probe_loop(self.probe_interval, self.probe_misses, self._hung))
+        self.clients[w.id] = client
+        log.info("connected to %s at %s:%s", w.id, w.host, w.port)
+        self._changed()
+
+    def live(self) -> list[AwClient]:
+        return [c for c in self.clients.values() if not c.conn.closed]
+
+    def pick(self, suspect: bool = False) -> AwClient | None:
+        """The AW for a new request (None: none fits now). A suspect only goes where no other
+        suspect from this gateway is in flight."""
+        live = [c for c in self.live() if not suspect or c.suspect is None]
         if not live:
-            raise PeerDeadError("attention workers", "none available")
+            return None
         if self.routing == "round-robin":
             self._turn += 1
             return live[self._turn % len(live)]
         return min(live, key=lambda c: (c.outstanding_work, len(c.requests)))
 
-    async def submit(self, submit: Submit) -> tuple[AwClient, Pending]:
-        client = self.pick()
-        pending = Pending(submit, work=len(submit.prompt_ids) + submit.max_tokens)
+    async def submit(self, submit: Submit, wait: float = 0.0) -> tuple[AwClient, Pending]:
+        """Sends `submit` to an AW; waits up to `wait` seconds for one that fits (a resumed request
+        whose AW died, while its replacement boots). Raises PeerDeadError if there is none."""
+        suspect = submit.deaths > 0
+        deadline = time.monotonic() + wait
+        while True:
+            changed = self.changed
+            client = self.pick(suspect)
+            if client is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerDeadError("attention workers", "none available")
+            try:
+                await asyncio.wait_for(changed.wait(), min(left, 0.25))
+            except TimeoutError:
+                pass
+        pending = Pending(submit, work=len(submit.prompt_ids) + submit.max_tokens - len(submit.output_ids))
         if not client.requests:
             client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
         client.requests[submit.request_id] = pending
+        if suspect:
+            client.suspect = submit.request_id
         try:
             await client.conn.send(submit)
         except PeerDeadError:
             client.requests.pop(submit.request_id, None)
+            self.cleared(client, submit.request_id)
             raise
         return client, pending
 
+    def cleared(self, client: AwClient, request_id: str) -> None:
+        """The suspect `request_id` produced a token on `client` (or left it): the slot is free."""
+        if client.suspect == request_id:
+            client.suspect = None
+            self._changed()
+
+    async def attach(self, submit: Submit) -> tuple[AwClient, Pending, Attached] | None:
+        """Asks every AW whether it runs `submit` (a stream whose client or gateway went away);
+        the first that does is bound to this gateway. None: no AW has it."""
+        asks: list[tuple[AwClient, Pending]] = []
+        for client in self.live():
+            p = Pending(submit, work=submit.max_tokens)
+            p.attach = asyncio.get_running_loop().create_future()
+            client.requests[submit.request_id] = p
+            try:
+                client.conn.send_nowait(Attach(submit))
+            except PeerDeadError:
+                client.requests.pop(submit.request_id, None)
+                continue
+            asks.append((client, p))
+        found: tuple[AwClient, Pending, Attached] | None = None
+        for client, p in asks:
+            assert p.attach is not None
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(p.attach), ATTACH_TIMEOUT)
+            except TimeoutError:
+                client.requests.pop(submit.request_id, None)
+                continue
+            if not reply.found:
+                continue
+            if found is None:
+                found = (client, p, reply)
+            else:  # a second copy (deterministic: the same tokens): keep one
+                await self.abort(client, submit.request_id)
+        return found
+
     async def abort(self, client: AwClient, request_id: str) -> None:
+        self.cleared(client, request_id)
         if client.requests.pop(request_id, None) is not None:
             try:
-                await client.conn.send(Abort(request_id))
+                client.conn.send_nowait(Abort(request_id))
+            except PeerDeadError:
+                pass
+
+    async def detach(self, client: AwClient, request_id: str) -> None:
+        """The HTTP client left a resumable stream: the AW keeps it for a resume."""
+        self.cleared(client, request_id)
+        if client.requests.pop(request_id, None) is not None:
+            try:
+                client.conn.send_nowait(Detach(request_id))
             except PeerDeadError:
                 pass
 

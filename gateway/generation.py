@@ -1,5 +1,14 @@
-"""One choice of one request: submit to an AW, turn its tokens into text deltas (incremental
-detokenisation, stop strings held back), and keep timing for the metrics."""
+"""One choice of one request: submit to an AW (or attach to the AW that runs it), turn its tokens into
+text deltas (incremental detokenisation, stop strings held back), resume it when its AW dies, and
+keep timing for the metrics.
+
+No query of death: a request can be what kills its AW (a bug that one input triggers). Resuming it
+elsewhere would kill the next AW, and the next. So every choice counts the AW deaths it saw
+*before it produced a token* on that AW (`deaths`; a token in between resets it): a request that
+saw two in a row is ended with an in-band error and never replayed a third time. Until a suspect
+(one death) produces a token on its new AW, it is the only suspect this gateway has in flight
+there (aw_pool.py): if that AW dies too, the blame is not shared with innocent requests.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +29,17 @@ from gateway.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
+MAX_DEATHS = 2  # AW deaths a request may see before it produces a token; the next is not tried
+
 
 @dataclass
 class Delta:
-    """What a choice produced since the last delta."""
+    """What a choice produced since the last delta; `index` is the token's position in the choice."""
 
     text: str
     token_ids: list[int]
     logprobs: list[tuple[int, float, list[list[float]] | None]]  # (token, logprob, top)
+    index: int
     finish_reason: str | None = None
 
 
@@ -36,11 +48,15 @@ class Choice:
     index: int
     request_id: str
     submit: Submit
+    resumable: bool = False  # a stream: when its HTTP client leaves, the AW keeps it for a resume
     client: AwClient | None = None
     pending: Pending | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    done: bool = False
+    done: bool = False  # the client got its last delta
+    aw_done: bool = False  # its AW finished it (nothing to abort)
+    deaths: int = 0  # AW deaths seen since its last token (see the module's docstring)
+    since_submit: int = 0  # tokens since it was last submitted (or attached)
     resumes: int = 0
 
 
@@ -50,20 +66,32 @@ class GenerationError(Exception):
         self.status = status
 
 
-MAX_RESUMES = 3
-
-
-async def start_choice(pool: AwPool, choice: Choice) -> None:
+async def start_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> None:
     try:
-        choice.client, choice.pending = await pool.submit(choice.submit)
+        choice.client, choice.pending = await pool.submit(choice.submit, wait)
     except PeerDeadError as exc:
         raise ApiError(503, f"no attention worker available: {exc}", type_="service_unavailable",
                        headers={"Retry-After": "1"}) from exc
+    choice.since_submit = 0
+
+
+async def attach_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> bool:
+    """Resumes a stream whose client came back (Last-Event-ID): binds to the AW that still runs it;
+    if none does (its AW died meanwhile, or its grace passed), generates it again from the start
+    (sampling depends only on the seed and the token index: the same tokens). True if attached."""
+    found = await pool.attach(choice.submit)
+    if found is None:
+        await start_choice(pool, choice, wait)
+        return False
+    choice.client, choice.pending, reply = found
+    choice.deaths, choice.since_submit = reply.deaths, 0
+    return True
 
 
 async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer: Any, metrics: Metrics,
-                     arrived: float) -> AsyncIterator[Delta]:
-    """Yields deltas until the choice finishes; raises GenerationError if the fabric fails it."""
+                     arrived: float, skip: int = 0, resume_wait: float = 0.0) -> AsyncIterator[Delta]:
+    """Yields a delta per token from token `skip` on (earlier ones, which the client has, only
+    advance the detokeniser); raises GenerationError if the fabric fails the choice."""
     detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     stop = StopMatcher(list(params.stop)) if detok is not None else StopMatcher([])
     pending = choice.pending
@@ -80,53 +108,84 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 waiting = False
                 if ev.error is None:
                     metrics.ttft.observe(now - arrived)
-            if ev.error is not None and ev.retryable and choice.resumes < MAX_RESUMES:
-                # The AW died: resume on a healthy one by re-prefilling the prompt plus the tokens
-                # already emitted (the paper's parallel replay). Sampling depends only on (seed,
-                # token index), so the stream continues with exactly the next token.
-                choice.resumes += 1
-                dead = choice.client.worker_id if choice.client is not None else ""
-                choice.submit = dataclasses.replace(
-                    choice.submit, output_ids=list(choice.token_ids),
-                    restore_from=dead if pool.resume == "restore" else "",
-                    replay_chunk=1 if pool.resume == "sequential" else 0)
-                log.warning("%s: %s; resuming after %d tokens", choice.request_id, ev.error, len(choice.token_ids))
-                try:
-                    await start_choice(pool, choice)
-                except ApiError as exc:
-                    raise GenerationError(exc.message, exc.status) from exc
-                assert choice.pending is not None
-                pending = choice.pending
+            if ev.error is not None and ev.retryable:
+                pending = await _resume(pool, choice, ev.error, resume_wait)
                 continue
             if ev.error is not None:
+                choice.aw_done = True
                 raise GenerationError(ev.error, ev.status or 500)
-            if last is not None:
-                metrics.tbt.observe(now - last)
-            last = now
             assert ev.token is not None
+            if choice.since_submit == 0 and choice.client is not None:
+                pool.cleared(choice.client, choice.request_id)  # it made a token here: not a suspect
+            choice.since_submit += 1
+            choice.deaths = 0
+            index = len(choice.token_ids)
             choice.token_ids.append(ev.token)
-            metrics.generated.inc()
             text = detok.add(ev.token) if detok is not None else ""
             finish = ev.finish_reason
-            if finish is not None and detok is not None:
-                text += detok.flush()
+            if finish is not None:
+                choice.aw_done = True
+                if detok is not None:
+                    text += detok.flush()
             text, hit = stop.feed(text)
             if hit:
                 finish = "stop"
             elif finish is not None:
                 text += stop.flush()
+            if index < skip:  # the client has it (a resumed stream)
+                if finish is not None:
+                    choice.finish_reason, choice.done = finish, True
+                    return
+                continue
+            if last is not None:
+                metrics.tbt.observe(now - last)
+            last = now
+            metrics.generated.inc()
             lp = [(ev.token, ev.logprob, ev.top)] if ev.logprob is not None else []
             if finish is not None:
                 choice.finish_reason = finish
                 choice.done = True
                 metrics.finished.labels(finish).inc()
-                yield Delta(text, [ev.token], lp, finish)
+                yield Delta(text, [ev.token], lp, index, finish)
                 return
-            yield Delta(text, [ev.token], lp)
+            yield Delta(text, [ev.token], lp, index)
     finally:
         if waiting:
             metrics.leave_waiting(running=False)
         else:
             metrics.running.dec()
-        if not choice.done and choice.client is not None:
-            await pool.abort(choice.client, choice.request_id)  # stop hit, disconnect or error
+        if not choice.aw_done and choice.client is not None:
+            if choice.resumable and not choice.done:  # the client left: the AW keeps it for a resume
+                await pool.detach(choice.client, choice.request_id)
+            else:  # a stop string
+                await pool.abort(choice.client, choice.request_id)
+
+
+async def _resume(pool: AwPool, choice: Choice, error: str, wait: float) -> Pending:
+    """Its AW died: resume on a healthy one from the store's checkpoint (or by re-prefilling the
+    prompt plus the tokens already emitted). Sampling depends only on (seed, token index), so the
+    stream continues with exactly the next token."""
+    dead = choice.client.worker_id if choice.client is not None else ""
+    if choice.client is not None:
+        pool.cleared(choice.client, choice.request_id)
+    if choice.since_submit == 0:  # it made no token there: it may be what killed it
+        choice.deaths += 1
+    if choice.deaths >= MAX_DEATHS:
+        choice.aw_done = True
+        log.error("%s: ended after %d attention workers died under it before it produced a token (%s); not "
+                  "retried: it may be what kills them", choice.request_id, choice.deaths, error)
+        raise GenerationError(f"this request was running on {choice.deaths} attention workers that died before "
+                              "it produced a token; it is not retried, as it may be what made them fail", 500)
+    choice.resumes += 1
+    choice.submit = dataclasses.replace(
+        choice.submit, output_ids=list(choice.token_ids),
+        restore_from=dead if pool.resume == "restore" else "",
+        replay_chunk=1 if pool.resume == "sequential" else 0, deaths=choice.deaths)
+    log.warning("%s: %s; resuming after %d tokens%s", choice.request_id, error, len(choice.token_ids),
+                " (a suspect: it had made no token there)" if choice.deaths else "")
+    try:
+        await start_choice(pool, choice, wait)
+    except ApiError as exc:
+        raise GenerationError(exc.message, exc.status) from exc
+    assert choice.pending is not None
+    return choice.pending

@@ -38,6 +38,7 @@ class GenParams:
     top_p: float
     top_k: int
     seed: int
+    seed_given: bool  # the client chose the seed (else the gateway drew one)
     n: int
     stop: tuple[str, ...]
     stream: bool
@@ -112,6 +113,7 @@ def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_int(body, "top_k", -1, vocab_size) or -1,
         seed=seed if seed is not None else secrets.randbits(63),
+        seed_given=seed is not None,
         n=_int(body, "n", 1, 16) or 1,
         stop=_stop(body),
         stream=stream,

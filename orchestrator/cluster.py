@@ -1,4 +1,17 @@
-"""The orchestrator's view of the cluster: worker records, expert placement, the routing table."""
+"""The orchestrator's view of the cluster: worker records, expert placement, the routing table.
+
+Pure state; the server in `main.py` does the I/O, and methods return what must be sent.
+
+Placement is made once, over *slots*: the ids of the EWs that were there at the first placement.
+A slot's occupant is the EW currently holding its experts; when an occupant dies, a replacement EW
+fills the slot (loads exactly the slot's experts), so redundancy and capacity return to what they
+were. The routing table lists, for each logical expert, the live occupants of its slots in
+placement order (primary first, shadows after).
+
+Workers keep their ids across orchestrators: a worker that registers again proposes its id, and a
+restarted orchestrator takes it (`add`), unless that worker was declared dead (`fenced`).
+`rebuild` turns the newest view the workers reported into this orchestrator's state.
+"""
 
 from __future__ import annotations
 
@@ -7,77 +20,130 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fabric.messages.control import ClusterView, Register, Role, WorkerInfo, WorkerState
 from fabric.model.config import ModelConfig
-from fabric.routing import EwAddress, RoutingTable
+from fabric.routing import EwAddress, RoutingTable, Unit, placement_tensor
 from orchestrator.placement import PlacementPlanner
-
-ROLE_PREFIX = {"attention": "aw", "expert": "ew", "gateway": "gw", "checkpoint_store": "cs"}
 
 
 @dataclass
 class WorkerRecord:
     id: str
-    role: str
+    role: Role
     pid: int
     host: str
     port: int
-    state: str  # "starting" | "alive" | "dead"
+    state: WorkerState
     info: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
-    experts: list[tuple[int, int]] = field(default_factory=list)
+    experts: list[Unit] = field(default_factory=list)
+    slot: str = ""
     since: float = field(default_factory=time.time)  # when `state` last changed (wall clock)
     registered_at: float = field(default_factory=time.time)
 
+    def set_state(self, state: WorkerState) -> None:
+        if state is not self.state:
+            self.state, self.since = state, time.time()
+
+    @property
+    def serving(self) -> bool:
+        return self.state in (WorkerState.ALIVE, WorkerState.UNREACHABLE)
+
+    @property
+    def info_record(self) -> WorkerInfo:
+        return WorkerInfo(self.id, self.role, self.host, self.port, self.state, self.pid)
+
     def to_json(self) -> dict[str, Any]:
-        out = {"id": self.id, "role": self.role, "pid": self.pid, "host": self.host, "port": self.port, "state": self.state,
-               "state_since": self.since, "registered_at": self.registered_at}
+        out: dict[str, Any] = {"id": self.id, "role": self.role.value, "pid": self.pid, "host": self.host,
+                               "port": self.port, "state": self.state.value, "state_since": self.since,
+                               "registered_at": self.registered_at}
         if self.experts:
             out["experts"] = [list(u) for u in self.experts]
+        if self.slot:
+            out["slot"] = self.slot
         out.update(info=self.info, stats=self.stats)
         return out
 
 
 class Cluster:
-    """Pure state; the server in `main.py` does the I/O. Methods return what must be sent.
-
-    Placement is made once, over *slots*: the ids of the EWs that were there at the first
-    placement. A slot's occupant is the EW currently holding its experts; when an occupant dies,
-    a replacement EW fills the slot (loads exactly the slot's experts), so redundancy and capacity
-    return to what they were. The routing table lists, for each logical expert, the live
-    occupants of its slots in placement order (primary first, shadows after)."""
-
-    def __init__(self, model: ModelConfig, expected_ews: int, planner: PlacementPlanner, host: str, port: int) -> None:
+    def __init__(self, model: ModelConfig, expected_ews: int, planner: PlacementPlanner, host: str, port: int,
+                 generation: int) -> None:
         self.model = model
         self.expected_ews = expected_ews
         self.planner = planner
+        self.generation = generation
         self.workers: dict[str, WorkerRecord] = {}
+        self.fenced: set[str] = set()  # declared dead, for good (also those only a report told us of)
         self.table: RoutingTable | None = None
-        self.placement: dict[tuple[int, int], list[str]] | None = None  # unit -> slots, preferred first
-        self.occupant: dict[str, str] = {}  # slot -> EW id serving it
+        self.epoch = 0  # the newest epoch seen or published
+        self.placement: dict[Unit, list[str]] | None = None  # unit -> slots, preferred first
+        self.occupant: dict[str, str] = {}  # slot -> EW id serving it ("" or a dead id: vacant)
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
         self.replacements = 0
         self._counters: dict[str, int] = {}
-        self.self_record = WorkerRecord("orch-0", "orchestrator", os.getpid(), host, port, "alive")
+        self.self_record = WorkerRecord(f"orch-{generation}", Role.ORCHESTRATOR, os.getpid(), host, port,
+                                        WorkerState.ALIVE, info={"generation": generation})
 
-    def add(self, role: str, pid: int, host: str, port: int, info: dict[str, Any]) -> WorkerRecord:
-        prefix = ROLE_PREFIX[role]
-        n = self._counters.get(prefix, 0)
-        self._counters[prefix] = n + 1
-        rec = WorkerRecord(f"{prefix}-{n}", role, pid, host, port, "alive" if role in ("gateway", "checkpoint_store") else "starting", info)
-        self.workers[rec.id] = rec
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, reg: Register) -> WorkerRecord | None:
+        """A worker registers: a new one gets an id; one that registered before keeps its own
+        (after a link drop, or with a restarted orchestrator). None: it was declared dead."""
+        wid = reg.worker_id
+        if wid in self.fenced:
+            return None
+        if reg.view is not None:
+            self.epoch = max(self.epoch, reg.view.table.epoch if reg.view.table else 0)
+        state = WorkerState.ALIVE if reg.ready or reg.role in (Role.GATEWAY, Role.STORE) else WorkerState.STARTING
+        experts = [(int(u[0]), int(u[1])) for u in reg.experts if len(u) == 2]
+        if not wid:
+            n = self._counters.get(reg.role.prefix, 0)
+            wid = f"{reg.role.prefix}-{n}"
+        self._reserve(wid)
+        rec = self.workers.get(wid)
+        if rec is not None and rec.role is not reg.role:
+            return None  # an id of another role's: not this worker's
+        if rec is None:
+            rec = WorkerRecord(wid, reg.role, reg.pid, reg.host, reg.port, state, dict(reg.info), experts=experts,
+                               slot=reg.slot)
+            self.workers[wid] = rec
+        else:  # its link dropped and it came back
+            rec.pid, rec.host, rec.port, rec.info = reg.pid, reg.host, reg.port, dict(reg.info)
+            rec.experts, rec.slot = experts or rec.experts, reg.slot or rec.slot
+            rec.set_state(state)
         return rec
 
-    def units(self) -> list[tuple[int, int]]:
+    def _reserve(self, wid: str) -> None:
+        """Keeps new ids of that role above `wid`'s number."""
+        prefix, _, num = wid.rpartition("-")
+        if num.isdigit():
+            self._counters[prefix] = max(self._counters.get(prefix, 0), int(num) + 1)
+
+    def unreachable(self, worker_id: str) -> bool:
+        """Its link dropped: peers keep using it until it is declared dead or comes back."""
+        rec = self.workers.get(worker_id)
+        if rec is None or rec.state in (WorkerState.DEAD, WorkerState.UNREACHABLE):
+            return False
+        rec.set_state(WorkerState.UNREACHABLE)
+        return True
+
+    # -- placement ----------------------------------------------------------------------------
+    def units(self) -> list[Unit]:
         return [(layer, e) for layer in self.model.moe_layers for e in range(self.model.num_experts)]
 
-    def slot_units(self, slot: str) -> list[tuple[int, int]]:
+    def slot_units(self, slot: str) -> list[Unit]:
         assert self.placement is not None
         return [u for u, slots in sorted(self.placement.items()) if slot in slots]
 
-    def maybe_place(self) -> dict[str, list[tuple[int, int]]]:
+    def _vacant(self, slot: str) -> bool:
+        """No occupant, or a dead one."""
+        occ = self.occupant.get(slot, "")
+        rec = self.workers.get(occ)
+        return rec is None or rec.state is WorkerState.DEAD
+
+    def maybe_place(self) -> dict[str, list[Unit]]:
         """Once the expected EWs registered, places every expert; afterwards, a newly registered EW
         fills a vacant slot. Returns EW id -> units to load."""
-        ews = [w.id for w in self.workers.values() if w.role == "expert" and w.state == "starting"
+        ews = [w.id for w in self.workers.values() if w.role is Role.EXPERT and w.state is WorkerState.STARTING
                and w.id not in self.filling.values() and w.id not in self.occupant.values()]
         if self.placement is None:
             if len(ews) < self.expected_ews:
@@ -85,15 +151,18 @@ class Cluster:
             self.placement = self.planner.place(self.units(), ews)
             self.occupant = {ew: ew for ew in ews}
             assignment = {ew: self.slot_units(ew) for ew in ews}
+            for ew in ews:
+                self.workers[ew].slot = ew
         else:
             assignment = {}
             for ew in ews:
-                slot = next((s for s, w in self.occupant.items()
-                             if self.workers[w].state == "dead" and s not in self.filling), None)
+                slot = next((s for s in self.occupant if self._vacant(s) and s not in self.filling), None)
                 if slot is None:
                     break  # a spare: nothing to fill (it stays registered, unused)
                 self.filling[slot] = ew
-                self.workers[ew].info["replaces"] = self.occupant[slot]
+                if self.occupant[slot]:
+                    self.workers[ew].info["replaces"] = self.occupant[slot]
+                self.workers[ew].slot = slot
                 assignment[ew] = self.slot_units(slot)
         for ew, units in assignment.items():
             self.workers[ew].experts = units
@@ -103,11 +172,10 @@ class Cluster:
         """Marks a worker alive; returns True when the routing table changed (the first complete
         table, or a replacement EW taking over its slot)."""
         rec = self.workers[worker_id]
-        if rec.state == "dead":
+        if rec.state is WorkerState.DEAD:
             return False
-        rec.state = "alive"
-        rec.since = time.time()
-        if rec.role != "expert" or self.placement is None:
+        rec.set_state(WorkerState.ALIVE)
+        if rec.role is not Role.EXPERT or self.placement is None:
             return False
         slot = next((s for s, w in self.filling.items() if w == worker_id), None)
         if slot is not None:
@@ -115,51 +183,96 @@ class Cluster:
             self.occupant[slot] = worker_id
             self.replacements += 1
             if self.table is not None:
-                self._publish()
+                self.publish()
                 return True
-        if self.table is None and all(self.workers[w].state == "alive" for w in self.occupant.values()):
-            self._publish()
+        if self.table is None and all(self.workers[w].state is WorkerState.ALIVE for w in self.occupant.values()):
+            self.publish()
             return True
         return False
 
     def mark_dead(self, worker_id: str) -> tuple[bool, bool]:
         """Marks a worker dead, for good: a replaced worker is never used again. Returns (it was
-        alive or starting until now, the routing table changed). A dead occupant is dropped from
-        every replica list, so its shadows' copies become primaries at the next epoch (a
-        transaction: the new table is built whole, then published); a dead replacement that was
-        still loading leaves its slot vacant again."""
+        not dead until now, the routing table changed). A dead occupant is dropped from every
+        replica list, so its shadows' copies become primaries at the next epoch (a transaction:
+        the new table is built whole, then published); a dead replacement that was still loading
+        leaves its slot vacant again."""
         rec = self.workers.get(worker_id)
-        if rec is None or rec.state == "dead":
+        if rec is None or rec.state is WorkerState.DEAD:
             return False, False
-        rec.state = "dead"
-        rec.since = time.time()
+        rec.set_state(WorkerState.DEAD)
+        self.fenced.add(worker_id)
         for slot, w in list(self.filling.items()):
             if w == worker_id:
                 del self.filling[slot]
-        if rec.role != "expert" or self.table is None or worker_id not in self.occupant.values():
+        if rec.role is not Role.EXPERT or self.table is None or worker_id not in self.occupant.values():
             return True, False
-        self._publish()
+        self.publish()
         return True, True
 
-    def lost_units(self) -> list[tuple[int, int]]:
+    def lost_units(self) -> list[Unit]:
         """Logical experts with no live copy left."""
         if self.table is None:
             return []
         return [u for u, ews in self.table.replicas.items() if not ews]
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Builds the next table (this generation, the next epoch) from the live occupants."""
         assert self.placement is not None
-        epoch = 1 if self.table is None else self.table.epoch + 1
-        live = {s: w for s, w in self.occupant.items() if self.workers[w].state == "alive"}
-        replicas = {u: tuple(live[s] for s in slots if s in live) for u, slots in self.placement.items()}
-        addrs = {w: EwAddress(w, self.workers[w].host, self.workers[w].port) for w in live.values()}
-        self.table = RoutingTable(epoch, self.model.num_layers, self.model.num_experts, replicas, addrs)
+        self.epoch += 1
+        slots = sorted(self.occupant)
+        live = {s: w for s, w in self.occupant.items() if w in self.workers and self.workers[w].serving}
+        layers = list(self.model.moe_layers)
+        self.table = RoutingTable(
+            self.generation, self.epoch, self.model.num_layers, self.model.num_experts, layers, slots,
+            [live.get(s, "") for s in slots],
+            [EwAddress(w, self.workers[w].host, self.workers[w].port) for w in sorted(live.values())],
+            placement_tensor(layers, self.model.num_experts, slots, self.placement))
 
-    def live_workers(self) -> list[dict[str, Any]]:
-        return [w.to_json() for w in self.workers.values() if w.state == "alive"]
+    # -- recovery -----------------------------------------------------------------------------
+    def rebuild(self, view: ClusterView | None) -> list[tuple[Role, str]]:
+        """Takes over from an earlier orchestrator: `view` is the newest one the workers reported.
+        Its placement and slots are kept; workers of that view that did not register again are
+        dead; a slot whose occupant did not come back is vacant (an EW that reports holding it
+        fills it). Returns the replacements to start: (role, the dead worker)."""
+        if view is None:
+            return []
+        self.fenced.update(view.dead)
+        for wid in [*view.dead, *(w.id for w in view.workers)]:
+            self._reserve(wid)
+        replace: list[tuple[Role, str]] = []
+        for w in view.workers:
+            if w.id in self.workers or w.id in self.fenced:
+                continue
+            self.workers[w.id] = WorkerRecord(w.id, w.role, w.pid, w.host, w.port, WorkerState.DEAD)
+            self.fenced.add(w.id)
+            if w.role in (Role.ATTENTION, Role.STORE) and w.serving:
+                replace.append((w.role, w.id))
+        table = view.table
+        if table is None:
+            return replace
+        self.epoch = max(self.epoch, table.epoch)
+        self.placement = table.placement_map()
+        self.occupant = {}
+        for slot, occ in zip(table.slots, table.occupants):
+            holders = [w for w in self.workers.values() if w.role is Role.EXPERT and w.slot == slot
+                       and w.state is not WorkerState.DEAD]
+            ready = [w for w in holders if w.state is WorkerState.ALIVE]
+            if ready:
+                self.occupant[slot] = ready[0].id
+            else:
+                self.occupant[slot] = occ
+                if holders:
+                    self.filling[slot] = holders[0].id
+                elif occ:
+                    replace.append((Role.EXPERT, occ))
+        self.publish()
+        return replace
 
-    def dead_workers(self) -> list[str]:
-        return [w.id for w in self.workers.values() if w.state == "dead"]
+    # -- what is published and shown ----------------------------------------------------------
+    def view(self) -> ClusterView:
+        return ClusterView(self.generation, self.table,
+                           [w.info_record for w in self.workers.values() if w.state is not WorkerState.DEAD],
+                           sorted(self.fenced))
 
     def redundancy(self) -> dict[str, Any]:
         if self.table is None:
@@ -167,14 +280,15 @@ class Cluster:
         copies = [len(ews) for ews in self.table.replicas.values()]
         wanted = 1 + min(getattr(self.planner, "shadows", 0), max(0, len(self.occupant) - 1))
         return {"copies_min": min(copies), "copies_wanted": wanted, "experts_lost": copies.count(0),
-                "slots_vacant": sum(1 for w in self.occupant.values() if self.workers[w].state != "alive"),
+                "slots_vacant": sum(1 for s in self.occupant if self._vacant(s)),
                 "replacements_joined": self.replacements}
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "generation": self.generation,
             "epoch": self.table.epoch if self.table else 0,
             "model": {"arch": self.model.arch, "layers": self.model.num_layers, "experts": self.model.num_experts},
             "workers": [self.self_record.to_json()] + [w.to_json() for w in self.workers.values()],
             "redundancy": self.redundancy(),
-            "routing": self.table.to_dict() if self.table else {},
+            "routing": self.table.to_json() if self.table else {},
         }

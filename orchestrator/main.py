@@ -1,12 +1,20 @@
 """Orchestrator process: aiohttp serves `GET /cluster`, `POST /shutdown` and the workers'
 websocket (`/ws`).
 
-Main loop per worker link: receive register -> (EWs) place experts once enough have registered,
-or fill a dead EW's slot -> collect worker_ready -> publish the routing table to every worker.
-A worker is dead when its link closes or when a peer reports it (`PeerFailed`: the orchestrator's
-verdict is authoritative, and it closes the dead worker's link so a hung process that wakes up
-exits). Every death of an AW or EW publishes the next epoch and asks the provisioner for a
-replacement, unless the cluster is shutting down.
+Per worker link: register (new workers get an id; workers that registered before keep theirs) ->
+(EWs) place experts once enough have registered, or fill a vacant slot -> collect worker_ready ->
+publish the cluster view to every worker. The data path never waits for the orchestrator; what
+needs its authority is here: verdicts (a peer's `PeerFailed`, confirmed by the orchestrator's own
+probe unless the evidence is definitive), epochs, fencing and replacements.
+
+A (re)started orchestrator first recovers (`--recovery-grace-s`): workers of an earlier one
+register again with their id, generation and last view; once every worker of the newest view is
+back, or the grace is over, it rebuilds the cluster from that view (orchestrator/cluster.py),
+publishes the next epoch under its own generation (a fencing token: workers follow no older
+orchestrator) and starts replacements for the workers that did not come back.
+
+A worker whose link drops is *unreachable* (still serving) until it registers again; it is
+declared dead when a peer reports it, when it said it was leaving, or after `--rejoin-grace-ms`.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from pathlib import Path
+import time
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -22,41 +30,62 @@ from aiohttp import WSMsgType, web
 from fabric.config import OrchestratorConfig
 from fabric.control_link import pack, unpack
 from fabric.errors import FabricError
+from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
+    ClusterView,
+    Fenced,
+    Leaving,
     LinkProbe,
     LinkProbeReply,
     PeerAlive,
     PeerFailed,
     Register,
     Registered,
+    Role,
     RoutingUpdate,
     WorkerReady,
+    WorkerState,
     WorkerStats,
 )
 from fabric.model.config import ModelConfig
-from orchestrator.cluster import Cluster
+from fabric.notify import notifier
+from fabric.process import mark_failed
+from orchestrator.cluster import Cluster, WorkerRecord
+from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner
 from orchestrator.provisioner import NoProvisioner, Provisioner, make_provisioner
 
 log = logging.getLogger("orchestrator")
 
+LINK_SEND_TIMEOUT = 2.0  # seconds a worker has to take a control message before its link is dropped
+
 
 class Orchestrator:
-    def __init__(self, cfg: OrchestratorConfig) -> None:
+    def __init__(self, cfg: OrchestratorConfig, stop: asyncio.Event | None = None) -> None:
         self.cfg = cfg
+        self.stop = stop or asyncio.Event()
+        self.generation = cfg.generation or time.time_ns() // 1000
         planner = BalancedPlanner(cfg.shadows_per_expert)
-        self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port)
-        self.links: dict[str, web.WebSocketResponse] = {}
+        self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port,
+                               self.generation)
+        self.links: dict[str, WorkerLink] = {}
         self.provisioner: Provisioner = NoProvisioner()  # set by `serve` once the port is bound
         self.shutting_down = False
-        self._closing: set[asyncio.Task[Any]] = set()
+        self.recovered = asyncio.Event()
+        self.newest_view: ClusterView | None = None  # the newest view a registering worker reported
         self._probes: dict[int, asyncio.Future[None]] = {}
         self._confirming: dict[str, asyncio.Task[None]] = {}
+        self._rejoin: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._nonce = itertools.count(1)
         self.replacements_started = 0
-        self._watch: asyncio.Task[None] | None = None
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
@@ -67,6 +96,7 @@ class Orchestrator:
 
     async def get_cluster(self, request: web.Request) -> web.Response:
         body = self.cluster.to_json()
+        body["recovering"] = not self.recovered.is_set()
         body["replacements_started"] = self.replacements_started
         return web.json_response(body)
 
@@ -76,73 +106,145 @@ class Orchestrator:
         log.info("cluster shutdown announced: no more replacements")
         return web.json_response({"shutting_down": True})
 
+    # -- recovery -----------------------------------------------------------------------------
+    async def recover(self) -> None:
+        """Waits for the workers of an earlier orchestrator (if any) to register again, bounded
+        by the recovery grace, then rebuilds the cluster from the newest view they reported."""
+        deadline = asyncio.get_running_loop().time() + self.cfg.recovery_grace_s
+        while asyncio.get_running_loop().time() < deadline and not self._all_back():
+            await asyncio.sleep(0.02)
+        view = self.newest_view
+        replace = self.cluster.rebuild(view)
+        self.recovered.set()
+        if view is not None:
+            back = sum(1 for w in view.workers if w.id in self.cluster.workers
+                       and self.cluster.workers[w.id].state is not WorkerState.DEAD)
+            log.info("took over from generation %d: %d of %d workers registered again, epoch %d; replacing %s",
+                     view.generation, back, len(view.workers), self.cluster.epoch,
+                     ", ".join(r for _, r in replace) or "none")
+        for role, dead in replace:
+            self._replace(role, dead)
+        await self._place()
+        self._broadcast()
+
+    def _all_back(self) -> bool:
+        view = self.newest_view
+        return view is not None and all(w.id in self.cluster.workers for w in view.workers if w.serving)
+
+    # -- worker links -------------------------------------------------------------------------
     async def worker_link(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=1 << 20)
         await ws.prepare(request)
-        worker_id = None
+        rec: WorkerRecord | None = None
+        link: WorkerLink | None = None
+        leaving = False
         try:
-            first = await ws.receive()
-            if first.type != WSMsgType.BINARY:
+            first = await ws.receive(timeout=10.0)
+            reg = unpack(first.data) if first.type == WSMsgType.BINARY else None
+            if not isinstance(reg, Register):
+                log.error("closing link from %s: the first message is not a registration", request.remote)
                 return ws
-            reg = unpack(first.data)
-            if not isinstance(reg, Register) or reg.role not in ("attention", "expert", "gateway", "checkpoint_store"):
-                log.error("closing link from %s: first message is not a valid register", request.remote)
+            if reg.generation_seen > self.generation:
+                log.error("%s follows a newer orchestrator (generation %d > ours, %d): this one is stale; stepping down",
+                          reg.worker_id or request.remote, reg.generation_seen, self.generation)
+                mark_failed()
+                self.stop.set()
                 return ws
-            rec = self.cluster.add(reg.role, reg.pid, reg.host, reg.port, reg.info)
-            worker_id = rec.id
-            self.links[worker_id] = ws
+            if reg.view is not None and (self.newest_view is None or reg.view.version > self.newest_view.version):
+                self.newest_view = reg.view
+            if not reg.worker_id:
+                await self.recovered.wait()  # new ids only once the earlier orchestrator's are known
+            rec = self.cluster.add(reg)
+            if rec is None:
+                log.warning("%s (pid %d) registered again, but it was declared dead: fenced", reg.worker_id, reg.pid)
+                await ws.send_bytes(pack(Fenced("declared dead by the orchestrator")))
+                return ws
+            link = WorkerLink(rec.id, ws, LINK_SEND_TIMEOUT)
+            old = self.links.pop(rec.id, None)
+            if old is not None:
+                self._spawn(old.close())
+            self.links[rec.id] = link
+            timer = self._rejoin.pop(rec.id, None)
+            if timer is not None:
+                timer.cancel()
             self.provisioner.registered(reg.pid)
-            log.info("registered %s (%s pid %d at %s:%d)", rec.id, rec.role, rec.pid, rec.host, rec.port)
-            await ws.send_bytes(pack(Registered(worker_id)))
-            if reg.role == "expert":
-                await self._place()
-            if reg.role == "checkpoint_store":
-                await self._broadcast()  # AWs start (or resume) checkpointing to it
-            elif self.cluster.table is not None:
-                await ws.send_bytes(pack(self._routing_update()))
+            log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
+                     rec.role.value, rec.pid, rec.host, rec.port)
+            link.send(Registered(rec.id, self.generation))
+            if self.recovered.is_set():
+                await self._joined(rec, link)
             async for msg in ws:
                 if msg.type != WSMsgType.BINARY:
                     continue
-                await self._handle(worker_id, unpack(msg.data))
+                m = unpack(msg.data)
+                if isinstance(m, Leaving):
+                    leaving = True
+                    break
+                await self._handle(rec.id, m)
         except FabricError as exc:
-            log.error("closing link of %s: %s", worker_id or request.remote, exc)
+            log.error("closing link of %s: %s", rec.id if rec else request.remote, exc)
+        except TimeoutError:
+            log.error("closing link from %s: no registration within 10 s", request.remote)
         finally:
-            if worker_id is not None:
-                self.links.pop(worker_id, None)
-                await self._declare_dead(worker_id, "link closed")
+            if rec is not None and link is not None and self.links.get(rec.id) is link:
+                del self.links[rec.id]
+                if leaving:
+                    self._declare(rec.id, "it left")
+                elif self.cluster.unreachable(rec.id):
+                    self._rejoin[rec.id] = asyncio.get_running_loop().call_later(
+                        self.cfg.rejoin_grace_ms / 1000, self._not_back, rec.id)
+            if link is not None:
+                self._spawn(link.close())
         return ws
+
+    def _not_back(self, worker_id: str) -> None:
+        self._rejoin.pop(worker_id, None)
+        rec = self.cluster.workers.get(worker_id)
+        if rec is not None and rec.state is WorkerState.UNREACHABLE:
+            self._declare(worker_id, f"its link dropped and it did not register again within "
+                                     f"{self.cfg.rejoin_grace_ms:.0f} ms")
+
+    async def _joined(self, rec: WorkerRecord, link: WorkerLink) -> None:
+        if rec.role is Role.EXPERT:
+            await self._place()
+        if rec.role is Role.STORE:
+            self._broadcast()  # AWs start (or resume) checkpointing to it
+        elif self.cluster.table is not None:
+            link.send(RoutingUpdate(self.cluster.view()))
+
+    def _declare(self, worker_id: str, reason: str) -> None:
+        self._spawn(self._declare_dead(worker_id, reason))
 
     async def _declare_dead(self, worker_id: str, reason: str) -> None:
         """The one place a worker dies: next epoch, broadcast, fence, replace."""
+        await self.recovered.wait()
         was_live, table_changed = self.cluster.mark_dead(worker_id)
         if not was_live:
             return
         rec = self.cluster.workers[worker_id]
         lost = self.cluster.lost_units()
-        if table_changed and not self.shutting_down:
+        if self.shutting_down:
+            log.info("%s left (%s)", worker_id, reason)
+        elif table_changed:
             assert self.cluster.table is not None
             log.warning("%s died (%s); routing table epoch %d promotes its shadows%s", worker_id, reason,
                         self.cluster.table.epoch, f"; {len(lost)} experts have no copy left" if lost else "")
-        elif self.shutting_down:
-            log.info("%s left (%s)", worker_id, reason)
         else:
             log.warning("%s died (%s)", worker_id, reason)
-        await self._broadcast()
-        ws = self.links.pop(worker_id, None)
-        if ws is not None and not ws.closed:
-            # Fencing: a hung worker that wakes up finds its link gone and exits. In a task: the
-            # close handshake waits for a peer that may be stopped.
-            task = asyncio.create_task(ws.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-        if rec.role in ("attention", "expert", "checkpoint_store"):
+        self._broadcast()
+        link = self.links.pop(worker_id, None)
+        if link is not None:
+            # Fencing: a hung worker that wakes up finds itself declared dead and leaves.
+            link.send(Fenced(reason))
+            self._spawn(link.close())
+        if rec.role.replaceable:
             self._replace(rec.role, worker_id)
 
-    def _replace(self, role: str, replaces: str) -> None:
+    def _replace(self, role: Role, replaces: str) -> None:
         """Starts a replacement after `replacement_delay_ms`: in the first few hundred ms after a
         death the survivors restore and reroute its work, and a process starting up (the
-        interpreter and `fabric.cli` at normal priority, the rest in the idle class) would take
-        CPU from them on a host they share. The replacement is not on that path: a dead AW's
+        interpreter and the CLI at normal priority, the rest in the idle class) would take CPU
+        from them on a host they share. The replacement is not on that path: a dead AW's
         requests resume on healthy AWs, a dead EW's experts on their shadows."""
         delay = self.cfg.replacement_delay_ms / 1000
         if delay <= 0:
@@ -152,14 +254,14 @@ class Orchestrator:
         self._delayed.add(handle)
         asyncio.get_running_loop().call_later(delay, self._delayed.discard, handle)
 
-    def _start_replacement(self, role: str, replaces: str) -> None:
+    def _start_replacement(self, role: Role, replaces: str) -> None:
         if self.shutting_down:
             return
         if self.replacements_started >= self.cfg.max_replacements:
             log.error("not replacing %s: %d replacements already started (--max-replacements)", replaces,
                       self.replacements_started)
             return
-        if self.provisioner.start(role, replaces) is not None:
+        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice):
             self.replacements_started += 1
 
     async def watch_replacements(self) -> None:
@@ -168,29 +270,33 @@ class Orchestrator:
             await asyncio.sleep(0.5)
             for s in self.provisioner.exited_early():
                 log.warning("replacement %s (pid %d) for %s exited with code %s before registering",
-                            s.role, s.proc.pid, s.replaces, s.proc.returncode)
+                            s.role.value, s.pid, s.replaces, s.code)
                 await asyncio.sleep(1.0)  # back off: whatever killed it may still be there
                 self._replace(s.role, s.replaces)
 
     async def _place(self) -> None:
         for ew, units in self.cluster.maybe_place().items():
-            replaces = self.cluster.workers[ew].info.get("replaces")
-            log.info("placing %d experts on %s%s", len(units), ew, f" (replacing {replaces})" if replaces else "")
-            await self.links[ew].send_bytes(pack(AssignExperts([list(u) for u in units])))
+            rec = self.cluster.workers[ew]
+            replaces = rec.info.get("replaces")
+            log.info("placing %d experts (slot %s) on %s%s", len(units), rec.slot, ew,
+                     f" (replacing {replaces})" if replaces else "")
+            link = self.links.get(ew)
+            if link is not None:
+                link.send(AssignExperts(rec.slot, [list(u) for u in units]))
 
-    async def _handle(self, worker_id: str, msg: object) -> None:
+    async def _handle(self, worker_id: str, msg: Message) -> None:
         if isinstance(msg, WorkerReady):
+            await self.recovered.wait()
             table_changed = self.cluster.mark_ready(worker_id)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
-            await self._broadcast()
+            self._broadcast()
         elif isinstance(msg, WorkerStats):
             self.cluster.workers[worker_id].stats = msg.stats
         elif isinstance(msg, LinkProbeReply):
             fut = self._probes.pop(msg.nonce, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        elif (isinstance(msg, PeerFailed) and msg.worker_id in self.cluster.workers and msg.worker_id != worker_id
-              and msg.worker_id not in self._confirming):
+        elif (isinstance(msg, PeerFailed) and msg.worker_id != worker_id and msg.worker_id not in self._confirming):
             task = asyncio.create_task(self._confirm(worker_id, msg))
             self._confirming[msg.worker_id] = task
             task.add_done_callback(lambda _: self._confirming.pop(msg.worker_id, None))
@@ -199,74 +305,65 @@ class Orchestrator:
         """A peer says `msg.worker_id` is dead. The verdict is ours: probe it over its own link
         (answered by its link reader, so a busy but healthy worker replies in milliseconds); no
         reply within `confirm_timeout_ms` confirms the death. A false report is answered with
-        `PeerAlive`, so the reporter can use the worker again."""
+        `PeerAlive`, so the reporter can use the worker again. Definitive evidence (a peer that
+        stopped taking data answers probes all the same) needs no probe."""
+        await self.recovered.wait()
         target = msg.worker_id
-        ws = self.links.get(target)
-        if ws is not None and not ws.closed and self.cluster.workers[target].state != "dead":
+        rec = self.cluster.workers.get(target)
+        if rec is None or rec.state is WorkerState.DEAD:
+            return
+        link = self.links.get(target)
+        if link is not None and not link.closed and not msg.definitive:
             nonce = next(self._nonce)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._probes[nonce] = fut
+            link.send(LinkProbe(nonce))
             try:
-                await ws.send_bytes(pack(LinkProbe(nonce)))
                 await asyncio.wait_for(fut, self.cfg.confirm_timeout_ms / 1000)
-            except (TimeoutError, ConnectionError):
+            except TimeoutError:
                 pass
             finally:
                 self._probes.pop(nonce, None)
             if fut.done() and not fut.cancelled():  # wait_for cancels it on a timeout
                 log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
-                reporter_ws = self.links.get(reporter)
-                if reporter_ws is not None and not reporter_ws.closed:
-                    try:
-                        await reporter_ws.send_bytes(pack(PeerAlive(target)))
-                    except ConnectionError:
-                        pass
+                reporter_link = self.links.get(reporter)
+                if reporter_link is not None:
+                    reporter_link.send(PeerAlive(target))
                 return
         await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
 
-    def _routing_update(self) -> RoutingUpdate:
-        table = self.cluster.table.to_dict() if self.cluster.table else {}
-        return RoutingUpdate(table, self.cluster.live_workers(), self.cluster.dead_workers())
-
-    async def _broadcast(self) -> None:
+    def _broadcast(self) -> None:
         if self.cluster.table is None:
             return
-        data = pack(self._routing_update())
-        for ws in list(self.links.values()):
-            if not ws.closed:
-                try:
-                    await ws.send_bytes(data)
-                except ConnectionError:
-                    pass
+        data = pack(RoutingUpdate(self.cluster.view()))
+        for link in list(self.links.values()):
+            link.send_packed(data)
 
 
 async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
-    orch = Orchestrator(cfg)
-    runner = web.AppRunner(orch.app(), access_log=None)
+    orch = Orchestrator(cfg, stop)
+    runner = web.AppRunner(orch.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port
     orch.provisioner = make_provisioner(  # replacements dial the port actually bound
-        cfg.provisioner, {"attention": cfg.spawn_attention_args, "expert": cfg.spawn_expert_args,
-                          "checkpoint_store": cfg.spawn_store_args},
-        f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.replacement_boot_nice)
-    orch._watch = asyncio.create_task(orch.watch_replacements())
-    if cfg.port_file:
-        tmp = Path(cfg.port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(cfg.port_file)
-    log.info("orchestrator on http://%s:%d (expecting %d expert workers)", cfg.host, port, cfg.expert_workers)
+        cfg.provisioner, {Role.ATTENTION: cfg.spawn_attention_args, Role.EXPERT: cfg.spawn_expert_args,
+                          Role.STORE: cfg.spawn_store_args},
+        f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
+    tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
+    log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
+             orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
+    notifier().send("READY=1")
     try:
         await stop.wait()
     finally:
         orch.shutting_down = True
         for handle in orch._delayed:
             handle.cancel()
-        if orch._watch is not None:
-            orch._watch.cancel()
-        await orch.provisioner.close()  # replacements stop while their orchestrator is still there
-        for ws in list(orch.links.values()):
-            await ws.close()
+        for t in tasks:
+            t.cancel()
+        await orch.provisioner.close()
+        await asyncio.gather(*(link.close() for link in list(orch.links.values())), return_exceptions=True)
         await runner.cleanup()

@@ -1,9 +1,13 @@
 """Background replacement of dead workers (Tarragon §5.4): the orchestrator asks a `Provisioner`
 for a new process of a role; the new worker registers like any other and is slotted in.
 
-`LocalProvisioner` starts `moe-fabric <role> ARGS` as a child of the orchestrator on this host
-(the child dies with the orchestrator: PDEATHSIG plus a parent watch). A multi-node backend (ssh,
-a cluster manager) implements the same two methods.
+- `SupervisorProvisioner` asks the process that started the orchestrator (`moe-fabric serve`'s
+  supervisor, over a socket pair it handed down), which owns every process of the fabric: a
+  replacement outlives the orchestrator that asked for it, and dies with the supervisor.
+- `LocalProvisioner` starts `moe-fabric <role> ARGS` itself, on this host, detached: replacements
+  outlive the orchestrator (a restarted one takes them over when they register again) and exit
+  when the orchestrator's own supervisor (its parent) is gone.
+A cluster manager (Ray, Kubernetes) implements the same four methods.
 """
 
 from __future__ import annotations
@@ -15,24 +19,30 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fabric.process import die_with_parent
+from fabric.errors import FabricError
+from fabric.messages.base import Message, decode_message, encode_message
+from fabric.messages.control import Role
+from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
+from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
 
-ROLE_COMMAND = {"attention": "attention-worker", "expert": "expert-worker", "checkpoint_store": "checkpoint-store"}
+ROLE_COMMAND = {Role.ATTENTION: "attention-worker", Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store"}
 
 
 @dataclass
 class Spawned:
-    role: str
+    role: Role
     replaces: str
-    proc: subprocess.Popen[bytes]
+    pid: int = 0
+    code: int | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -40,25 +50,24 @@ class Provisioner(abc.ABC):
     """Starts replacement workers. `start` returns at once; the new process registers itself."""
 
     @abc.abstractmethod
-    def start(self, role: str, replaces: str) -> int | None:
-        """Starts a worker of `role` in place of `replaces`; returns its pid (None: not started)."""
+    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+        """Asks for a worker of `role` in place of `replaces`; False if none can be started."""
 
     @abc.abstractmethod
     def exited_early(self) -> list[Spawned]:
-        """Processes started here that exited before the orchestrator saw them register (reaped)."""
+        """Processes started for us that exited before they registered (each reported once)."""
 
     @abc.abstractmethod
     def registered(self, pid: int) -> None:
         """The worker with `pid` registered: it is the cluster's now, not an early exit."""
 
-    @abc.abstractmethod
-    async def close(self, grace: float = 10.0) -> None:
-        """Stops every process this provisioner started (SIGTERM, then SIGKILL after `grace`)."""
+    async def close(self) -> None:  # noqa: B027 - optional
+        """Called when the orchestrator exits (its replacements live on)."""
 
 
 class NoProvisioner(Provisioner):
-    def start(self, role: str, replaces: str) -> int | None:
-        return None
+    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+        return False
 
     def exited_early(self) -> list[Spawned]:
         return []
@@ -66,77 +75,127 @@ class NoProvisioner(Provisioner):
     def registered(self, pid: int) -> None:
         pass
 
-    async def close(self, grace: float = 10.0) -> None:
-        pass
+
+class SupervisorProvisioner(Provisioner):
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.setblocking(False)
+        self.spawned: dict[int, Spawned] = {}  # pid -> what it replaces
+        self.asked: dict[str, Spawned] = {}  # replaces -> asked, pid not known yet
+        self._registered: set[int] = set()
+        self._early: list[Spawned] = []
+        self._reader = asyncio.create_task(self._read())
+
+    def _send(self, msg: Message) -> None:
+        header, frames = encode_message(msg)
+        try:
+            self.sock.send(encode_bytes(header, frames))
+        except OSError as exc:
+            raise FabricError(f"the supervisor is gone: {exc}") from exc
+
+    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+        try:
+            self._send(StartWorker(role, replaces, boot_nice))
+        except FabricError as exc:
+            log.error("cannot replace %s: %s", replaces, exc)
+            return False
+        self.asked[replaces] = Spawned(role, replaces)
+        return True
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(self.sock, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                log.warning("the supervisor closed its provisioning channel")
+                return
+            msg = decode_message(*decode_bytes(data))
+            if isinstance(msg, WorkerStarted):
+                s = self.asked.pop(msg.replaces, None)
+                if s is not None:
+                    s.pid = msg.pid
+                    self.spawned[msg.pid] = s
+                    log.info("the supervisor started a replacement %s (pid %d) for %s", s.role.value, s.pid, s.replaces)
+            elif isinstance(msg, WorkerExited):
+                s = self.spawned.pop(msg.pid, None)
+                if s is not None and msg.pid not in self._registered:
+                    s.code = msg.code
+                    self._early.append(s)
+
+    def exited_early(self) -> list[Spawned]:
+        early, self._early = self._early, []
+        return early
+
+    def registered(self, pid: int) -> None:
+        self._registered.add(pid)
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        self.sock.close()
 
 
 class LocalProvisioner(Provisioner):
-    def __init__(self, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None, boot_nice: int = 20) -> None:
+    def __init__(self, args_by_role: dict[Role, str], orchestrator: str, log_dir: str | None) -> None:
         self.args = {role: shlex.split(a) for role, a in args_by_role.items()}
-        self.boot_nice = boot_nice  # a replacement's start-up yields the CPU to the workers serving meanwhile
         self.orchestrator = orchestrator
         self.log_dir = log_dir
-        self.children: list[Spawned] = []
+        self.children: list[tuple[Spawned, subprocess.Popen[bytes]]] = []
         self._registered: set[int] = set()
         self._n = 0
 
-    def start(self, role: str, replaces: str) -> int | None:
+    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
         if role not in ROLE_COMMAND or not self.args.get(role):
-            log.error("no spawn arguments for role %s; cannot replace %s", role, replaces)
-            return None
+            log.error("no spawn arguments for role %s; cannot replace %s", role.value, replaces)
+            return False
         self._n += 1
         argv = [*self.args[role]]
         if "--orchestrator" not in argv:
             argv += ["--orchestrator", self.orchestrator]
-        if "--boot-nice" not in argv and self.boot_nice:
-            argv += ["--boot-nice", str(self.boot_nice)]
-        cmd = [sys.executable, "-m", "fabric.cli", ROLE_COMMAND[role], *argv, "--parent-pid", str(os.getpid())]
-        out = None
-        if self.log_dir:
-            out = open(Path(self.log_dir) / f"{ROLE_COMMAND[role]}-r{self._n}.log", "wb")  # noqa: SIM115
+        if "--boot-nice" not in argv and boot_nice:
+            argv += ["--boot-nice", str(boot_nice)]
+        # The orchestrator's supervisor (its parent) bounds the replacement's life, not the
+        # orchestrator: a restarted orchestrator takes the replacement over.
+        cmd = [sys.executable, "-m", "launch.cli", ROLE_COMMAND[role], *argv, "--watch-pid", str(os.getppid())]
+        out = open(Path(self.log_dir) / f"{ROLE_COMMAND[role]}-r{self._n}.log", "ab") if self.log_dir else None  # noqa: SIM115
         try:
-            # Spawned from the event loop's thread, which lives as long as the orchestrator:
-            # PDEATHSIG follows the spawning thread.
-            proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out,
-                                    stderr=subprocess.STDOUT if out else None, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         finally:
             if out is not None:
                 out.close()
-        self.children.append(Spawned(role, replaces, proc))
-        log.info("started a replacement %s (pid %d) for %s", role, proc.pid, replaces)
-        return proc.pid
+        s = Spawned(role, replaces, proc.pid)
+        self.children.append((s, proc))
+        log.info("started a replacement %s (pid %d) for %s", role.value, proc.pid, replaces)
+        return True
 
     def registered(self, pid: int) -> None:
         self._registered.add(pid)
 
     def exited_early(self) -> list[Spawned]:
         early = []
-        for s in self.children:
-            if s.proc.poll() is not None and s.proc.pid not in self._registered:
-                early.append(s)
-        self.children = [s for s in self.children if s not in early]
+        for s, proc in list(self.children):
+            if proc.poll() is not None:
+                self.children.remove((s, proc))
+                if proc.pid not in self._registered:
+                    s.code = proc.returncode
+                    early.append(s)
         return early
 
-    def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.children if s.proc.poll() is None]
-
-    async def close(self, grace: float = 10.0) -> None:
-        live = [s.proc for s in self.children if s.proc.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in live:
-            while p.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if p.poll() is None:
-                log.warning("replacement pid %d ignored SIGTERM; killing it", p.pid)
-                p.kill()
-                p.wait()
+    async def close(self) -> None:
+        """Replacements that never registered are stopped; the others belong to the cluster."""
+        for s, proc in self.children:
+            if proc.poll() is None and s.pid not in self._registered:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
 
 
-def make_provisioner(kind: str, args_by_role: dict[str, str], orchestrator: str, log_dir: str | None,
-                     boot_nice: int = 20) -> Provisioner:
+def make_provisioner(kind: str, args_by_role: dict[Role, str], orchestrator: str, log_dir: str | None,
+                     supervisor_fd: int | None) -> Provisioner:
+    if kind == "supervisor":
+        assert supervisor_fd is not None
+        return SupervisorProvisioner(supervisor_fd)
     if kind == "local":
-        return LocalProvisioner(args_by_role, orchestrator, log_dir, boot_nice)
+        return LocalProvisioner(args_by_role, orchestrator, log_dir)
     return NoProvisioner()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from fabric.config import ServeConfig
-from fabric.launcher import Fabric
+from launch.config import ServeConfig
+from launch.local import Fabric
 from tests.helpers import free_port, write_hf_model
 
 
@@ -20,14 +20,15 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def running_fabric(model: Path, tmp: Path, transport: str = "tcp", aws: int = 2, ews: int = 3,
-                   extra: dict[str, list[str]] | None = None, **overrides: Any) -> Iterator[Fabric]:
+                   extra: dict[str, list[str]] | None = None, env: dict[str, dict[str, str]] | None = None,
+                   **overrides: Any) -> Iterator[Fabric]:
     """Starts a real multi-process fabric on loopback; always stops every process it started
-    (replacements included: they are the orchestrator's children)."""
+    (replacements included: the supervisor starts them too)."""
     cfg = ServeConfig(model=str(model), attention_workers=aws, expert_workers=ews, transport=transport,
                       port=free_port(), ready_timeout=180, **overrides)
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
-    fabric = Fabric(cfg, extra_args=extra, log_dir=str(logs))
+    fabric = Fabric(cfg, extra_args=extra, log_dir=str(logs), extra_env=env)
     try:
         fabric.start()
         fabric.wait_ready(cfg.ready_timeout)

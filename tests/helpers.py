@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fabric.launcher import free_port
+from launch.local import free_port
 
 __all__ = ["free_port"]
 
@@ -47,26 +50,89 @@ def get_json(url: str, timeout: float = 10) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def iter_stream(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
-    """Raw SSE client yielding each decoded `data:` event as it arrives; asserts the stream ends
-    with [DONE]."""
+def iter_events(url: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None,
+                served_by: list[str] | None = None) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """Raw SSE client yielding (event id, decoded `data:` payload) as each event arrives; asserts
+    the stream ends with [DONE]. `served_by` gets the id of the gateway that answered."""
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     done = False
+    event_id: str | None = None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
+        if served_by is not None:
+            served_by.append(r.headers.get("X-Moe-Fabric-Gateway", ""))
         for raw in r:
             line = raw.decode().strip()
             if not line:
+                event_id = None
+                continue
+            if line.startswith("id: "):
+                event_id = line[4:]
                 continue
             assert line.startswith("data: "), line
             payload = line[len("data: "):]
             if payload == "[DONE]":
                 done = True
                 break
-            yield json.loads(payload)
+            yield event_id, json.loads(payload)
     assert done, "stream ended without [DONE]"
+
+
+def iter_stream(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
+    """The payloads of `iter_events`."""
+    for _, payload in iter_events(url, body, timeout):
+        yield payload
 
 
 def stream_completion(url: str, body: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
     return list(iter_stream(url, body, timeout))
+
+
+def resumable_stream(url: str, body: dict[str, Any], timeout: float = 120, deadline: float = 120,
+                     served_by: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """A streaming client that does what a robust one should: when its stream breaks (its gateway
+    died), it sends the same request again with `Last-Event-ID`. Returns (every payload, in order,
+    once; how many times it resumed); `served_by` gets the gateway of every attempt."""
+    events: list[dict[str, Any]] = []
+    last: str | None = None
+    resumes = 0
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            for event_id, payload in iter_events(url, body, timeout, {"Last-Event-ID": last} if last else None,
+                                                 served_by):
+                events.append(payload)
+                last = event_id or last
+            return events, resumes
+        except (OSError, AssertionError, http.client.HTTPException) as exc:
+            if isinstance(exc, urllib.error.HTTPError) and exc.code not in (502, 503):
+                raise
+            if isinstance(exc, AssertionError) and "without [DONE]" not in str(exc):
+                raise
+            assert time.monotonic() < end, f"no complete stream within {deadline} s: {exc}"
+            resumes += 1
+            time.sleep(0.05)
+
+
+def wait_for(fabric: Any, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 90) -> dict[str, Any]:
+    """Polls the cluster view until `pred` holds (an orchestrator that is restarting is waited for)."""
+    deadline = time.monotonic() + timeout
+    cluster: dict[str, Any] = {}
+    while True:
+        try:
+            cluster = fabric.cluster()
+            if pred(cluster):
+                return cluster
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {cluster.get('workers')}"
+        time.sleep(0.2)
+
+
+def replacement_of(cluster: dict[str, Any], dead_id: str) -> dict[str, Any] | None:
+    return next((w for w in cluster["workers"] if w["info"].get("replaces") == dead_id and w["state"] == "alive"), None)
+
+
+def worker_by_pid(cluster: dict[str, Any], pid: int) -> dict[str, Any]:
+    return next(w for w in cluster["workers"] if w["pid"] == pid)

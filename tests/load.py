@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from fabric.launcher import Fabric
+from launch.local import Fabric
 from tests.helpers import iter_stream
 
 PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
@@ -18,9 +18,11 @@ TOKENS = 120
 BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
 
 
-def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: threading.Event | None = None) -> list[list[int]]:
+def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: threading.Event | None = None,
+                times: list[list[float]] | None = None) -> list[list[int]]:
     """One concurrent stream per prompt, seeded sampling; returns each stream's token ids.
-    `received[0]` counts tokens as they arrive; `decoding` is set once streams are a few tokens in."""
+    `received[0]` counts tokens as they arrive; `decoding` is set once streams are a few tokens in;
+    `times[i]` gets the wall-clock arrival time of each of stream i's tokens."""
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     count = received if received is not None else [0]
     out: list[list[int]] = [[] for _ in PROMPTS]
@@ -29,6 +31,8 @@ def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: thr
         for ev in iter_stream(base, {**BODY, "prompt": PROMPTS[i]}):
             assert "error" not in ev, ev
             out[i].extend(ev["choices"][0]["token_ids"])
+            if times is not None:
+                times[i].append(time.time())
             count[0] += 1
             if decoding is not None and count[0] >= 4 * len(PROMPTS):
                 decoding.set()  # every stream is, on average, a few tokens into its decode
@@ -42,10 +46,11 @@ def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: thr
 
 
 def kill_mid_decode(fabric: Fabric, victim: str | int, sig: signal.Signals = signal.SIGINT,
-                    reference: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]], int]:
+                    reference: list[list[int]] | None = None,
+                    times: list[list[float]] | None = None) -> tuple[list[list[int]], list[list[int]], int]:
     """Runs the streams once without failure (unless `reference` is given), then again while
-    sending `sig` (SIGINT by default) to `victim` (a launcher child's name, or any pid, e.g. a
-    replacement's) once tokens flow. Returns (reference, outputs under failure, victim pid)."""
+    sending `sig` (SIGINT by default) to `victim` (a supervised process's name, or any pid) once
+    tokens flow. Returns (reference, outputs under failure, victim pid)."""
     if reference is None:
         reference = run_streams(fabric)
     assert all(len(r) == TOKENS for r in reference)
@@ -53,7 +58,7 @@ def kill_mid_decode(fabric: Fabric, victim: str | int, sig: signal.Signals = sig
     received = [0]
     started = threading.Event()
     result: list[list[list[int]]] = []
-    runner = threading.Thread(target=lambda: result.append(run_streams(fabric, received, started)))
+    runner = threading.Thread(target=lambda: result.append(run_streams(fabric, received, started, times)))
     runner.start()
     assert started.wait(60)
     os.kill(pid, sig)

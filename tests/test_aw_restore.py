@@ -13,12 +13,13 @@ from typing import Any
 import torch
 
 from attention_worker.checkpointer import Checkpointer
-from attention_worker.main import AttentionWorker
+from attention_worker.engine import AttentionWorker
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import KvRestore
 from fabric.messages.client import Submit
+from fabric.model.config import ModelConfig
 
 
 class GatedCheckpointer(Checkpointer):
@@ -72,19 +73,27 @@ class Client:
     async def send(self, msg: Message) -> None:
         self.sent.append(msg)
 
+    def send_nowait(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+
+def make_aw(model: Path, **cfg: Any) -> AttentionWorker:
+    config = AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4, **cfg)
+    return AttentionWorker(config, ModelConfig.from_dir(model))
+
 
 def submit(rid: str) -> Submit:
     return Submit(rid, [5, 6, 7, 8], 8, 0.0, 1.0, 0, 0, [], True, [9, 10], restore_from="aw-1")
 
 
 async def _scenario(model: Path) -> dict[str, Any]:
-    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4))
+    aw = make_aw(model)
     ckpt = aw.ckpt = GatedCheckpointer(aw)
     client, mine = Client(), set[str]()
     free = aw.kv.blocks.num_free
     for rid in ("a", "b", "c"):  # each returns at once (restores waiting in line would time out here)
-        await asyncio.wait_for(aw._submit(submit(rid), client, mine), 5)  # type: ignore[arg-type]
-    tasks = dict(aw.restoring)
+        aw._submit(submit(rid), client, mine)  # type: ignore[arg-type]
+    tasks = {rid: task for rid, (task, _) in aw.restoring.items()}
     await asyncio.wait_for(ckpt.all_waiting.wait(), 5)  # every fetch is at the store at once
     out: dict[str, Any] = {"most_in_flight": ckpt.most_in_flight, "restoring": sorted(tasks)}
     aw._remove("b")  # aborted mid-fetch
@@ -107,11 +116,10 @@ def test_restores_run_side_by_side_and_an_abort_mid_fetch_leaves_nothing(hf_mode
 
 
 async def _join(model: Path, join_ms: float, open_gate: bool) -> dict[str, Any]:
-    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4,
-                                               restore_join_ms=join_ms))
+    aw = make_aw(model, restore_join_ms=join_ms)
     ckpt = aw.ckpt = GatedCheckpointer(aw)
     ckpt.expect = 1
-    await aw._submit(submit("a"), Client(), set())  # type: ignore[arg-type]
+    aw._submit(submit("a"), Client(), set())  # type: ignore[arg-type]
     await asyncio.wait_for(ckpt.all_waiting.wait(), 5)
     join = asyncio.create_task(aw._join_restores())  # a step boundary with a restore under way
     for _ in range(20):
@@ -121,7 +129,7 @@ async def _join(model: Path, join_ms: float, open_gate: bool) -> dict[str, Any]:
         ckpt.gate.set()
     await asyncio.wait_for(join, 5)
     out = {"waited": waited, "scheduled": sorted(aw.scheduler.by_id), "restoring": sorted(aw.restoring)}
-    for task in aw.restoring.values():
+    for task, _ in aw.restoring.values():
         task.cancel()
     return out
 
@@ -137,15 +145,15 @@ def test_a_step_waits_a_bounded_while_for_restores_under_way(hf_models: dict[str
 
 async def _mid_stream(model: Path, fail: bool) -> dict[str, Any]:
     """One restore stopped after its first chunk is in the cache: aborted, or the store lost."""
-    aw = AttentionWorker(AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4))
+    aw = make_aw(model)
     ckpt = aw.ckpt = GatedCheckpointer(aw)
     ckpt.expect, ckpt.fail_mid = 1, fail
     ckpt.gate.set()
     ckpt.mid.clear()
     client = Client()
     free = aw.kv.blocks.num_free
-    await aw._submit(submit("a"), client, set())  # type: ignore[arg-type]
-    task = aw.restoring["a"]
+    aw._submit(submit("a"), client, set())  # type: ignore[arg-type]
+    task = aw.restoring["a"][0]
     await asyncio.wait_for(ckpt.at_mid.wait(), 5)
     out: dict[str, Any] = {"blocks_mid": free - aw.kv.blocks.num_free}
     if not fail:

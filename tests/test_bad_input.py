@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from fabric.errors import PeerDeadError
-from fabric.launcher import Fabric
 from fabric.messages.base import encode_message
 from fabric.messages.expert import ExpertCall, Hello
 from fabric.wire import MAGIC, PREFIX, encode, encode_bytes
+from launch.local import Fabric
 from tests.conftest import running_fabric
 from tests.helpers import get_json, post_json
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fabric.launcher import Fabric
+from launch.local import Fabric
 from tests.conftest import running_fabric
 from tests.helpers import get_json
 from tests.load import kill_mid_decode, run_streams, wait_gone

@@ -17,7 +17,7 @@ from fabric.model.demo import write_demo_model
 def test_failover_experiment_expert_fabric(tmp_path: Path) -> None:
     model = write_demo_model(tmp_path / "model", arch="mixtral", seed=0, size="tiny")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fabric.cli", "experiment", "failover", "--role", "expert", "--mode", "fabric",
+    cmd = [sys.executable, "-m", "launch.cli", "experiment", "failover", "--role", "expert", "--mode", "fabric",
            "--model", str(model), "--duration", "6", "--at", "2", "--rate", "4", "--tokens", "32", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,20 +14,23 @@ import aiohttp
 import openai
 import pytest
 
-from fabric.config import ServeConfig
-from fabric.launcher import Fabric
 from fabric.model.demo import write_demo_model
-from tests.helpers import free_port, get_json
+from launch.config import ServeConfig
+from launch.local import Fabric
+from tests.helpers import free_port, get_json, iter_events
 
 KEY = "test-key-123"
+GRACE = 2.0
 
 
 @pytest.fixture(scope="module")
 def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
     root = tmp_path_factory.mktemp("gw")
     model = write_demo_model(root / "demo", arch="qwen3_moe", seed=1)
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport="tcp", port=free_port(),
-                      api_key=KEY, served_model_name="demo", ready_timeout=180)
+    # One gateway: /metrics is per gateway process. A short resume grace, so the tests see it end.
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=1, transport="tcp",
+                      port=free_port(), api_key=KEY, served_model_name="demo", ready_timeout=180,
+                      stream_resume_grace_s=GRACE)
     logs = root / "logs"
     logs.mkdir()
     f = Fabric(cfg, log_dir=str(logs))
@@ -165,9 +168,16 @@ def wait_for(cond, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-de
 
 
 def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
-    def kv_used() -> int:
+    """A stream whose client vanished keeps running detached for its resume grace (its KV held),
+    then is aborted and every KV block freed."""
+    def stats() -> list[dict]:
         workers = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")["workers"]
-        return sum(w["stats"].get("kv_blocks_used", 0) for w in workers if w["role"] == "attention")
+        return [w["stats"] for w in workers if w["role"] == "attention" and w["state"] == "alive"]
+
+    def kv_used() -> int:
+        return sum(s.get("kv_blocks_used", 0) for s in stats())
+
+    expired = sum(s.get("expired", 0) for s in stats())
 
     body = json.dumps({"prompt": "Serving language models", "max_tokens": 1500, "ignore_eos": True, "stream": True})
     with socket.create_connection(("127.0.0.1", fabric.port), timeout=30) as s:
@@ -179,9 +189,59 @@ def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
         assert metric(fabric, "moe_fabric_requests_running") == 1
         assert wait_for(lambda: kv_used() > 0)  # the AW holds its KV blocks while it streams
     assert wait_for(lambda: metric(fabric, "moe_fabric_requests_running") == 0)
-
-    assert wait_for(lambda: kv_used() == 0)  # the AW dropped the request at once
+    assert wait_for(lambda: sum(s.get("detached", 0) for s in stats()) == 1)  # kept for a resume
+    assert kv_used() > 0
+    assert wait_for(lambda: kv_used() == 0)  # past its grace the AW dropped it
+    assert sum(s.get("expired", 0) for s in stats()) == expired + 1
     assert metric(fabric, "moe_fabric_kv_blocks_free") > 0
+
+
+def _per_choice(payloads: list[dict]) -> dict[object, list]:
+    """Each choice's chunks in order (choices interleave as they come), and the usage."""
+    out: dict[object, list] = {}
+    for p in payloads:
+        for c in p["choices"]:
+            out.setdefault(c["index"], []).append(c)
+        if p.get("usage"):
+            out.setdefault("usage", []).append(p["usage"])
+    return out
+
+
+@pytest.mark.parametrize("wait_out_grace", [False, True])
+def test_a_broken_stream_resumes_exactly_with_last_event_id(fabric: Fabric, wait_out_grace: bool) -> None:
+    """A client whose stream broke sends the request again with Last-Event-ID and gets exactly the
+    events after it: from the AW that kept running it, or, past its grace, generated again."""
+    url = f"http://127.0.0.1:{fabric.port}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "resume me"}], "max_tokens": 24, "n": 2,
+            "temperature": 0.9, "seed": 7, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    full = [p for _, p in iter_events(url, body, headers=auth)]
+    assert len(full) == 2 + 2 * 24 + 1  # two role events, a chunk per token, usage
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **auth})
+    got, last = [], None
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+                if len(got) == 15:
+                    break  # the client goes away mid-stream
+    assert last is not None and last.startswith(got[0]["id"] + ":7:")
+    if wait_out_grace:
+        time.sleep(GRACE + 1.5)  # the AW aborts it: the resume generates it again (same seed, same tokens)
+    rest = [p for _, p in iter_events(url, body, headers={**auth, "Last-Event-ID": last})]
+    assert _per_choice(got + rest) == _per_choice(full) and len(got + rest) == len(full)
+    assert {p["id"] for p in got + rest} == {got[0]["id"]}  # the same request, resumed
+    code, _, err = raw_post(fabric, "/v1/chat/completions", body, {"Last-Event-ID": "cmpl-zz:1:2"})
+    assert code == 400 and err["error"]["param"] == "Last-Event-ID"
+
+
+def raw_post(f: Fabric, path: str, body: dict, headers: dict[str, str]) -> tuple[int, dict[str, str], dict]:
+    return raw(f, path, json.dumps(body), headers=headers)
 
 
 def test_64_concurrent_streams_are_complete_and_well_formed(fabric: Fabric) -> None:
@@ -194,7 +254,7 @@ def test_64_concurrent_streams_are_complete_and_well_formed(fabric: Fabric) -> N
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
             async for line in r.content:
                 line = line.strip()
-                if not line:
+                if not line or line.startswith(b"id: "):
                     continue
                 assert line.startswith(b"data: "), line
                 if line == b"data: [DONE]":

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from fabric.config import OrchestratorConfig
+from fabric.messages.control import Role
 from orchestrator.main import Orchestrator
 from orchestrator.provisioner import NoProvisioner
 
@@ -17,9 +18,9 @@ class Recorder(NoProvisioner):
     def __init__(self) -> None:
         self.started: list[tuple[str, str, float]] = []
 
-    def start(self, role: str, replaces: str) -> int | None:
-        self.started.append((role, replaces, time.monotonic()))
-        return 1000 + len(self.started)
+    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+        self.started.append((role.value, replaces, time.monotonic()))
+        return True
 
 
 def _orchestrator(model: Path, delay_ms: float, max_replacements: int = 16) -> tuple[Orchestrator, Recorder]:
@@ -34,7 +35,7 @@ def test_replacement_waits_out_the_delay(hf_models: dict[str, Path]) -> None:
     async def scenario() -> tuple[list[tuple[str, str, float]], float, int]:
         orch, rec = _orchestrator(hf_models["mixtral"], 200)
         t0 = time.monotonic()
-        orch._replace("attention", "aw-0")
+        orch._replace(Role.ATTENTION, "aw-0")
         await asyncio.sleep(0.05)
         early = list(rec.started)
         await asyncio.sleep(0.4)
@@ -49,8 +50,8 @@ def test_replacement_waits_out_the_delay(hf_models: dict[str, Path]) -> None:
 def test_no_delay_starts_at_once_and_the_cap_holds(hf_models: dict[str, Path]) -> None:
     async def scenario() -> tuple[int, int]:
         orch, rec = _orchestrator(hf_models["mixtral"], 0, max_replacements=1)
-        orch._replace("expert", "ew-0")
-        orch._replace("expert", "ew-1")  # over --max-replacements: refused
+        orch._replace(Role.EXPERT, "ew-0")
+        orch._replace(Role.EXPERT, "ew-1")  # over --max-replacements: refused
         return len(rec.started), orch.replacements_started
 
     assert asyncio.run(scenario()) == (1, 1)
@@ -59,7 +60,7 @@ def test_no_delay_starts_at_once_and_the_cap_holds(hf_models: dict[str, Path]) -
 def test_shutdown_during_the_delay_starts_nothing(hf_models: dict[str, Path]) -> None:
     async def scenario() -> int:
         orch, rec = _orchestrator(hf_models["mixtral"], 100)
-        orch._replace("attention", "aw-1")
+        orch._replace(Role.ATTENTION, "aw-1")
         orch.shutting_down = True  # `POST /shutdown` arrived while the replacement was waiting
         await asyncio.sleep(0.3)
         return len(rec.started)

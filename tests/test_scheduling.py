@@ -10,7 +10,7 @@ from attention_worker.sampler import sample
 from attention_worker.scheduler import Scheduler
 from expert_worker.gather import PendingCall, SyncPolicy, ThresholdPolicy
 from fabric.messages.expert import ExpertCall
-from fabric.routing import EwAddress, RoutingTable
+from fabric.routing import EwAddress, RoutingTable, placement_tensor
 from orchestrator.placement import BalancedPlanner
 
 
@@ -114,8 +114,10 @@ def test_routing_table_and_balanced_placement() -> None:
     placement = BalancedPlanner().place(units, ["ew-0", "ew-1", "ew-2", "ew-3"])
     counts = [sum(1 for r in placement.values() if r == [w]) for w in ["ew-0", "ew-1", "ew-2", "ew-3"]]
     assert sorted(counts) == [4, 4, 5, 5]
-    table = RoutingTable(3, 3, 6, {(0, 0): ("ew-1", "ew-2")}, {"ew-1": EwAddress("ew-1", "h", 1), "ew-2": EwAddress("ew-2", "h", 2)})
+    slots = ["ew-1", "ew-2"]
+    table = RoutingTable(1, 3, 3, 6, [0, 1, 2], slots, slots, [EwAddress("ew-1", "h", 1), EwAddress("ew-2", "h", 2)],
+                         placement_tensor([0, 1, 2], 6, slots, {(0, 0): ["ew-1", "ew-2"]}))
     assert table.primary(0, 0) == "ew-1"
     assert table.primary(0, 0, {"ew-1"}) == "ew-2"
     assert table.primary(0, 0, {"ew-1", "ew-2"}) is None
-    assert RoutingTable.from_dict(table.to_dict()) == table
+    assert table.primary(0, 1) is None and table.replicas_of(0, 0) == ("ew-1", "ew-2")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.experiments import timeline as tl
+from launch.experiments import timeline as tl
 
 
 def test_stall_is_the_longest_of_the_first_two_waits_after_the_kill() -> None:

@@ -1,16 +1,23 @@
 """Message base class: a dataclass with a `kind`, carried as a msgpack header plus tensor frames.
 
-Scalar fields go into the header; fields typed `torch.Tensor` become raw frames (their dtype and
-shape go into the header). Decoding checks the kind against a registry and every field against its
-annotated type, so a well-formed but wrong header is still a `ProtocolError`, never a crash later.
+Every field is encoded and checked by its annotation, compiled once per class (`register`):
+scalars (int, float, str, bool), `X | None`, `list[T]`, `dict[str, T]`, enums (as their value),
+records (plain dataclasses, nested as maps; see `fabric.routing.RoutingTable`), `Any` (passed
+through: the wire's depth limit bounds it) and `torch.Tensor`, which becomes a raw frame whose
+dtype and shape go into the header, at any depth. Decoding checks the kind against a registry and
+every value against its annotated type, so a well-formed but wrong header is a `ProtocolError`,
+never a crash later (a float where a count belongs, a string where a record belongs). A record's
+`__post_init__` may check invariants across fields; what it raises is a `ProtocolError` too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -21,9 +28,14 @@ from fabric.errors import ProtocolError
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _REGISTRY: dict[str, type[Message]] = {}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+           "int32": torch.int32, "int16": torch.int16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 M = TypeVar("M", bound="Message")
+
+Frames = list[memoryview]
+Encoder = Callable[[Any, Frames], Any]  # value -> header value (tensors appended to the frames)
+Decoder = Callable[[Any, Frames, str], Any]  # header value, frames, where (for errors) -> value
 
 
 @dataclasses.dataclass
@@ -31,50 +43,107 @@ class Message:
     """Subclasses set `kind` and are registered by `@register`."""
 
     kind: ClassVar[str] = ""
-    _fields: ClassVar[list[tuple[str, Any, bool]]] = []  # (name, checker types, is_tensor)
+    _codec: ClassVar[list[tuple[str, Encoder, Decoder]]] = []
 
 
 def register(cls: type[M]) -> type[M]:
     if not cls.kind or cls.kind in _REGISTRY:
         raise TypeError(f"message kind {cls.kind!r} missing or registered twice")
     hints = typing.get_type_hints(cls)
-    fields = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        tp = hints[f.name]
-        fields.append((f.name, _accepted(tp), tp is torch.Tensor))
-    cls._fields = fields
+    cls._codec = [(f.name, _encoder(hints[f.name]), _decoder(hints[f.name]))
+                  for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     _REGISTRY[cls.kind] = cls
     return cls
 
 
-def _accepted(tp: Any) -> tuple[type, ...]:
-    """The runtime types a field of annotated type `tp` may hold."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return tuple(t for a in typing.get_args(tp) for t in _accepted(a))
-    origin = typing.get_origin(tp) or tp
-    if origin is type(None):
-        return (type(None),)
-    if origin is float:
-        return (float, int)
-    if origin in (list, tuple):
-        return (list, tuple)
-    if origin is Any:
-        return (object,)
-    return (origin,)
-
-
-def encode_message(msg: Message) -> tuple[dict[str, Any], list[memoryview]]:
+def encode_message(msg: Message) -> tuple[dict[str, Any], Frames]:
     header: dict[str, Any] = {"kind": msg.kind}
-    frames: list[memoryview] = []
-    for name, _, is_tensor in msg._fields:
-        value = getattr(msg, name)
-        if is_tensor:
-            t = value.contiguous()
-            header[name] = [_DTYPE_NAMES[t.dtype], list(t.shape), len(frames)]
-            frames.append(_tensor_bytes(t))
-        else:
-            header[name] = value
+    frames: Frames = []
+    for name, enc, _ in msg._codec:
+        header[name] = enc(getattr(msg, name), frames)
     return header, frames
+
+
+def decode_message(header: dict[str, Any], frames: Frames) -> Message:
+    cls = _REGISTRY.get(header["kind"])
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {header['kind']!r}")
+    kwargs: dict[str, Any] = {}
+    for name, _, dec in cls._codec:
+        if name not in header:
+            raise ProtocolError(f"{cls.kind}: missing field {name!r}")
+        kwargs[name] = dec(header[name], frames, f"{cls.kind}.{name}")
+    return _construct(cls, kwargs, cls.kind)
+
+
+def _construct(cls: type, kwargs: dict[str, Any], where: str) -> Any:
+    try:
+        return cls(**kwargs)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # a record's own invariants
+        raise ProtocolError(f"{where}: {exc}") from exc
+
+
+# -- compiling a field's annotation into an encoder and a decoder -------------------------------
+def _identity(value: Any, frames: Frames) -> Any:
+    return value
+
+
+def _is_record(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _optional_arg(tp: Any) -> Any | None:
+    """X for `X | None`, else None."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _plain(tp: Any) -> bool:
+    """True when values of `tp` go into the header as they are (no tensors, records or enums inside)."""
+    inner = _optional_arg(tp)
+    if inner is not None:
+        return _plain(inner)
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple, dict):
+        return all(_plain(a) for a in typing.get_args(tp) if a is not Ellipsis)
+    return tp in (int, float, str, bool, bytes, Any, type(None))
+
+
+def _encoder(tp: Any) -> Encoder:
+    if _plain(tp):
+        return _identity
+    inner = _optional_arg(tp)
+    if inner is not None:
+        enc = _encoder(inner)
+        return lambda v, frames: None if v is None else enc(v, frames)
+    if tp is torch.Tensor:
+        return _encode_tensor
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return lambda v, frames: v.value
+    if _is_record(tp):
+        hints = typing.get_type_hints(tp)
+        fields = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(tp) if f.init]
+        return lambda v, frames: {name: enc(getattr(v, name), frames) for name, enc in fields}
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple):
+        item = _encoder(args[0])
+        return lambda v, frames: [item(x, frames) for x in v]
+    if origin is dict:
+        value = _encoder(args[1])
+        return lambda v, frames: {k: value(x, frames) for k, x in v.items()}
+    raise TypeError(f"cannot encode fields of type {tp!r}")
+
+
+def _encode_tensor(t: torch.Tensor, frames: Frames) -> list[Any]:
+    t = t.contiguous()
+    meta = [_DTYPE_NAMES[t.dtype], list(t.shape), len(frames)]
+    frames.append(_tensor_bytes(t))
+    return meta
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -85,41 +154,140 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
-def decode_message(header: dict[str, Any], frames: list[memoryview]) -> Message:
-    cls = _REGISTRY.get(header["kind"])
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {header['kind']!r}")
-    kwargs: dict[str, Any] = {}
-    for name, accepted, is_tensor in cls._fields:
-        if name not in header:
-            raise ProtocolError(f"{cls.kind}: missing field {name!r}")
-        value = header[name]
-        if is_tensor:
-            value = _decode_tensor(cls.kind, name, value, frames)
-        elif isinstance(value, bool) and bool not in accepted and object not in accepted:
-            raise ProtocolError(f"{cls.kind}.{name}: unexpected bool")
-        elif not isinstance(value, accepted):
-            raise ProtocolError(f"{cls.kind}.{name}: {type(value).__name__} not allowed")
-        kwargs[name] = value
-    return cls(**kwargs)
+def _type_error(where: str, value: Any, expected: str) -> ProtocolError:
+    return ProtocolError(f"{where}: {type(value).__name__} where {expected} belongs")
 
 
-def _decode_tensor(kind: str, name: str, meta: Any, frames: list[memoryview]) -> torch.Tensor:
+def _scalar(tp: type) -> Decoder:
+    if tp is int:
+        def dec_int(v: Any, frames: Frames, where: str) -> Any:
+            if type(v) is not int:  # (not a bool)
+                raise _type_error(where, v, "an integer")
+            return v
+        return dec_int
+    if tp is float:
+        def dec_float(v: Any, frames: Frames, where: str) -> Any:
+            if type(v) is not float and type(v) is not int:
+                raise _type_error(where, v, "a number")
+            return v
+        return dec_float
+
+    def dec(v: Any, frames: Frames, where: str) -> Any:
+        if type(v) is not tp:
+            raise _type_error(where, v, tp.__name__)
+        return v
+    return dec
+
+
+def _decoder(tp: Any) -> Decoder:
+    inner = _optional_arg(tp)
+    if inner is not None:
+        dec = _decoder(inner)
+        return lambda v, frames, where: None if v is None else dec(v, frames, where)
+    if tp is Any:
+        return lambda v, frames, where: v
+    if tp is type(None):
+        def dec_none(v: Any, frames: Frames, where: str) -> Any:
+            if v is not None:
+                raise _type_error(where, v, "null")
+            return None
+        return dec_none
+    if tp in (int, float, str, bool, bytes):
+        return _scalar(tp)
+    if tp is torch.Tensor:
+        return _decode_tensor
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_decoder(tp)
+    if _is_record(tp):
+        return _record_decoder(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple):
+        return _list_decoder(args[0])
+    if origin is dict:
+        if args[0] is not str:
+            raise TypeError("dict fields must have str keys")
+        value = _decoder(args[1])
+
+        def dec_dict(v: Any, frames: Frames, where: str) -> Any:
+            if type(v) is not dict:
+                raise _type_error(where, v, "a map")
+            out = {}
+            for k, x in v.items():
+                if type(k) is not str:
+                    raise _type_error(where, k, "a string key")
+                out[k] = value(x, frames, where)
+            return out
+        return dec_dict
+    raise TypeError(f"cannot decode fields of type {tp!r}")
+
+
+def _list_decoder(item_tp: Any) -> Decoder:
+    if item_tp is Any:
+        def dec_any_list(v: Any, frames: Frames, where: str) -> Any:
+            if type(v) is not list:
+                raise _type_error(where, v, "a list")
+            return v
+        return dec_any_list
+    if item_tp in (int, str):
+        def dec_scalar_list(v: Any, frames: Frames, where: str) -> Any:
+            if type(v) is not list or not all(type(x) is item_tp for x in v):
+                raise ProtocolError(f"{where}: expected a list of {item_tp.__name__}")
+            return v
+        return dec_scalar_list
+    item = _decoder(item_tp)
+
+    def dec_list(v: Any, frames: Frames, where: str) -> Any:
+        if type(v) is not list:
+            raise _type_error(where, v, "a list")
+        return [item(x, frames, where) for x in v]
+    return dec_list
+
+
+def _enum_decoder(tp: type[enum.Enum]) -> Decoder:
+    def dec_enum(v: Any, frames: Frames, where: str) -> Any:
+        try:
+            return tp(v)
+        except (ValueError, TypeError):
+            raise ProtocolError(f"{where}: {v!r} is not a {tp.__name__}") from None
+    return dec_enum
+
+
+def _record_decoder(tp: type) -> Decoder:
+    hints = typing.get_type_hints(tp)
+    fields = [(f.name, _decoder(hints[f.name]),
+               f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+              for f in dataclasses.fields(tp) if f.init]
+
+    def dec_record(v: Any, frames: Frames, where: str) -> Any:
+        if type(v) is not dict:
+            raise _type_error(where, v, f"a {tp.__name__}")
+        kwargs = {}
+        for name, dec, optional in fields:
+            if name in v:
+                kwargs[name] = dec(v[name], frames, f"{where}.{name}")
+            elif not optional:
+                raise ProtocolError(f"{where}: missing field {name!r}")
+        return _construct(tp, kwargs, where)
+    return dec_record
+
+
+def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
     try:
         dtype_name, shape, index = meta
         dtype = _DTYPES[dtype_name]
+        if type(index) is not int or not 0 <= index < len(frames) or type(shape) is not list:
+            raise ValueError("bad frame index or shape")
+        if not all(type(s) is int and s >= 0 for s in shape):
+            raise ValueError("dimensions must be non-negative integers")
         frame = frames[index]
-        shape = [int(s) for s in shape]
-        numel = 1
-        for s in shape:
-            if s < 0:
-                raise ValueError("negative dimension")
-            numel *= s
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise ProtocolError(f"{kind}.{name}: bad tensor metadata {meta!r}") from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ProtocolError(f"{where}: bad tensor metadata {meta!r}") from exc
+    numel = 1
+    for s in shape:
+        numel *= s
     itemsize = torch.empty((), dtype=dtype).element_size()
     if numel * itemsize != frame.nbytes:
-        raise ProtocolError(f"{kind}.{name}: shape {shape} does not match a frame of {frame.nbytes} bytes")
+        raise ProtocolError(f"{where}: shape {shape} does not match a frame of {frame.nbytes} bytes")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(frame, dtype=dtype).view(shape)

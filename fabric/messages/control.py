@@ -1,22 +1,100 @@
-"""Worker <-> orchestrator channel (a websocket on the orchestrator's HTTP port)."""
+"""Worker <-> orchestrator channel (a websocket on the orchestrator's HTTP port).
+
+The control plane's state is typed: roles and worker states are enums, a worker is a
+`WorkerInfo`, and what the orchestrator publishes is a `ClusterView` (the routing table, the
+workers, the dead). Every worker keeps the last view it received and hands it back when it
+registers again, which is how a restarted orchestrator rebuilds the cluster (see
+`orchestrator/recovery.py`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.messages.base import Message, register
+from fabric.routing import RoutingTable
+
+
+class Role(enum.StrEnum):
+    ORCHESTRATOR = "orchestrator"
+    ATTENTION = "attention"
+    EXPERT = "expert"
+    STORE = "checkpoint_store"
+    GATEWAY = "gateway"
+
+    @property
+    def prefix(self) -> str:
+        """Worker ids are `<prefix>-<n>`."""
+        return {"orchestrator": "orch", "attention": "aw", "expert": "ew", "checkpoint_store": "cs",
+                "gateway": "gw"}[self.value]
+
+    @property
+    def replaceable(self) -> bool:
+        """Roles whose dead workers the orchestrator replaces (gateways: their supervisor restarts them)."""
+        return self in (Role.ATTENTION, Role.EXPERT, Role.STORE)
+
+
+class WorkerState(enum.StrEnum):
+    STARTING = "starting"  # registered, not serving yet (loading weights, connecting)
+    ALIVE = "alive"
+    UNREACHABLE = "unreachable"  # its orchestrator link dropped: still serving, expected to rejoin
+    DEAD = "dead"  # for good: fenced, never used again
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    role: Role
+    host: str
+    port: int
+    state: WorkerState
+    pid: int = 0
+
+    @property
+    def serving(self) -> bool:
+        """Usable by peers: alive, or alive when last heard of (its orchestrator link is down)."""
+        return self.state in (WorkerState.ALIVE, WorkerState.UNREACHABLE)
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterView:
+    """What the orchestrator publishes: the routing table (None before the first placement), every
+    worker not dead, and the dead (peers fence them off; EWs stop waiting for them)."""
+
+    generation: int
+    table: RoutingTable | None
+    workers: list[WorkerInfo]
+    dead: list[str]
+
+    def serving(self, role: Role) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.role is role and w.serving]
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.generation, self.table.epoch if self.table else 0
 
 
 @register
 @dataclass
 class Register(Message):
+    """First message on a worker's link. A worker that has registered before (with this or an
+    earlier orchestrator) gives its id, the newest generation it has seen and its last view, so a
+    restarted orchestrator can rebuild the cluster from what the workers report."""
+
     kind = "register"
-    role: str  # "attention" | "expert" | "gateway"
+    role: Role
     pid: int
     host: str
-    port: int  # the worker's listening port (0 for a gateway's internal side)
-    info: dict[str, Any]
+    port: int  # the worker's listening port (the gateway's HTTP port)
+    worker_id: str = ""  # "" for a new worker
+    generation_seen: int = 0
+    view: ClusterView | None = None
+    slot: str = ""  # EW: the placement slot it holds ("" none)
+    experts: list[list[int]] = field(default_factory=list)  # EW: the (layer, expert) pairs it has loaded
+    ready: bool = False  # serving (EW: experts loaded; AW: connected to the EWs of a table)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @register
@@ -24,14 +102,35 @@ class Register(Message):
 class Registered(Message):
     kind = "registered"
     worker_id: str
+    generation: int  # this orchestrator's fencing token: a worker follows no older one
+
+
+@register
+@dataclass
+class Fenced(Message):
+    """Orchestrator -> worker: you were declared dead (a hung process that woke up, or one the
+    orchestrator gave up on); leave now. Peers have stopped using you."""
+
+    kind = "fenced"
+    reason: str
+
+
+@register
+@dataclass
+class Leaving(Message):
+    """Worker -> orchestrator: this worker is shutting down on purpose (declare it dead at once)."""
+
+    kind = "leaving"
+    reason: str
 
 
 @register
 @dataclass
 class AssignExperts(Message):
-    """Orchestrator -> EW: load these (layer, expert) FFNs."""
+    """Orchestrator -> EW: load these (layer, expert) FFNs, which make up placement slot `slot`."""
 
     kind = "assign_experts"
+    slot: str
     experts: list[list[int]]
 
 
@@ -47,13 +146,10 @@ class WorkerReady(Message):
 @register
 @dataclass
 class RoutingUpdate(Message):
-    """Orchestrator -> every worker: the Expert Routing Table at `epoch`, the live workers and the
-    dead ones."""
+    """Orchestrator -> every worker: the newest cluster view."""
 
     kind = "routing_update"
-    table: dict[str, Any]
-    workers: list[dict[str, Any]]
-    dead: list[str]  # workers declared dead (for good): peers fence them off, EWs stop waiting for them
+    view: ClusterView
 
 
 @register
@@ -68,13 +164,15 @@ class WorkerStats(Message):
 @register
 @dataclass
 class PeerFailed(Message):
-    """Worker -> orchestrator: this worker found `worker_id` dead (closed link or unanswered probes).
-    The orchestrator's view is authoritative: it marks the peer dead, fences it off (closes its link,
-    so a hung process that wakes up exits) and publishes the next epoch."""
+    """Worker -> orchestrator: this worker found `worker_id` dead. The orchestrator's verdict is
+    authoritative: it probes the peer over its own link unless the evidence is `definitive` (a peer
+    that stopped draining its socket answers probes but cannot serve), then marks it dead, fences
+    it and publishes the next epoch."""
 
     kind = "peer_failed"
     worker_id: str
     reason: str
+    definitive: bool = False
 
 
 @register

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fabric.errors import ConfigError
-from fabric.transport.base import Connection, Listener, Transport
+from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Listener, Transport
 from fabric.wire import DEFAULT_LIMITS, WireLimits
 
 __all__ = ["Connection", "Listener", "Transport", "make_transport", "resolve_transport_name"]
@@ -22,12 +22,13 @@ def resolve_transport_name(name: str) -> str:
     return "ucx" if rdma_available() else "tcp"
 
 
-def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS) -> Transport:
+def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> Transport:
+    """A transport whose connections have the send deadline `send_timeout` (seconds)."""
     resolved = resolve_transport_name(name)
     if resolved == "ucx":
         from fabric.transport.ucx import UcxTransport
 
-        return UcxTransport(limits)
+        return UcxTransport(limits, send_timeout)
     from fabric.transport.tcp import TcpTransport
 
-    return TcpTransport(limits)
+    return TcpTransport(limits, send_timeout)

@@ -1,9 +1,15 @@
 """The transport interface: listeners and message connections, whatever carries the bytes.
 
 Contract: `send` queues one whole message (prefix, header, frames) and returns once the transport
-owns the bytes; `recv` returns the next whole message or raises `PeerDeadError` (closed, reset) or
+owns the bytes; `send_nowait` queues it and returns at once (for main loops, which must never wait
+on one peer); `recv` returns the next whole message or raises `PeerDeadError` (closed, reset) or
 `ProtocolError` (malformed, truncated, oversized; the connection is then unusable and is closed).
-Neither ever raises anything else for a peer's misbehaviour.
+None of them ever raises anything else for a peer's misbehaviour.
+
+Send deadline: a peer that does not drain what was sent to it for `send_timeout` seconds (no byte
+taken in that long while bytes wait) has its connection closed, and every send and receive on it
+raises `PeerDeadError`: a stuck or stopped reader on a live socket is a dead peer, found as a
+silent one is, and no sender waits on it for longer than that.
 """
 
 from __future__ import annotations
@@ -20,15 +26,25 @@ from fabric.wire import DEFAULT_LIMITS, WireLimits, parse_body, parse_prefix
 log = logging.getLogger(__name__)
 
 
+DEFAULT_SEND_TIMEOUT = 1.0  # seconds
+
+
 class Connection(abc.ABC):
-    def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
         self.peer = peer
         self.limits = limits
+        self.send_timeout = send_timeout
         self.closed = False
 
     async def send(self, msg: Message) -> None:
         header, frames = encode_message(msg)
         await self.send_raw(header, frames)
+
+    def send_nowait(self, msg: Message) -> None:
+        """Queues `msg` and returns at once; raises PeerDeadError if the connection is gone. A
+        peer that does not take it within the send deadline loses the connection."""
+        header, frames = encode_message(msg)
+        self.post_raw(header, frames)
 
     async def recv(self) -> Message:
         """Next message. Malformed input closes this connection and raises ProtocolError."""
@@ -44,6 +60,9 @@ class Connection(abc.ABC):
 
     @abc.abstractmethod
     async def send_raw(self, header: dict, frames: list[memoryview]) -> None: ...
+
+    @abc.abstractmethod
+    def post_raw(self, header: dict, frames: list[memoryview]) -> None: ...
 
     @abc.abstractmethod
     async def _read_prefix(self) -> bytes | bytearray | memoryview: ...
@@ -78,6 +97,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         """Raises PeerDeadError if the peer cannot be reached within `timeout`."""
+
+    send_timeout: float = DEFAULT_SEND_TIMEOUT  # the send deadline of every connection it makes
 
 
 async def guarded(handler: Handler, conn: Connection) -> None:

@@ -5,6 +5,10 @@ asyncio's StreamReader grows one bytearray per connection and copies every messa
 twice for a large one; a restored request's KV (tens of MB) then costs more in those copies than
 on the wire. Here the socket fills the body buffer directly; bytes that arrive while nobody is
 reading wait in a small spill buffer (reading pauses when it holds more than SPILL_BYTES).
+
+Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks
+every `send_timeout` that the peer took some bytes since the last check; a peer that took none is
+cut off (`transport.abort()`), which fails every sender and the reader with PeerDeadError.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from fabric.errors import PeerDeadError, ProtocolError
-from fabric.transport.base import Connection, Handler, Listener, Transport, guarded
+from fabric.errors import PeerDeadError, PeerStalledError, ProtocolError
+from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 COALESCE_BYTES = 1 << 20
@@ -27,7 +31,11 @@ SPILL_BYTES = 1 << 20
 class _Pipe(asyncio.BufferedProtocol):
     """One TCP connection's receive side (fill-a-buffer reads) and send-side flow control."""
 
-    def __init__(self) -> None:
+    def __init__(self, send_timeout: float) -> None:
+        self.send_timeout = send_timeout
+        self.written = 0  # bytes handed to the transport, for the stall check
+        self.stalled = False  # cut off by the send deadline
+        self._stall_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(SCRATCH_BYTES)
         self._spill = bytearray()  # received while no read was waiting
@@ -69,17 +77,45 @@ class _Pipe(asyncio.BufferedProtocol):
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         self._gone(exc or ConnectionResetError("connection closed"))
         if not self.closed.done():
             self.closed.set_result(None)
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._arm_stall_check()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(None)
+
+    def _drained(self) -> int:
+        assert self.transport is not None
+        return self.written - self.transport.get_write_buffer_size()
+
+    def _arm_stall_check(self) -> None:
+        if self._stall_timer is None and self.transport is not None:
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self.send_timeout, self._stall_check, self._drained())
+
+    def _stall_check(self, drained_then: int) -> None:
+        self._stall_timer = None
+        if not self._write_paused or self.transport is None or self.lost is not None:
+            return
+        if self._drained() > drained_then:  # slow, but taking bytes: check again later
+            self._arm_stall_check()
+            return
+        self.stalled = True
+        self._gone(ConnectionResetError(f"the peer took no data for {self.send_timeout * 1e3:.0f} ms "
+                                        f"({self.transport.get_write_buffer_size()} bytes waiting)"))
+        self.transport.abort()
 
     # -- the connection's side ----------------------------------------------------------------
     def _gone(self, exc: BaseException) -> None:
@@ -136,26 +172,47 @@ class TcpConnection(Connection):
     def __init__(self, pipe: _Pipe, limits: WireLimits) -> None:
         assert pipe.transport is not None
         peer = pipe.transport.get_extra_info("peername")
-        super().__init__(f"tcp://{peer[0]}:{peer[1]}" if peer else "tcp://?", limits)
+        super().__init__(f"tcp://{peer[0]}:{peer[1]}" if peer else "tcp://?", limits, pipe.send_timeout)
         self._pipe = pipe
         self._transport = pipe.transport
 
-    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
-        if self.closed or self._pipe.lost is not None:
-            raise PeerDeadError(self.peer, "connection already closed")
+    def _error(self, reason: str) -> PeerDeadError:
+        cls = PeerStalledError if self._pipe.stalled else PeerDeadError
+        return cls(self.peer, reason)
+
+    def _lost(self) -> str | None:
+        if self.closed:
+            return "connection already closed"
+        if self._pipe.lost is not None:
+            return str(self._pipe.lost) or "connection lost"
+        return None
+
+    def post_raw(self, header: dict, frames: list[memoryview]) -> None:
+        lost = self._lost()
+        if lost is not None:
+            raise self._error(lost)
+        parts = encode(header, frames)
+        size = sum(memoryview(p).nbytes for p in parts)
         try:
-            parts = encode(header, frames)
             # One write per message: every write is a syscall (and on loopback, the receiver's
             # network stack runs inside it), so small messages are joined before sending.
-            if sum(memoryview(p).nbytes for p in parts) <= COALESCE_BYTES:
+            if size <= COALESCE_BYTES:
                 self._transport.write(b"".join(parts))
             else:
                 self._transport.write(b"".join(parts[:3]))
                 self._transport.writelines(parts[3:])
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            self._transport.abort()
+            raise self._error(str(exc) or type(exc).__name__) from exc
+        self._pipe.written += size
+
+    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
+        self.post_raw(header, frames)
+        try:
             await self._pipe.drain()
         except (ConnectionError, OSError, RuntimeError) as exc:
             await self.close()
-            raise PeerDeadError(self.peer, str(exc) or type(exc).__name__) from exc
+            raise self._error(str(exc) or type(exc).__name__) from exc
 
     async def _read_exactly(self, n: int) -> bytearray | memoryview:
         # A large body is not zero-filled first: the socket writes every byte of it.
@@ -164,9 +221,9 @@ class TcpConnection(Connection):
             await self._pipe.read_into(buf)
         except asyncio.IncompleteReadError as exc:
             await self.close()
-            if exc.partial:
+            if exc.partial and not self._pipe.stalled:
                 raise ProtocolError(f"truncated frame from {self.peer}") from exc
-            raise PeerDeadError(self.peer, str(exc.__cause__ or "connection closed")) from exc
+            raise self._error(str(exc.__cause__ or "connection closed")) from exc
         return buf
 
     async def _read_prefix(self) -> bytearray | memoryview:
@@ -200,8 +257,9 @@ class TcpListener(Listener):
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
         self.limits = limits
+        self.send_timeout = send_timeout
         self._handlers: set[asyncio.Task[Any]] = set()  # referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
@@ -209,6 +267,9 @@ class TcpTransport(Transport):
         accepted: set[TcpConnection] = set()
 
         class _ServerPipe(_Pipe):
+            def __init__(self) -> None:
+                super().__init__(transport.send_timeout)
+
             def connection_made(self, tr: asyncio.BaseTransport) -> None:
                 super().connection_made(tr)
                 conn = TcpConnection(self, transport.limits)
@@ -223,7 +284,8 @@ class TcpTransport(Transport):
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
-            _, pipe = await asyncio.wait_for(asyncio.get_running_loop().create_connection(_Pipe, host, port), timeout)
+            _, pipe = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+                lambda: _Pipe(self.send_timeout), host, port), timeout)
         except (TimeoutError, OSError) as exc:
             raise PeerDeadError(f"tcp://{host}:{port}", f"connect failed: {exc}") from exc
         return TcpConnection(pipe, self.limits)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from fabric.errors import ConfigError, PeerDeadError, ProtocolError
-from fabric.transport.base import Connection, Handler, Listener, Transport, guarded
+from fabric.errors import ConfigError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -136,13 +136,15 @@ def _progress() -> _Progress:
 
 
 class UcxConnection(Connection):
-    def __init__(self, ep: Any, progress: _Progress, peer: str, limits: WireLimits) -> None:
-        super().__init__(peer, limits)
+    def __init__(self, ep: Any, progress: _Progress, peer: str, limits: WireLimits, send_timeout: float) -> None:
+        super().__init__(peer, limits, send_timeout)
         self._ep = ep
         self._p = progress
         self._waiting: set[asyncio.Future[None]] = set()
         self._lost: str | None = None
         self._ucx_closed = False  # UCX closed the endpoint itself (peer gone): closing it again crashes ucxx
+        self._sends: set[asyncio.Task[None]] = set()  # send_nowait completions, referenced until done
+        self._stalled = False  # cut off by the send deadline
         ep.set_close_callback(self._on_ucx_close)
 
     def _on_ucx_close(self, *_: Any) -> None:
@@ -152,9 +154,10 @@ class UcxConnection(Connection):
 
     def _fail_waits(self, reason: str) -> None:
         self._lost = self._lost or reason
+        cls = PeerStalledError if self._stalled else PeerDeadError
         for fut in self._waiting:
             if not fut.done():
-                fut.set_exception(PeerDeadError(self.peer, self._lost))
+                fut.set_exception(cls(self.peer, self._lost))
 
     async def _wait(self, req: Any, keep: object) -> None:
         fut = self._p.track(req, keep)
@@ -166,7 +169,8 @@ class UcxConnection(Connection):
 
     def _check_open(self) -> None:
         if self.closed or self._lost:
-            raise PeerDeadError(self.peer, self._lost or "connection already closed")
+            cls = PeerStalledError if self._stalled else PeerDeadError
+            raise cls(self.peer, self._lost or "connection already closed")
 
     async def _dead(self, exc: Exception) -> PeerDeadError:
         """Closes this connection after a failed UCX request; returns the error to raise."""
@@ -177,23 +181,65 @@ class UcxConnection(Connection):
         err.__cause__ = exc
         return err
 
-    async def post(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Sends raw buffers, in order, and returns once UCX is done with them (no framing)."""
+    def _post_now(self, parts: Sequence[bytes | bytearray | memoryview]) -> list[tuple[Any, object]]:
+        """Posts raw buffers, in order, without an await in between: messages from concurrent
+        senders never interleave. Returns the requests to wait for."""
         self._check_open()
         array = self._p.Array
+        return [(self._ep.stream_send(array(p)), p) for p in parts if memoryview(p).nbytes]
+
+    async def _complete(self, reqs: list[tuple[Any, object]]) -> None:
+        """Waits until UCX is done with `reqs`, at most the send deadline: a peer that takes
+        nothing for that long is dead (its endpoint is closed)."""
         try:
-            # Posted without an await in between: messages from concurrent senders never interleave.
-            reqs = [(self._ep.stream_send(array(p)), p) for p in parts if memoryview(p).nbytes]
-            for req, keep in reqs:
-                await self._wait(req, keep)
+            async with asyncio.timeout(self.send_timeout):
+                for req, keep in reqs:
+                    await self._wait(req, keep)
+        except TimeoutError:
+            self._stalled = True
+            reason = f"the peer took no data for {self.send_timeout * 1e3:.0f} ms"
+            self._lost = self._lost or reason
+            raise await self._dead(PeerStalledError(self.peer, reason)) from None
         except Exception as exc:
             raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
 
-    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
-        parts = encode(header, frames)
+    async def post(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Sends raw buffers, in order, and returns once UCX is done with them (no framing)."""
+        try:
+            reqs = self._post_now(parts)
+        except PeerDeadError:
+            raise
+        except Exception as exc:
+            raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
+        await self._complete(reqs)
+
+    @staticmethod
+    def _parts(header: dict, frames: list[memoryview]) -> list[bytes | bytearray | memoryview]:
+        parts: list[bytes | bytearray | memoryview] = list(encode(header, frames))
         if sum(memoryview(p).nbytes for p in parts) <= JOIN_BYTES:
-            parts = [b"".join(parts)]
-        await self.post(parts)
+            return [b"".join(parts)]
+        return parts
+
+    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
+        await self.post(self._parts(header, frames))
+
+    def post_raw(self, header: dict, frames: list[memoryview]) -> None:
+        try:
+            reqs = self._post_now(self._parts(header, frames))
+        except PeerDeadError:
+            raise
+        except Exception as exc:
+            self._lost = self._lost or str(exc)
+            raise PeerDeadError(self.peer, str(exc)) from exc
+        task = asyncio.get_running_loop().create_task(self._complete_quietly(reqs))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _complete_quietly(self, reqs: list[tuple[Any, object]]) -> None:
+        try:
+            await self._complete(reqs)
+        except PeerDeadError:
+            pass  # the connection is closed: its reader and later senders find out
 
     async def recv_into(self, buf: bytearray | memoryview) -> None:
         self._check_open()
@@ -243,8 +289,9 @@ class UcxListener(Listener):
 class UcxTransport(Transport):
     name = "ucx"
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
         self.limits = limits
+        self.send_timeout = send_timeout
         self._lib = _lib()
         self._tasks: set[asyncio.Task[None]] = set()  # connection handlers, referenced until done
 
@@ -257,7 +304,7 @@ class UcxTransport(Transport):
                 ep = self._lib.UCXEndpoint.create_from_conn_request(lst.ucx_listener, conn_request, True)
             except Exception:
                 return  # the dialer gave up already
-            conn = UcxConnection(ep, progress, f"ucx://{host}:{port}<-peer", self.limits)
+            conn = UcxConnection(ep, progress, f"ucx://{host}:{port}<-peer", self.limits, self.send_timeout)
             if lst.closed:  # refused: the dialer's connect fails at once
                 task = progress.loop.create_task(conn.close())
             else:
@@ -288,7 +335,7 @@ class UcxTransport(Transport):
             ep = self._lib.UCXEndpoint.create(progress.worker, host, port, True)
         except Exception as exc:
             raise PeerDeadError(peer, f"connect failed: {exc}") from exc
-        conn = UcxConnection(ep, progress, peer, self.limits)
+        conn = UcxConnection(ep, progress, peer, self.limits, self.send_timeout)
         greeting = bytearray(len(GREETING))
         try:
             await asyncio.wait_for(conn.recv_into(greeting), timeout)

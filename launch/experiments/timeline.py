@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,12 @@ def stall(streams: Sequence[Sequence[float]], kill: float) -> float | None:
     victim's last step was already on its way and reached the client just after the signal."""
     waits = [g for times in streams for g in [b - a for a, b in zip(times, times[1:]) if b > kill][:2]]
     return max(waits) if waits else None
+
+
+def normal_gap(streams: Sequence[Sequence[float]], kill: float) -> float | None:
+    """The median token gap before the kill: what a stall reads against."""
+    gaps = [b - a for times in streams for a, b in zip(times, times[1:]) if b < kill]
+    return statistics.median(gaps) if gaps else None
 
 
 def first_success(streams: Sequence[Sequence[float]], kill: float) -> float | None:
@@ -68,11 +75,15 @@ def recovery(series: Sequence[tuple[float, float]], kill: float) -> tuple[float 
 
 def plot_timeline(path: Path, gaps: Sequence[tuple[float, float, int]], series: Sequence[tuple[float, float]],
                   kill: float, kill_label: str, title: str, ready: float | None = None,
-                  reference: Sequence[tuple[float, float]] = ()) -> None:
+                  reference: Sequence[tuple[float, float]] = ()) -> bool:
     """Top: time between tokens of every token (scatter, log scale); bottom: output throughput.
     A vertical line marks the kill (and, for a full restart, when the new fabric was ready); the
-    failure-free run of the same workload is drawn in grey for comparison."""
-    import matplotlib
+    failure-free run of the same workload is drawn in grey for comparison. False (and no plot)
+    without matplotlib (`pip install 'moe-fabric[experiments]'`)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -82,7 +93,7 @@ def plot_timeline(path: Path, gaps: Sequence[tuple[float, float, int]], series: 
     top.scatter([t for t, _ in pts], [g for _, g in pts], s=4, alpha=0.5, color="tab:blue", linewidths=0)
     top.set_yscale("log")
     top.set_ylabel("time between tokens (s)")
-    top.set_title(title, fontsize=10)
+    top.set_title(textwrap.fill(title, 100), fontsize=9)
     for data, color, label in ((reference, "tab:gray", "failure-free run"), (series, "tab:green", "this run")):
         if data:  # the last step runs to the end of its window
             xs, ys = [t for t, _ in data] + [data[-1][0] + WINDOW], [v for _, v in data] + [data[-1][1]]
@@ -100,3 +111,4 @@ def plot_timeline(path: Path, gaps: Sequence[tuple[float, float, int]], series: 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True

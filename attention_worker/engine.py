@@ -1,0 +1,290 @@
+"""The attention worker's engine: requests in from gateway connections, one main loop.
+
+Main loop: (apply a new routing table between steps) -> schedule a mixed batch -> forward it
+(attention here, experts through the REFE) -> sample -> send each gateway its tokens (never
+waiting on one: `send_nowait`) -> free finished requests. Gateway connections only enqueue
+submits, aborts, detaches and attaches (attention_worker/sessions.py).
+
+An error that belongs to one request (its sampling) fails that request, not the process; an error
+in the step's forward pass fails the process (its state may be inconsistent), and the fabric
+resumes its requests elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from attention_worker.checkpointer import Checkpointer
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
+from attention_worker.model_runner import Chunk, ModelRunner
+from attention_worker.request import Sequence
+from attention_worker.sampler import sample, token_logprobs
+from attention_worker.scheduler import Scheduler
+from attention_worker.sessions import Sessions
+from fabric import faults
+from fabric.config import AttentionWorkerConfig
+from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
+from fabric.messages.client import Abort, Attach, Detach, RequestFailed, StepOutput, Submit
+from fabric.messages.expert import Ping, Pong
+from fabric.model.config import ModelConfig
+from fabric.transport.base import Connection
+
+log = logging.getLogger("attention_worker")
+
+
+class AttentionWorker:
+    def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.kv = KVCache(model, cfg.block_size, cfg.kv_cache_mib << 20)
+        self.scheduler = Scheduler(self.kv.blocks, cfg.max_batch_tokens, cfg.max_running)
+        self.refe: ForwardingEngine | None = None  # (set once the worker has its id: see main.py)
+        self.ckpt: Checkpointer | None = None
+        self.runner: ModelRunner | None = None
+        self.work = asyncio.Event()
+        self.restoring: dict[str, tuple[asyncio.Task[None], Sequence]] = {}  # request -> its restore, under way
+        self.sessions = Sessions(self._find, self._remove)
+        self.owned: dict[Connection, set[str]] = {}  # gateway connection -> the requests it holds
+        self.crash_seed = faults.crash_seed()
+        self.steps = 0
+        self.tokens_out = 0
+        self.failed_requests = 0  # requests failed for an error of their own
+        self.restore_join_s = 0.0  # steps spent waiting for restores to join them
+
+    def _find(self, request_id: str) -> Sequence | None:
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None and request_id in self.restoring:
+            seq = self.restoring[request_id][1]
+        return seq
+
+    # -- gateway connections ------------------------------------------------------------------
+    async def handle_client(self, conn: Connection) -> None:
+        mine: set[str] = set()
+        self.owned[conn] = mine
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, Submit):
+                    self._submit(msg, conn, mine)
+                elif isinstance(msg, Abort):
+                    if self.sessions.abort(conn, msg.request_id):
+                        mine.discard(msg.request_id)
+                elif isinstance(msg, Detach):
+                    self.sessions.detach(conn, msg.request_id)
+                    mine.discard(msg.request_id)
+                elif isinstance(msg, Attach):
+                    reply = self.sessions.attach(conn, msg)
+                    if reply.found:
+                        for other in self.owned.values():
+                            other.discard(reply.request_id)
+                        mine.add(reply.request_id)
+                        self.work.set()
+                    conn.send_nowait(reply)  # before the loop turns: later outputs go to conn now
+                elif isinstance(msg, Ping):  # the gateway's liveness probe
+                    conn.send_nowait(Pong(msg.nonce))
+                else:
+                    raise ProtocolError(f"unexpected {msg.kind} from a client")
+        finally:
+            self.owned.pop(conn, None)
+            self.sessions.connection_lost(conn, mine)  # resumable requests run on, detached
+            self.work.set()
+
+    def _submit(self, msg: Submit, conn: Connection, mine: set[str]) -> None:
+        try:
+            if not msg.prompt_ids and not msg.output_ids:
+                raise RequestError("empty prompt")
+            if any(not 0 <= t < self.model.vocab_size for t in msg.prompt_ids + msg.output_ids):
+                raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
+            if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
+                raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
+            if msg.resume_grace_s < 0 or msg.deaths < 0:
+                raise RequestError("resume_grace_s and deaths must be >= 0")
+            if self._find(msg.request_id) is not None:
+                raise RequestError(f"request {msg.request_id} is already running here")
+            seq = Sequence.from_submit(msg, conn)
+            if msg.restore_from and self.ckpt is not None:
+                # Each restore waits for the store; they run side by side, not one after another.
+                task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
+                self.restoring[msg.request_id] = (task, seq)
+            else:
+                self._add(seq)
+        except RequestError as exc:
+            conn.send_nowait(RequestFailed(msg.request_id, str(exc), 400))
+            return
+        mine.add(msg.request_id)
+        self.work.set()
+
+    def _add(self, seq: Sequence) -> None:
+        try:
+            self.scheduler.add(seq)
+        except RequestError:
+            self.kv.blocks.release(seq.block_table)
+            raise
+
+    async def _restore_and_add(self, seq: Sequence, owner: str) -> None:
+        try:
+            await self._restore(seq, owner)
+        finally:
+            self.restoring.pop(seq.request_id, None)  # (an abort has popped it already)
+        try:
+            self._add(seq)
+        except RequestError as exc:
+            self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
+            return
+        self.work.set()
+
+    async def _restore(self, seq: Sequence, owner: str) -> None:
+        """Per-request restoration (Tarragon §6.2): the KV `owner` checkpointed up to its committed
+        frontier goes straight into this AW's cache; only the tokens after it are recomputed. With
+        nothing stored (or no store), the request re-prefills (replay)."""
+        assert self.ckpt is not None
+        t0 = time.perf_counter()
+        try:
+            n = await self.ckpt.restore(seq, owner)
+        except (PeerDeadError, TimeoutError) as exc:
+            log.warning("%s: no checkpoint to restore from (%s); replaying", seq.request_id, exc)
+            return
+        if n:
+            log.info("%s: restored %d of %d tokens from %s's checkpoint in %.1f ms; recomputing %d", seq.request_id,
+                     n, seq.num_tokens, owner, (time.perf_counter() - t0) * 1e3, seq.num_tokens - n)
+        else:
+            log.info("%s: no checkpoint of %s's to restore from; replaying %d tokens", seq.request_id, owner,
+                     seq.num_tokens)
+
+    @staticmethod
+    def _tell(seq: Sequence, msg: RequestFailed) -> None:
+        if seq.client is not None:
+            try:
+                seq.client.send_nowait(msg)
+            except PeerDeadError:
+                pass
+
+    # -- main loop ----------------------------------------------------------------------------
+    async def main_loop(self, stop: asyncio.Event) -> None:
+        assert self.refe is not None and self.runner is not None
+        while not stop.is_set():
+            await self.refe.apply_next_table()  # a new routing table takes effect between steps
+            if not self.scheduler.has_work:
+                self.work.clear()  # before the await below, so a submit arriving during it is kept
+                await self.refe.set_active(False)
+                if not self.scheduler.has_work:
+                    await _wait_any(self.work, stop)
+                continue
+            await self.refe.set_active(True)
+            await self._join_restores()
+            chunks = self.scheduler.schedule()
+            # With work pending, something is always schedulable: running requests decode, and with
+            # none running every block is free and `add` refused requests larger than the cache.
+            assert chunks, "scheduler returned no work although requests are pending"
+            if self.crash_seed is not None:
+                faults.maybe_crash(self.crash_seed, [c.seq.seed for c in chunks])
+            try:
+                logits = await self.runner.forward(chunks)
+            except FabricError as exc:
+                self._fail_all(chunks, f"expert datapath failed: {exc}")
+                continue
+            self._emit(chunks, logits)
+            if self.ckpt is not None:
+                self.ckpt.step_done(self.scheduler.running)
+                await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
+
+    async def expire_loop(self) -> None:
+        """Aborts detached requests past their grace (the main loop may be idle)."""
+        while True:
+            await asyncio.sleep(0.25)
+            self.sessions.expire(self.scheduler.running + list(self.scheduler.waiting))
+
+    async def _join_restores(self) -> None:
+        """A restore that finishes just after a step starts waits out that whole step before its
+        request decodes again. Restores take tens of ms, a step on a loaded AW one to two hundred:
+        so the step waits a bounded while for the restores under way (a dead AW's requests arrive
+        together) and takes them along."""
+        if self.restoring and self.cfg.restore_join_ms > 0:
+            t0 = time.perf_counter()
+            await asyncio.wait([t for t, _ in self.restoring.values()], timeout=self.cfg.restore_join_ms / 1e3)
+            self.restore_join_s += time.perf_counter() - t0
+
+    def _emit(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+        per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
+        done: list[Sequence] = []
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed += c.n
+            if not c.samples:
+                continue
+            row_logits = logits[row]  # [V]
+            row += 1
+            try:
+                token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids))
+                logprob, top = token_logprobs(row_logits, token, seq.logprobs)
+            except Exception as exc:  # this request's own fault: it fails, the worker serves on
+                log.exception("%s: sampling failed; failing this request", seq.request_id)
+                self.failed_requests += 1
+                self._tell(seq, RequestFailed(seq.request_id, f"sampling failed: {exc}", 500))
+                self._remove(seq.request_id)
+                continue
+            reason = seq.append(token)
+            out = [seq.request_id, token, reason, logprob, top]
+            seq.outputs.append(out)
+            if seq.client is not None:
+                per_client[seq.client].append(out)
+            if reason is not None:
+                done.append(seq)
+        for seq in done:
+            self.sessions.finished(seq)
+            self._remove(seq.request_id)
+        self.steps += 1
+        self.tokens_out += row
+        for conn, outputs in per_client.items():
+            try:
+                conn.send_nowait(StepOutput(outputs))  # a gateway that stops reading loses its link
+            except PeerDeadError:
+                pass  # handle_client's cleanup detaches its requests
+
+    def _remove(self, request_id: str) -> None:
+        restoring = self.restoring.pop(request_id, None)
+        if restoring is not None:
+            restoring[0].cancel()  # aborted while its KV was on the way
+        if (self.scheduler.remove(request_id) is not None or restoring is not None) and self.ckpt is not None:
+            self.ckpt.finished([request_id])
+
+    def _fail_all(self, chunks: list[Chunk], message: str) -> None:
+        log.error("%s", message)
+        for c in chunks:
+            self._remove(c.seq.request_id)
+            self._tell(c.seq, RequestFailed(c.seq.request_id, message, 503))
+
+    def stats(self) -> dict[str, Any]:
+        b = self.kv.blocks
+        detached = sum(1 for s in self.scheduler.by_id.values() if s.client is None)
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": b.num_blocks - b.num_free, "kv_blocks_free": b.num_free,
+            "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
+            "outstanding_work": self.scheduler.outstanding_work(), "failed_requests": self.failed_requests,
+            "detached": detached, "parked": len(self.sessions.parked), "attaches": self.sessions.attaches,
+            "detaches": self.sessions.detaches, "expired": self.sessions.expired,
+            "replays": self.refe.replays if self.refe else 0,
+            "expert_waits": self.refe.expert_waits if self.refe else 0,
+            "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
+            "suspected_at": dict(self.refe.suspected_at) if self.refe else {},
+            **(self.ckpt.stats() if self.ckpt else {}),
+            "restore_join_s": round(self.restore_join_s, 3),
+            "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
+            "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
+        }
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()

@@ -1,0 +1,102 @@
+"""Which gateway connection receives each request's tokens, and what happens when it goes away.
+
+A request belongs to the connection that submitted it or last attached to it (`Sequence.client`).
+When that connection closes (its gateway died) or its HTTP client left (`Detach`), a resumable
+request (`Submit.resume_grace_s > 0`, a stream) keeps running *detached*: its outputs are kept in
+`Sequence.outputs` and any gateway may `Attach` to it, getting every output so far and then the
+rest. A request that finishes while detached is *parked* (its outputs only; its KV is freed) for
+the rest of its grace. Past the grace, a detached request is aborted and its KV freed. A request
+that is not resumable is aborted as soon as its client is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from attention_worker.request import Sequence
+from fabric.messages.client import Attach, Attached, Submit
+from fabric.transport.base import Connection
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parked:
+    submit: Submit
+    outputs: list[list[Any]]
+    until: float  # monotonic
+
+
+class Sessions:
+    def __init__(self, find: Callable[[str], Sequence | None], remove: Callable[[str], None]) -> None:
+        self.find = find  # a running, waiting or restoring request by id
+        self.remove = remove  # aborts a request and frees its KV
+        self.parked: dict[str, Parked] = {}
+        self.detaches = 0
+        self.attaches = 0
+        self.expired = 0
+
+    def let_go(self, seq: Sequence) -> None:
+        """Its client is gone: detach it for its grace, or abort it."""
+        seq.client = None
+        grace = seq.submit.resume_grace_s if seq.submit is not None else 0.0
+        if grace > 0:
+            seq.detached_until = time.monotonic() + grace
+            self.detaches += 1
+        else:
+            self.remove(seq.request_id)
+
+    def connection_lost(self, conn: Connection, request_ids: set[str]) -> None:
+        """A gateway connection closed: its requests go on detached or are aborted."""
+        for rid in request_ids:
+            seq = self.find(rid)
+            if seq is not None and seq.client is conn:
+                self.let_go(seq)
+
+    def detach(self, conn: Connection, request_id: str) -> None:
+        seq = self.find(request_id)
+        if seq is not None and seq.client is conn:  # (another gateway may have attached since)
+            self.let_go(seq)
+
+    def abort(self, conn: Connection, request_id: str) -> bool:
+        seq = self.find(request_id)
+        if seq is not None and seq.client is conn:
+            self.remove(request_id)
+            return True
+        return False
+
+    def finished(self, seq: Sequence) -> None:
+        """`seq` produced its last token; if nobody holds it, park its outputs for an Attach."""
+        if seq.client is None and seq.detached_until is not None and seq.submit is not None:
+            self.parked[seq.request_id] = Parked(seq.submit, seq.outputs, seq.detached_until)
+
+    def attach(self, conn: Connection, msg: Attach) -> Attached:
+        """Binds the request to `conn` if it runs (or finished) here as the same generation. Send
+        the reply before the loop turns again (`send_nowait`): later outputs go to `conn` now."""
+        rid = msg.submit.request_id
+        seq = self.find(rid)
+        if seq is not None and seq.submit is not None and seq.submit.same_request(msg.submit):
+            seq.client, seq.detached_until = conn, None
+            self.attaches += 1
+            return Attached(rid, True, list(seq.outputs), seq.submit.deaths)
+        parked = self.parked.get(rid)
+        if parked is not None and parked.submit.same_request(msg.submit):
+            del self.parked[rid]
+            self.attaches += 1
+            return Attached(rid, True, parked.outputs, parked.submit.deaths)
+        return Attached(rid, False, [])
+
+    def expire(self, running: list[Sequence], now: float | None = None) -> None:
+        """Aborts detached requests past their grace and drops parked outputs past theirs."""
+        now = time.monotonic() if now is None else now
+        for seq in running:
+            if seq.client is None and seq.detached_until is not None and now > seq.detached_until:
+                log.info("%s: no client resumed it within its grace; aborted", seq.request_id)
+                self.expired += 1
+                self.remove(seq.request_id)
+        for rid in [r for r, p in self.parked.items() if now > p.until]:
+            del self.parked[rid]

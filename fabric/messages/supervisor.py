@@ -1,0 +1,35 @@
+"""Orchestrator <-> supervisor channel (a socket pair the supervisor hands the orchestrator it
+starts): the orchestrator asks for replacement workers; the supervisor, which owns every process of
+a local fabric, starts them and says when one exits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabric.messages.base import Message, register
+from fabric.messages.control import Role
+
+
+@register
+@dataclass
+class StartWorker(Message):
+    kind = "start_worker"
+    role: Role
+    replaces: str
+    boot_nice: int
+
+
+@register
+@dataclass
+class WorkerStarted(Message):
+    kind = "worker_started"
+    replaces: str
+    pid: int
+
+
+@register
+@dataclass
+class WorkerExited(Message):
+    kind = "worker_exited"
+    pid: int
+    code: int

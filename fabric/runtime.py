@@ -1,0 +1,163 @@
+"""The one lifecycle every worker role shares (AW, EW, checkpoint store, gateway): start, register,
+follow the orchestrator, report, reconnect, shut down. A role plugs a `Service` into `Runtime`.
+
+    start        service.start(): listeners up, what needs no orchestrator done; the port to advertise
+    register     ControlLink: the websocket, (re)registration with this worker's id, generation and view
+    follow       one dispatcher hands control messages to service.handle() in order; RoutingUpdate
+                 also becomes `runtime.view`, which the next registration reports back
+    report       WorkerStats every second; PeerFailed through `report_dead`, re-sent after every
+                 registration for peers still considered dead (a new orchestrator heard nothing)
+    reconnect    the link drops -> the service keeps serving; the link reconnects on its own
+    shut down    stop (SIGINT/SIGTERM, a failed main loop, or Fenced) -> Leaving to the orchestrator,
+                 service.close(), the link closed; idempotent and in this order
+
+A main loop runs under `runtime.spawn`, so an unexpected exception is logged with its traceback
+and stops the process (exit code 1) instead of dying silently.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Coroutine
+from typing import Any, ClassVar
+
+from fabric.config import RoleConfig
+from fabric.control_link import ControlLink, Registration
+from fabric.errors import PeerDeadError
+from fabric.messages.base import Message
+from fabric.messages.control import ClusterView, Leaving, PeerFailed, Register, Role, RoutingUpdate, WorkerStats
+from fabric.notify import notifier
+from fabric.process import fatal_on_error, mark_failed
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL = 1.0
+
+
+class Service(abc.ABC):
+    """A role as the runtime sees it."""
+
+    role: ClassVar[Role]
+
+    @abc.abstractmethod
+    async def start(self, runtime: Runtime) -> int:
+        """Binds listeners and does what needs no orchestrator; returns the port to advertise."""
+
+    def registration(self) -> dict[str, Any]:
+        """Role-specific fields of `Register` (slot, experts, ready, info)."""
+        return {}
+
+    async def registered(self) -> None:  # noqa: B027 - optional hook
+        """After every (re)registration (the worker id is known from the first one on)."""
+
+    @abc.abstractmethod
+    async def handle(self, msg: Message) -> None:
+        """One control message from the orchestrator (RoutingUpdate, AssignExperts, PeerAlive)."""
+
+    def stats(self) -> dict[str, Any] | None:
+        """A small load report for /cluster, or None for none."""
+        return None
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stops serving: listeners and links closed, in the role's order. Called once."""
+
+
+class Runtime:
+    def __init__(self, cfg: RoleConfig, service: Service) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.stop = asyncio.Event()
+        self.view: ClusterView | None = None  # the newest view received (reported back when registering)
+        self.port = 0
+        self.link = ControlLink(*cfg.orchestrator_addr, self._register)
+        self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ready = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.link.worker_id
+
+    def _register(self) -> Register:
+        return Register(self.service.role, os.getpid(), self.cfg.host, self.port, self.link.worker_id,
+                        self.link.generation, self.view, **self.service.registration())
+
+    def spawn(self, coro: Coroutine[Any, Any, None], main_loop: bool = False) -> asyncio.Task[None]:
+        """A task referenced until done; a main loop's unexpected exception stops the process."""
+        task = asyncio.create_task(fatal_on_error(coro, self.stop) if main_loop else coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def ready(self) -> None:
+        """The worker serves: tell the supervisor (once)."""
+        if not self._ready:
+            self._ready = True
+            notifier().send("READY=1")
+
+    def report_dead(self, peer: str, reason: str, definitive: bool = False) -> None:
+        """Tells the orchestrator (whose verdict is authoritative) that a peer is dead; without an
+        orchestrator now, the next one hears it after this worker registers with it."""
+        self.suspects[peer] = reason
+        self.spawn(self._send_quietly(PeerFailed(peer, reason, definitive)))
+
+    def cleared(self, peer: str) -> None:
+        """The orchestrator vouched for `peer` (PeerAlive)."""
+        self.suspects.pop(peer, None)
+
+    async def _send_quietly(self, msg: Message) -> None:
+        with contextlib.suppress(PeerDeadError):
+            await self.link.send(msg)
+
+    async def _dispatch(self) -> None:
+        while True:
+            msg = await self.link.inbox.get()
+            if isinstance(msg, Registration):
+                for peer, reason in list(self.suspects.items()):
+                    await self._send_quietly(PeerFailed(peer, reason))
+                await self.service.registered()
+                continue
+            if isinstance(msg, RoutingUpdate):
+                if self.view is not None and msg.view.version < self.view.version:
+                    continue  # a stale orchestrator's (the link never follows one; kept for safety)
+                self.view = msg.view
+            await self.service.handle(msg)
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL)
+            stats = self.service.stats()
+            if stats is not None and self.link.connected.is_set():
+                await self._send_quietly(WorkerStats(stats))
+
+    async def _watch_link(self, link_task: asyncio.Task[None]) -> None:
+        await asyncio.wait([link_task])
+        if self.link.fenced is not None and not self.stop.is_set():
+            log.error("%s was declared dead by the orchestrator (%s); leaving", self.worker_id or "this worker",
+                      self.link.fenced)
+            mark_failed()
+            self.stop.set()
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        self.stop = stop
+        self.port = await self.service.start(self)
+        link_task = asyncio.create_task(self.link.run())
+        self.spawn(self._watch_link(link_task))
+        self.spawn(self._dispatch(), main_loop=True)
+        self.spawn(self._report())
+        try:
+            await stop.wait()
+        finally:
+            if self.link.connected.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._send_quietly(Leaving("shutting down")), 1.0)
+            for task in list(self._tasks):
+                task.cancel()
+            await self.service.close()
+            link_task.cancel()
+            await asyncio.gather(link_task, *self._tasks, return_exceptions=True)

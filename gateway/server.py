@@ -1,0 +1,286 @@
+"""The gateway's HTTP side: the OpenAI-compatible API.
+
+Per request: authenticate -> validate -> render (chat template) and tokenize -> one submit per
+choice to the least-loaded AW (or, for a stream resumed with Last-Event-ID, attach to the AWs
+that run it) -> relay tokens as text (incremental detokenisation, stop strings) -> when a stream's
+client leaves, its AW keeps it for a resume; other requests are aborted at once. SIGTERM drains:
+new requests get 503, running ones finish (bounded by the drain timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from fabric.config import GatewayConfig
+from fabric.messages.client import Submit
+from fabric.messages.control import ClusterView, Role
+from fabric.model.config import ModelConfig
+from gateway.aw_pool import AwPool
+from gateway.chat_template import ChatTemplate, validate_messages
+from gateway.generation import Choice, GenerationError, attach_choice, run_choice, start_choice
+from gateway.metrics import Metrics
+from gateway.protocol import ApiError, GenParams, parse_chat, parse_completion
+from gateway.responses import Formatter
+from gateway.streaming import Position, stream
+
+log = logging.getLogger("gateway")
+
+T = TypeVar("T")
+GATEWAY_HEADER = "X-Moe-Fabric-Gateway"  # which gateway process answered (several share the port)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+OFF_LOOP_CHARS = 16 << 10  # longer prompts are tokenized (and chats rendered) in a thread
+
+
+async def _off_loop(fn: Callable[[], T], size: int) -> T:
+    """Runs `fn` on the event loop when `size` is small, else in a thread: a multi-MiB prompt takes
+    seconds to tokenize, and the loop must keep serving every other stream (and pinging its
+    supervisor's watchdog) meanwhile."""
+    if size <= OFF_LOOP_CHARS:
+        return fn()
+    return await asyncio.to_thread(fn)
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, pool: AwPool) -> None:
+        self.cfg = cfg
+        self.model = ModelConfig.from_dir(cfg.model)
+        self.model_name = cfg.served_model_name or Path(cfg.model).name
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.chat_template = ChatTemplate.from_model_dir(cfg.model)
+        self.pool = pool
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.draining = False
+        self.active = 0  # HTTP requests in flight (running or waiting)
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.view: ClusterView | None = None
+        self.worker_id = ""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """API key, draining, body cap, and OpenAI-shaped errors for everything under /v1."""
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        try:
+            if self.cfg.api_key is not None:
+                auth = request.headers.get("Authorization", "")
+                given = auth[7:] if auth.startswith("Bearer ") else ""
+                if not hmac.compare_digest(given.encode(), self.cfg.api_key.encode()):
+                    raise ApiError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+            if self.draining:
+                raise ApiError(503, "the server is shutting down", type_="service_unavailable", headers={"Retry-After": "1"})
+            if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
+                raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="request_too_large")
+            return await handler(request)
+        except ApiError as err:
+            self.metrics.errors.labels(str(err.status)).inc()
+            return err.response()
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                mapped = ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="request_too_large")
+            else:
+                mapped = ApiError(exc.status, exc.reason, type_="invalid_request_error")
+            self.metrics.errors.labels(str(mapped.status)).inc()
+            return mapped.response()
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self.pool.ready:
+            raise ApiError(503, "no attention worker is ready yet", type_="service_unavailable", headers={"Retry-After": "1"})
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moe-fabric",
+                "max_model_len": self.model.max_position}
+        return web.json_response({"object": "list", "data": [card]})
+
+    def unhealthy_reason(self) -> str | None:
+        if not self.pool.ready:
+            return "no attention worker is reachable"
+        table = self.view.table if self.view is not None else None
+        if table is None:
+            return "no routing table yet"
+        lost = [u for u, ews in table.replicas.items() if not ews]
+        if lost:
+            return f"{len(lost)} logical experts have no live replica (e.g. layer {lost[0][0]} expert {lost[0][1]})"
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        reason = "draining" if self.draining else self.unhealthy_reason()
+        if reason:
+            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+        stores = len(self.view.serving(Role.STORE)) if self.view is not None else 0
+        checkpointing = "on" if stores else "off: no live checkpoint store (an AW failure falls back to replay)"
+        return web.json_response({"status": "ok", "checkpointing": checkpointing, "gateway": self.worker_id})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        host, port = self.cfg.orchestrator_addr
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s, \
+                    s.get(f"http://{host}:{port}/cluster") as r:
+                self.metrics.update_cluster(await r.json())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("metrics: cluster view unavailable: %s", exc)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"malformed JSON body: {exc}") from exc
+
+    def _check_model(self, body: Any) -> None:
+        if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
+            raise ApiError(404, f"the model {body.get('model')!r} does not exist", "model", code="model_not_found")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        self._check_model(body)
+        params = parse_completion(body, self.model.vocab_size, self.model.max_position)
+        return await self._generate(request, params, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        self._check_model(body)
+        raw_messages, fields = parse_chat(body, self.model.vocab_size, self.model.max_position)
+        messages = validate_messages(raw_messages)
+        if self.chat_template is None or self.tokenizer is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        template = self.chat_template
+        text = await _off_loop(lambda: template.render(messages), sum(len(str(m)) for m in messages))
+        params = GenParams(prompt_ids=None, prompt_text=text, **fields)
+        return await self._generate(request, params, chat=True)
+
+    async def _prompt_ids(self, params: GenParams) -> list[int]:
+        if params.prompt_ids is not None:
+            return params.prompt_ids
+        if self.tokenizer is None or params.prompt_text is None:
+            raise ApiError(400, "this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
+        tok, text = self.tokenizer, params.prompt_text
+        ids = await _off_loop(lambda: list(tok.encode(text, add_special_tokens=False).ids), len(text))
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+        return ids
+
+    def _position(self, request: web.Request, params: GenParams, chat: bool) -> Position | None:
+        """The stream position a resuming client sent (`Last-Event-ID`), or None for a new request."""
+        raw = request.headers.get("Last-Event-ID")
+        if raw is None:
+            return None
+        if not params.stream:
+            raise ApiError(400, "Last-Event-ID resumes a stream: send 'stream': true", "Last-Event-ID")
+        pos = Position.parse(raw, chat, params.n)
+        if params.seed_given and params.seed % (1 << 64) != pos.seed:
+            raise ApiError(400, "Last-Event-ID belongs to a request with another seed", "Last-Event-ID")
+        return pos
+
+    async def _generate(self, request: web.Request, params: GenParams, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
+        pos = self._position(request, params, chat)
+        prompt_ids = await self._prompt_ids(params)
+        context = self.model.max_position
+        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
+        if max_tokens < 1 or len(prompt_ids) + max_tokens > context:
+            raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                           f"the context of {context} tokens", "max_tokens")
+        if self.metrics.n_waiting + params.n > self.cfg.max_waiting:
+            raise ApiError(429, f"more than {self.cfg.max_waiting} requests are waiting", type_="rate_limit_error",
+                           headers={"Retry-After": "1"})
+        if pos is None:
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            pos = Position(rid, params.seed % (1 << 64), [0] * params.n)
+        grace = self.cfg.stream_resume_grace_s if params.stream else 0.0
+        choices = [Choice(i, f"{pos.rid}-{i}", Submit(
+            f"{pos.rid}-{i}", prompt_ids, max_tokens, params.temperature, params.top_p, params.top_k,
+            (pos.seed + i) % (1 << 64), list(self.model.eos_token_ids), params.ignore_eos, [], params.logprobs,
+            resume_grace_s=grace), resumable=grace > 0) for i in range(params.n)]
+        skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
+        resumed = any(pos.counts)
+        fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer)
+        headers = {GATEWAY_HEADER: self.worker_id}
+        if pos.usage_sent:  # the client has everything but [DONE]
+            return await stream(request, fmt, prompt_ids, [], [], pos, self.metrics, headers)
+        self.active += 1
+        self.idle.clear()
+        self.metrics.prompt.inc(len(prompt_ids) * params.n)
+        gens: list[Any] = []
+        try:
+            for c in choices:
+                if resumed:
+                    await attach_choice(self.pool, c, self.cfg.resume_wait_s)
+                else:
+                    await start_choice(self.pool, c)
+            gens = [run_choice(self.pool, c, params, self.tokenizer, self.metrics, arrived, skip,
+                               self.cfg.resume_wait_s) for c, skip in zip(choices, skips)]
+            if params.stream:
+                return await stream(request, fmt, prompt_ids, choices, gens, pos, self.metrics, headers)
+            return await self._whole(fmt, prompt_ids, choices, gens, headers)
+        finally:
+            for g in gens:
+                await g.aclose()  # detaches (a stream's client left) or aborts unfinished choices
+            for c in choices:  # submitted but never iterated (a later submit failed): no-op for the others
+                if c.client is not None and not c.aw_done:
+                    await self.pool.abort(c.client, c.request_id)
+            self.metrics.e2e.observe(time.monotonic() - arrived)
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
+
+    async def _whole(self, fmt: Formatter, prompt_ids: list[int], choices: list[Choice], gens: list[Any],
+                     headers: dict[str, str]) -> web.Response:
+        async def collect(gen: Any) -> tuple[str, list[Any]]:
+            text, lps = [], []
+            async for d in gen:
+                text.append(d.text)
+                lps.extend(d.logprobs)
+            return "".join(text), lps
+
+        tasks = [asyncio.create_task(collect(g)) for g in gens]
+        try:
+            results = await asyncio.gather(*tasks)
+        except GenerationError as exc:
+            raise ApiError(exc.status, str(exc), type_="server_error") from exc
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        body = fmt.whole(prompt_ids, choices, [t for t, _ in results], [lp for _, lp in results])
+        return web.json_response(body, headers=headers)
+
+    async def drain(self) -> None:
+        self.draining = True
+        log.info("draining: %d requests in flight", self.active)
+        if self.idle.is_set():  # nothing to wait for (and wait_for with timeout 0 would time out anyway)
+            return
+        try:
+            await asyncio.wait_for(self.idle.wait(), self.cfg.drain_timeout)
+        except TimeoutError:
+            log.warning("drain timeout: %d requests still in flight", self.active)

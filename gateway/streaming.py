@@ -1,0 +1,119 @@
+"""Server-sent event streams that a client can resume, on any gateway.
+
+Every event carries an `id:` that says where the stream stands:
+
+    <request id>:<seed>:<c0>,<c1>,...[:u]
+
+`ci` is how many events of choice i were sent (for chat, its role announcement is the first),
+`:u` marks the usage event. A client whose stream broke re-sends the same request to the same
+endpoint with `Last-Event-ID: <the last id it received>` and gets exactly the events after it: the
+gateway attaches to the AWs that still run the choices (or, if one no longer does, generates it
+again with the same seed: the same tokens), replays the tokens the client has through the
+detokeniser without sending them, and streams the rest. The seed is in the id because a request
+without one got a random seed from the gateway that first served it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.generation import Choice, Delta, GenerationError
+from gateway.metrics import Metrics
+from gateway.protocol import ApiError
+from gateway.responses import Formatter
+
+_RID = {True: re.compile(r"chatcmpl-[0-9a-f]{32}"), False: re.compile(r"cmpl-[0-9a-f]{32}")}
+MAX_EVENTS = 1 << 20  # per choice: more than any context holds tokens
+
+
+@dataclass
+class Position:
+    """Where a stream stands (see the module's docstring)."""
+
+    rid: str
+    seed: int
+    counts: list[int]
+    usage_sent: bool = False
+
+    def event_id(self) -> str:
+        return f"{self.rid}:{self.seed}:{','.join(map(str, self.counts))}" + (":u" if self.usage_sent else "")
+
+    @classmethod
+    def parse(cls, raw: str, chat: bool, n: int) -> Position:
+        """The position in a client's `Last-Event-ID`; 400 if it is not one of this endpoint's."""
+        parts = raw.strip().split(":")
+        usage = len(parts) == 4 and parts[3] == "u"
+        try:
+            if len(parts) not in (3, 4) or (len(parts) == 4 and not usage) or not _RID[chat].fullmatch(parts[0]):
+                raise ValueError
+            seed = int(parts[1])
+            counts = [int(c) for c in parts[2].split(",")]
+            if not 0 <= seed < 1 << 64 or len(counts) != n or not all(0 <= c <= MAX_EVENTS for c in counts):
+                raise ValueError
+        except ValueError:
+            raise ApiError(400, "Last-Event-ID is not an event id of this endpoint's streams for this request "
+                                f"({n} choice{'s' if n > 1 else ''})", "Last-Event-ID") from None
+        return cls(parts[0], seed, counts, usage)
+
+
+async def stream(request: web.Request, fmt: Formatter, prompt_ids: list[int], choices: list[Choice],
+                 gens: list[AsyncIterator[Delta]], pos: Position, metrics: Metrics,
+                 headers: dict[str, str]) -> web.StreamResponse:
+    """Streams every choice's deltas (merged as they come), then usage and [DONE], each event with
+    its id. Events before `pos` (a resumed stream) are not sent again."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+    chat = fmt.chat
+
+    async def send(obj: dict[str, Any] | str, event_id: str | None = None) -> None:
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        await resp.write(f"{head}data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
+
+    queue: asyncio.Queue[tuple[int, Delta | GenerationError | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in gen:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except GenerationError as exc:
+            await queue.put((i, exc))
+
+    if chat:
+        for c in choices:
+            if pos.counts[c.index] == 0:
+                pos.counts[c.index] = 1
+                await send(fmt.chunk(c.index, None, first=True), pos.event_id())
+    pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        open_choices = len(choices)
+        while open_choices:
+            i, item = await queue.get()
+            if isinstance(item, GenerationError):
+                metrics.errors.labels(str(item.status)).inc()
+                await send({"error": {"message": str(item), "type": "server_error", "param": None,
+                                      "code": item.status}}, pos.event_id())
+                break
+            if item is None:
+                open_choices -= 1
+                continue
+            pos.counts[i] = item.index + 1 + (1 if chat else 0)
+            await send(fmt.chunk(i, item), pos.event_id())
+        else:
+            if fmt.params.include_usage and not pos.usage_sent:
+                pos.usage_sent = True
+                await send(fmt.usage_chunk(len(prompt_ids), choices), pos.event_id())
+        await send("[DONE]")
+        await resp.write_eof()
+    finally:
+        for t in pumps:
+            t.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    return resp

@@ -1,0 +1,111 @@
+"""`moe-fabric serve`'s config, and the role configs it derives for every process it starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.config import (
+    PROBE_INTERVAL_HELP,
+    PROBE_MISSES_HELP,
+    SCHED_POLICIES,
+    SEND_TIMEOUT_HELP,
+    TRANSPORTS,
+    AttentionWorkerConfig,
+    CheckpointStoreConfig,
+    ExpertWorkerConfig,
+    GatewayConfig,
+    OrchestratorConfig,
+    check_port,
+    check_probes,
+    opt,
+)
+from fabric.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = opt(None, "checkpoint directory (default: a cached demo model)")
+    attention_workers: int = opt(2, "attention workers")
+    expert_workers: int = opt(2, "expert workers")
+    gateways: int = opt(2, "gateway processes sharing the HTTP port (a dead one costs only its connections)")
+    checkpoint_stores: int = opt(1, "KV checkpoint stores (0: AW deaths replay)")
+    transport: str = opt("auto", "the fabric's transport (auto: ucx where UCX finds RDMA, else tcp)", choices=TRANSPORTS)
+    host: str = opt("127.0.0.1", "address every process listens on")
+    port: int = opt(8000, "the gateways' HTTP port")
+    orchestrator_port: int = opt(0, "the orchestrator's port (0: a free one, kept across its restarts)")
+    dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
+    gather: str = opt("sync", "the EWs' gather policy", choices=("sync", "threshold"))
+    shadows_per_expert: int = opt(1, "inactive copies of each expert on other EWs")
+    served_model_name: str | None = opt(None, "the model's name in the API (default: the directory's name)")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $MOE_FABRIC_API_KEY)")
+    max_waiting: int = opt(512, "requests waiting for their first token beyond this get 429 (per gateway)")
+    drain_timeout: float = opt(30.0, "seconds SIGTERM waits for running requests")
+    routing: str = opt("least-work", "how a gateway picks an attention worker", choices=("least-work", "round-robin"))
+    resume: str = opt("restore", "how a dead AW's requests resume: from the checkpoint store, or by replay (baselines)",
+                      choices=("restore", "parallel", "sequential"))
+    stream_resume_grace_s: float = opt(10.0, "a stream whose client went away keeps running this long for a resume "
+                                             "with Last-Event-ID")
+    provisioner: str = opt("local", "replace every worker that dies with a new process (none: don't)",
+                           choices=("local", "none"))
+    checkpoint: str = opt("incremental", "how AWs checkpoint KV (pause: the stop-copy-resume baseline)",
+                          choices=("incremental", "pause", "off"))
+    probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
+    probe_misses: int = opt(3, PROBE_MISSES_HELP)
+    send_timeout_ms: float = opt(1000.0, SEND_TIMEOUT_HELP)
+    sched: str = opt("auto", "CPU scheduling policy of the serving processes (batch: a woken peer does not preempt "
+                             "the sender; auto: batch over tcp)", choices=SCHED_POLICIES)
+    restart_delay_s: float = opt(0.5, "a dead orchestrator or gateway is started again after this (doubling while it "
+                                      "keeps dying young, up to 10 s)")
+    watchdog_s: float = opt(3.0, "an orchestrator or gateway whose event loop is silent this long is hung: killed and "
+                                 "started again (0: no watchdog)")
+    recovery_grace_s: float = opt(3.0, "a restarted orchestrator waits this long for the workers to register again")
+    ready_timeout: float = opt(300.0, "seconds start-up may take")
+
+    def __post_init__(self) -> None:
+        if self.attention_workers < 1 or self.expert_workers < 1 or self.gateways < 1:
+            raise ConfigError("serve needs at least one attention worker, one expert worker and one gateway")
+        if self.provisioner not in ("none", "local"):
+            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
+        check_probes(self.probe_interval_ms, self.probe_misses)
+        if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
+            raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
+        check_port(self.port, "port")
+        check_port(self.orchestrator_port, "orchestrator_port")
+        if self.sched not in SCHED_POLICIES:
+            raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
+        if self.restart_delay_s < 0 or self.watchdog_s < 0 or self.recovery_grace_s < 0 or self.send_timeout_ms <= 0:
+            raise ConfigError("restart_delay_s, watchdog_s and recovery_grace_s must be >= 0, send_timeout_ms > 0")
+
+    def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int) -> RoleConfigs:
+        """Every role's config, as this `serve` runs them (`transport` resolved, so all agree)."""
+        orch = f"{self.host}:{orchestrator_port}"
+        common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
+                      send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid)
+        probes: dict[str, Any] = dict(probe_interval_ms=self.probe_interval_ms, probe_misses=self.probe_misses)
+        return RoleConfigs(
+            orchestrator=OrchestratorConfig(
+                model=model, expert_workers=self.expert_workers, host=self.host, port=orchestrator_port,
+                shadows_per_expert=self.shadows_per_expert,
+                provisioner="supervisor" if self.provisioner == "local" else "none",
+                supervisor_fd=0 if self.provisioner == "local" else None,  # the real fd is known at spawn time
+                recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid),
+            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather),
+            attention=AttentionWorkerConfig(**common, dtype=self.dtype, checkpoint=self.checkpoint,
+                                            **probes),
+            store=CheckpointStoreConfig(**common),
+            gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
+                **common, port=self.port, reuse_port=self.gateways > 1,
+                served_model_name=self.served_model_name, max_waiting=self.max_waiting,
+                drain_timeout=self.drain_timeout, routing=self.routing, resume=self.resume,
+                stream_resume_grace_s=self.stream_resume_grace_s, **probes),
+        )
+
+
+@dataclass(frozen=True)
+class RoleConfigs:
+    orchestrator: OrchestratorConfig
+    expert: ExpertWorkerConfig
+    attention: AttentionWorkerConfig
+    store: CheckpointStoreConfig
+    gateway: GatewayConfig

@@ -1,0 +1,346 @@
+"""`moe-fabric experiment failover`: one process of one role dies under load; what do clients see?
+
+The paper's §7.2 experiment (Fig. 9), for every role: an expert or attention worker, the
+checkpoint store, the orchestrator or a gateway. A seeded workload (token-id prompts of random ids,
+greedy, `ignore_eos`, fixed output length; Poisson arrivals, or a closed loop of C streams) runs
+once without failure for reference outputs, then again while the victim gets a signal `--at`
+seconds in. The client resumes a broken stream with `Last-Event-ID` (workload.py). `--mode fabric`
+lets the fabric heal itself; `--mode restart-all` is the MegaScale-Infer-like baseline: stop every
+process, start a fresh fabric (weights reloaded) and resubmit each unfinished request as prompt +
+tokens received, for the tokens that remain.
+
+Metrics: the stall (per stream the longer of its first two token gaps after the kill, the largest
+over the streams), time to first success, when the victim's process was gone, time back to 90 % of
+the pre-failure throughput, when the orchestrator declared the victim dead and when its
+replacement (or restarted self) was ready, requests lost, and whether every output equals the
+reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fabric.errors import ConfigError, FabricError
+from launch.config import ServeConfig
+from launch.experiments import timeline as tl
+from launch.experiments.logs import scan_logs
+from launch.experiments.workload import Run, say
+
+if TYPE_CHECKING:
+    from launch.local import Fabric
+
+VICTIMS = {"expert": "expert-worker-1", "attention": "attention-worker-0", "store": "checkpoint-store-0",
+           "orchestrator": "orchestrator", "gateway": "gateway-0"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=list(VICTIMS), default="expert", help="which process dies")
+    p.add_argument("--at", type=float, default=5.0, help="seconds into the failure run to send the signal")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds during which requests are issued")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default 4)")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: C streams always in flight")
+    p.add_argument("--signal", choices=["INT", "KILL", "STOP"], default="INT",
+                   help="what the victim gets: SIGINT (the paper's), SIGKILL, or SIGSTOP (a hung process)")
+    p.add_argument("--mode", choices=["fabric", "restart-all"], default="fabric")
+    p.add_argument("--out", default=None, help="default: results/failover-<role>-<mode>")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the cached demo model)")
+    p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--attention-workers", type=int, default=2)
+    p.add_argument("--expert-workers", type=int, default=3)
+    p.add_argument("--gateways", type=int, default=2)
+    p.add_argument("--checkpoint-stores", type=int, default=1,
+                   help="0: no KV checkpoints, a dead AW's streams resume by replay")
+    p.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="the fabric's transport")
+    p.add_argument("--sched", choices=["auto", "batch", "normal"], default="auto", help="the workers' CPU scheduling class")
+    p.add_argument("--replacement-delay-ms", type=float, default=None,
+                   help="the orchestrator's delay before it starts a replacement (default: its own)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+class Experiment:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from fabric.model.config import ModelConfig
+        from launch.local import ensure_demo_model, free_port
+
+        self.args = args
+        self.model = args.model or str(ensure_demo_model())
+        self.vocab = ModelConfig.from_dir(self.model).vocab_size
+        self.out = Path(args.out or f"results/failover-{args.role}-{args.mode}")
+        port = free_port()
+        # drain_timeout 0: a full restart does not wait for running requests.
+        self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport=args.transport,
+                               expert_workers=args.expert_workers, gateways=args.gateways, port=port,
+                               drain_timeout=0.0, ready_timeout=180, checkpoint_stores=args.checkpoint_stores,
+                               checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
+                               provisioner="none" if args.mode == "restart-all" else "local")
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self.fabrics: list[Fabric] = []
+        # Not the default executor: asyncio.run would wait for a fabric start before a Ctrl-C.
+        self.spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fabric-spawner")
+        self.aborted = False
+        self.fabric = self._new_fabric("logs")
+
+    def _new_fabric(self, logs: str) -> Fabric:
+        from launch.local import Fabric
+
+        (self.out / logs).mkdir(parents=True, exist_ok=True)
+        delay = self.args.replacement_delay_ms
+        extra = {"orchestrator": ["--replacement-delay-ms", str(delay)]} if delay is not None else None
+        fabric = Fabric(self.cfg, extra_args=extra, log_dir=str(self.out / logs))
+        self.fabrics.append(fabric)  # registered before start: cleanup stops it whatever happens
+        return fabric
+
+    def start(self) -> None:
+        t = time.monotonic()
+        self.fabric.start()
+        while True:  # in short slices, so an aborted experiment does not wait for a whole start
+            try:
+                self.fabric.wait_ready(1.0)
+                break
+            except FabricError:
+                if self.aborted or self.fabric.supervisor.failure or time.monotonic() - t > self.cfg.ready_timeout:
+                    raise
+        say("failover", f"fabric ready in {time.monotonic() - t:.1f} s ({self.cfg.attention_workers} AW + "
+                        f"{self.cfg.expert_workers} EW + {self.cfg.gateways} gateways over {self.cfg.transport}, "
+                        f"logs in {self.fabric.log_dir})")
+
+    def restart(self) -> None:
+        t = time.monotonic()
+        self.fabric.stop()
+        say("failover", f"restart-all: every process stopped in {time.monotonic() - t:.2f} s; starting a fresh fabric")
+        if self.aborted:
+            return
+        self.fabric = self._new_fabric("logs-restart")
+        self.start()
+
+    def stop_all(self) -> None:
+        for fabric in list(self.fabrics):
+            fabric.stop()
+
+    def prompt(self, i: int) -> list[int]:
+        rng = random.Random(self.args.seed * 1_000_003 + i)
+        return [rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]  # ids 0-2 are special
+
+    def arrivals(self) -> list[float]:
+        rng, t, out = random.Random(self.args.seed), 0.0, list[float]()
+        while True:
+            t += rng.expovariate(self.args.rate)
+            if t >= self.args.duration:
+                return out
+            out.append(t)
+
+    def workload(self, name: str, limit: int | None = None) -> Run:
+        a = self.args
+        return Run(name, self.url, a.tokens, self.prompt, a.duration, a.concurrency,
+                   None if a.concurrency else self.arrivals(), limit, resume=a.mode == "fabric", tag="failover")
+
+
+class Injection:
+    """The failure run's kill (and, for restart-all, the restart)."""
+
+    def __init__(self, exp: Experiment, run: Run) -> None:
+        self.exp, self.run = exp, run
+        self.kill: float | None = None
+        self.kill_wall: float | None = None  # time.time() of the kill, to compare with the orchestrator's clock
+        self.victim_pid: int | None = None
+        self.gone: float | None = None  # when the victim's process had exited (SIGSTOP: it stays)
+        self.ready: float | None = None  # restart-all: when the fresh fabric was ready
+
+    async def inject(self, at: float) -> None:
+        run, args = self.run, self.exp.args
+        await asyncio.sleep(max(0.0, at - run.now()))
+        name = VICTIMS[args.role]
+        victim = next(p for n, p in self.exp.fabric.procs if n == name)
+        sig = signal.Signals[f"SIG{args.signal}"]
+        victim.send_signal(sig)
+        self.kill, self.victim_pid, self.kill_wall = run.now(), victim.pid, time.time()
+        say("failover", f"{run.name}: t={self.kill:.2f} s {sig.name} {name} (pid {victim.pid}), "
+                        f"{sum(len(s.tokens) for s in run.streams)} tokens so far")
+        watch = asyncio.create_task(self.watch_exit(victim)) if sig != signal.SIGSTOP else None
+        if args.mode == "restart-all":
+            run.up.clear()
+            for task in list(run.attempts):
+                task.cancel()
+            await asyncio.get_running_loop().run_in_executor(self.exp.spawner, self.exp.restart)
+            self.ready = run.now()
+            say("failover", f"{run.name}: t={self.ready:.2f} s fresh fabric ready; resubmitting unfinished requests")
+            run.up.set()
+        if watch is not None:
+            await watch
+
+    async def watch_exit(self, victim: subprocess.Popen[bytes]) -> None:
+        """Records when the victim's process is gone (for at most 10 s)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(victim.wait), 10.0)
+            self.gone = self.run.now()
+        except TimeoutError:
+            pass
+
+
+def detection(inj: Injection, cluster: dict[str, Any] | None) -> dict[str, float | None]:
+    """From the orchestrator's authoritative view: when the victim was declared dead and when its
+    replacement (or, for the orchestrator or a gateway, its restarted self) was ready, in seconds
+    after the kill (wall clocks of one host)."""
+    out: dict[str, float | None] = {"suspected_s": None, "detected_s": None, "replacement_ready_s": None}
+    if cluster is None or inj.kill_wall is None:
+        return out
+    workers = cluster["workers"]
+    victim = next((w for w in workers if w["pid"] == inj.victim_pid), None)
+    if victim is not None and victim["state"] == "dead":
+        out["detected_s"] = victim["state_since"] - inj.kill_wall
+        found = [w["stats"].get("suspected_at", {}).get(victim["id"]) for w in workers]  # an AW, for an EW victim
+        found = [t for t in found if t is not None]
+        out["suspected_s"] = min(found) - inj.kill_wall if found else None
+    role = inj.exp.args.role
+    new = None
+    if victim is not None:
+        new = next((w for w in workers if w["info"].get("replaces") == victim["id"] and w["state"] == "alive"), None)
+    if new is None:  # AWs, stores and gateways take no slot; the orchestrator is new: whoever came after the kill
+        want = {"expert": "expert", "attention": "attention", "store": "checkpoint_store", "gateway": "gateway",
+                "orchestrator": "orchestrator"}[role]
+        new = next((w for w in workers if w["role"] == want and w["state"] == "alive"
+                    and w["registered_at"] > inj.kill_wall), None)
+    if new is not None:
+        out["replacement_ready_s"] = max(new["state_since"], new["registered_at"]) - inj.kill_wall
+    return out
+
+
+def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[str, Any] | None = None) -> int:
+    args, kill = exp.args, inj.kill
+    assert kill is not None
+    times = [s.times for s in fail.streams]
+    series = tl.throughput(times, anchor=kill)
+    ref_series = tl.throughput([s.times for s in ref.streams], anchor=kill)  # same workload, no failure
+    baseline, ttp = tl.recovery(series, kill)
+    gaps = tl.token_gaps(times)
+    stall, tfs = tl.stall(times, kill), tl.first_success(times, kill)
+    reference = {s.index: s.tokens for s in ref.streams}
+    differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
+    gone = fail.lost(args.tokens)
+    found = detection(inj, cluster)
+    metrics = {"kill_at_s": kill, "victim_gone_s": None if inj.gone is None else inj.gone - kill,
+               "new_fabric_ready_s": inj.ready, "stall_s": stall, "normal_gap_s": tl.normal_gap(times, kill),
+               "time_to_first_success_s": tfs, "baseline_tok_s": baseline,
+               "time_to_90pct_throughput_s": ttp, "requests": len(fail.streams), "requests_lost": len(gone),
+               "lost": gone, "outputs_equal": not differ, "differing": differ,
+               "client_resumes": sum(s.resumes for s in fail.streams),
+               "resubmitted": sum(1 for s in fail.streams if s.attempts > 1),
+               "output_tokens": sum(len(t) for t in times), "reference_requests": len(ref.streams),
+               **found}
+    notes = scan_logs(exp.out)
+    config = {**vars(args), "model": exp.model, "out": str(exp.out), "victim": VICTIMS[args.role],
+              "victim_pid": inj.victim_pid, "load": f"closed loop C={args.concurrency}" if args.concurrency
+              else f"Poisson {args.rate} req/s", "transport": args.transport, "window_s": tl.WINDOW}
+    result = {"config": config, "metrics": metrics, "throughput": [[round(t, 3), v] for t, v in series],
+              "reference_throughput": [[round(t, 3), v] for t, v in ref_series],
+              "gaps": [[round(t, 4), round(g, 5), i] for t, g, i in gaps], "log_notes": notes,
+              "requests": [{k: v for k, v in asdict(s).items() if k not in ("prompt", "tokens", "times")}
+                           | {"first_token": s.times[0] if s.times else None, "n_tokens": len(s.tokens)}
+                           for s in fail.streams]}
+    (exp.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    def f(x: float | None, unit: str = " s", sign: str = "") -> str:
+        return "never" if x is None else f"{sign}{x:.2f}{unit}"
+
+    summary = (f"failover role={args.role} signal={args.signal} mode={args.mode}: stall {f(stall)}, first success "
+               f"{f(tfs, sign='+')}, back to 90% throughput {f(ttp, sign='+')}, "
+               + (f"declared dead {f(found['detected_s'], sign='+')}, back {f(found['replacement_ready_s'], sign='+')}, "
+                  if args.mode == "fabric" else "")
+               + f"lost {len(gone)}, outputs equal to failure-free run: {'yes' if not differ else 'no'}")
+    plotted = tl.plot_timeline(exp.out / "timeline.png", gaps, series, kill, f"SIG{args.signal} {VICTIMS[args.role]}",
+                               summary, ready=inj.ready, reference=ref_series)
+    for note in notes:
+        say("failover", f"log: {note}")
+    say("failover", f"wrote {exp.out / 'results.json'}" + (f" and {exp.out / 'timeline.png'}" if plotted else
+                                                            " (no plot: pip install 'moe-fabric[experiments]')"))
+    print(summary, flush=True)
+    return 1 if gone or differ else 0
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.concurrency is None and args.rate is None:
+        args.rate = 4.0
+    if (args.rate is not None and args.rate <= 0) or (args.concurrency is not None and args.concurrency < 1):
+        raise ConfigError("--rate must be > 0 and --concurrency >= 1")
+    if not 0 < args.at < args.duration:
+        raise ConfigError("--at must be inside (0, --duration)")
+    if args.tokens < 1 or args.prompt_len < 1:
+        raise ConfigError("--tokens and --prompt-len must be >= 1")
+    need = {"expert": args.expert_workers, "attention": args.attention_workers, "gateway": args.gateways,
+            "store": 2 if args.checkpoint_stores else 0, "orchestrator": 2}[args.role]
+    if need < 2 and args.mode == "fabric" and args.role != "store":
+        raise ConfigError(f"--mode fabric needs at least 2 {args.role} processes to survive losing one")
+    if args.role == "store" and not args.checkpoint_stores:
+        raise ConfigError("--role store needs --checkpoint-stores >= 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    exp = Experiment(args)
+    try:
+        say("failover", f"role={args.role} mode={args.mode} model={exp.model} out={exp.out}")
+        exp.start()
+        ref = exp.workload("reference run")
+        say("failover", "reference run (no failure) ...")
+        asyncio.run(ref.run())
+        if ref.lost(args.tokens):
+            raise FabricError(f"the reference run lost requests {ref.lost(args.tokens)}; see {exp.out}/logs")
+        say("failover", f"reference run: {len(ref.streams)} requests complete")
+        fail = exp.workload("failure run", limit=len(ref.streams) if args.concurrency else None)
+        inj = Injection(exp, fail)
+        asyncio.run(fail.run(inj.inject(args.at)))
+        if inj.kill is None:
+            raise FabricError(f"the failure run ended before the kill at {args.at} s; raise --duration")
+        cluster = None
+        if args.mode == "fabric":
+            if args.signal == "STOP" and inj.victim_pid:
+                os.kill(inj.victim_pid, signal.SIGCONT)  # fenced (or restarted): it exits once woken
+            cluster = _settled_cluster(exp, args.role)
+        say("failover", f"failure run: {len(fail.streams)} requests; stopping the fabric")
+        exp.stop_all()
+        return report(exp, ref, fail, inj, cluster)
+    except KeyboardInterrupt:
+        print("[failover] interrupted; stopping every process", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        exp.aborted = True
+        exp.stop_all()
+        exp.spawner.shutdown(wait=True, cancel_futures=True)  # a restart in progress gives up within ~1 s
+        exp.stop_all()  # whatever it spawned meanwhile
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _settled_cluster(exp: Experiment, role: str) -> dict[str, Any] | None:
+    """The cluster view once the victim is replaced or back (bounded), for the detection times."""
+    deadline = time.monotonic() + 15.0
+    cluster = None
+    while time.monotonic() < deadline:
+        try:
+            cluster = exp.fabric.cluster()
+        except OSError:  # the orchestrator itself is restarting
+            time.sleep(0.2)
+            continue
+        if not cluster.get("recovering") and (role != "gateway" or sum(
+                w["role"] == "gateway" and w["state"] == "alive" for w in cluster["workers"]) >= exp.cfg.gateways):
+            return cluster
+        time.sleep(0.2)
+    return cluster

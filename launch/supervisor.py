@@ -1,0 +1,353 @@
+"""The supervisor of a local fabric (`moe-fabric serve`): starts every role process, restarts the
+orchestrator and the gateways when they die or hang, and starts the replacement workers the
+orchestrator asks for. It tears nothing down for a death: the fabric handles a dead worker, and a
+restarted orchestrator rebuilds its state from the workers. Only `stop()` (Ctrl-C, SIGTERM) stops
+everything, in order: gateways (they drain), attention workers, expert workers and stores, the
+orchestrator last.
+
+Main loop, in one thread (the one that started every child, so that the kernel's parent-death
+signal reaches them all if this process dies, even by SIGKILL):
+
+    receive   every child's notifications (READY=1, WATCHDOG=1: systemd's protocol, one datagram
+              socket per child, fabric/notify.py) and the orchestrator's requests for workers
+    check     reap children that exited; a restartable one whose watchdog went silent is hung
+    act       start again what died (backoff while it keeps dying young), start replacements
+
+Children also watch this process (`--watch-pid`), so none outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any
+
+from fabric.errors import FabricError
+from fabric.messages.base import Message, decode_message, encode_message
+from fabric.messages.control import Role
+from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
+from fabric.process import die_with_parent
+from fabric.transport import resolve_transport_name
+from fabric.wire import decode_bytes, encode_bytes
+from launch.config import ServeConfig
+from launch.flags import to_argv
+
+log = logging.getLogger("moe-fabric")
+
+COMMAND = {Role.ORCHESTRATOR: "orchestrator", Role.GATEWAY: "gateway", Role.ATTENTION: "attention-worker",
+           Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store"}
+STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR]]
+YOUNG = 30.0  # seconds: a restartable child that dies younger than this backs off further
+MAX_BACKOFF = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on `host`."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    role: Role
+    restart: bool  # the orchestrator and the gateways: started again when they die
+    replaces: str = ""  # a replacement worker: whom it replaces
+    boot_nice: int = 0  # a replacement boots this much nicer (20: in the idle class)
+    proc: subprocess.Popen[bytes] | None = None
+    notify: socket.socket | None = None
+    provision: socket.socket | None = None  # the orchestrator's provisioning channel (our end)
+    ready: bool = False
+    pinged: float = 0.0
+    started: float = 0.0
+    incarnation: int = 0
+    backoff: float = 0.0
+    due: float | None = None  # when to start it again
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
+                 extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.log_dir = log_dir
+        self.extra = extra_args or {}  # role command -> flags added to its processes
+        self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
+        self.transport = resolve_transport_name(cfg.transport)
+        self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)
+        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid())
+        self.children: list[Child] = []
+        self.lock = threading.Lock()  # guards `children` for readers in other threads
+        self.stop_requested = threading.Event()
+        self.ready = threading.Event()
+        self.failure: str | None = None  # why start-up failed
+        self.was_ready = False
+        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")
+        self._replacements = 0
+
+    # -- the processes ------------------------------------------------------------------------
+    def plan(self) -> list[Child]:
+        cfg = self.cfg
+        out = [Child("orchestrator", Role.ORCHESTRATOR, restart=True)]
+        out += [Child(f"checkpoint-store-{i}", Role.STORE, False) for i in range(cfg.checkpoint_stores)]
+        out += [Child(f"expert-worker-{i}", Role.EXPERT, False) for i in range(cfg.expert_workers)]
+        out += [Child(f"attention-worker-{i}", Role.ATTENTION, False) for i in range(cfg.attention_workers)]
+        out += [Child(f"gateway-{i}", Role.GATEWAY, True) for i in range(cfg.gateways)]
+        return out
+
+    def _argv(self, child: Child, pass_fd: int | None) -> list[str]:
+        c = self.configs
+        cfg: Any = {Role.ORCHESTRATOR: c.orchestrator, Role.GATEWAY: c.gateway, Role.ATTENTION: c.attention,
+                    Role.EXPERT: c.expert, Role.STORE: c.store}[child.role]
+        if child.role is Role.ORCHESTRATOR:
+            # The first orchestrator has no one to wait for; a restarted one waits for the workers.
+            grace = cfg.recovery_grace_s if child.incarnation else 0.0
+            cfg = replace(cfg, supervisor_fd=pass_fd, recovery_grace_s=grace)
+        if child.boot_nice:
+            cfg = replace(cfg, boot_nice=child.boot_nice)
+        command = COMMAND[child.role]
+        return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, [])]
+
+    def _spawn(self, child: Child) -> None:
+        path = os.path.join(self._sockdir, f"{child.name}.{child.incarnation}.sock")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(path)
+        notify.setblocking(False)
+        env = {**os.environ, **self.extra_env.get(child.name, {}), "NOTIFY_SOCKET": path}
+        env.pop("WATCHDOG_USEC", None)
+        if child.restart and self.cfg.watchdog_s > 0:
+            env["WATCHDOG_USEC"] = str(int(self.cfg.watchdog_s * 1e6))
+        if child.role is Role.GATEWAY and self.cfg.api_key:
+            env["MOE_FABRIC_API_KEY"] = self.cfg.api_key  # not on the command line: `ps` shows flags
+        pass_fds: tuple[int, ...] = ()
+        theirs = None
+        if child.role is Role.ORCHESTRATOR and self.cfg.provisioner == "local":
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ours.setblocking(False)
+            child.provision = ours
+            pass_fds = (theirs.fileno(),)
+        argv = self._argv(child, theirs.fileno() if theirs is not None else None)
+        out: IO[bytes] | None = None
+        if self.log_dir:
+            suffix = f".{child.incarnation}" if child.incarnation else ""
+            out = open(Path(self.log_dir) / f"{child.name}{suffix}.log", "wb")  # noqa: SIM115
+        try:
+            # A session of its own: a terminal's Ctrl-C reaches only the supervisor, which then
+            # stops the roles in order.
+            child.proc = subprocess.Popen(argv, preexec_fn=die_with_parent, stdout=out,
+                                          stderr=subprocess.STDOUT if out else None, env=env, pass_fds=pass_fds,
+                                          start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()
+            if theirs is not None:
+                theirs.close()
+        child.notify, child.ready, child.due = notify, False, None
+        child.started = child.pinged = time.monotonic()
+
+    def _close_sockets(self, child: Child) -> None:
+        for sock in (child.notify, child.provision):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        child.notify = child.provision = None
+
+    # -- the main loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Starts the fabric and supervises it until `stop_requested` is set; then stops it."""
+        try:
+            with self.lock:
+                self.children = self.plan()
+            for child in self.children:
+                self._spawn(child)
+            while not self.stop_requested.is_set() and self.failure is None:
+                self._receive(0.05)
+                self._check()
+                self._act()
+        except Exception as exc:  # the supervisor itself failed: stop what it started
+            log.exception("the supervisor failed")
+            self.failure = self.failure or f"the supervisor failed: {exc}"
+        finally:
+            self._shutdown()
+            self.ready.set()  # (wakes a waiter; `failure` says how it went)
+
+    def _receive(self, timeout: float) -> None:
+        socks = {}
+        for child in self.children:
+            if child.notify is not None:
+                socks[child.notify] = (child, "notify")
+            if child.provision is not None:
+                socks[child.provision] = (child, "provision")
+        readable, _, _ = select.select(list(socks), [], [], timeout)
+        for sock in readable:
+            child, what = socks[sock]
+            while True:
+                try:
+                    data = sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    data = b""
+                if what == "notify":
+                    self._notified(child, data.decode(errors="replace"))
+                    if not data:
+                        break
+                elif not data:
+                    self._close_provision(child)
+                    break
+                else:
+                    self._provision(child, decode_message(*decode_bytes(data)))
+
+    def _close_provision(self, child: Child) -> None:
+        if child.provision is not None:
+            child.provision.close()
+            child.provision = None
+
+    def _notified(self, child: Child, state: str) -> None:
+        for line in state.splitlines():
+            if line == "READY=1":
+                child.ready = True
+            if line in ("READY=1", "WATCHDOG=1"):
+                child.pinged = time.monotonic()
+
+    def _provision(self, orch: Child, msg: Message) -> None:
+        if not isinstance(msg, StartWorker) or msg.role not in (Role.ATTENTION, Role.EXPERT, Role.STORE):
+            log.error("moe-fabric: the orchestrator asked for something unexpected: %s", msg)
+            return
+        if self.stop_requested.is_set():
+            return
+        self._replacements += 1
+        child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
+                      boot_nice=msg.boot_nice)
+        self._spawn(child)
+        with self.lock:
+            self.children.append(child)
+        assert child.proc is not None
+        _say(f"started {child.name} (pid {child.proc.pid}) to replace {msg.replaces}")
+        self._tell_orchestrator(WorkerStarted(msg.replaces, child.proc.pid))
+
+    def _tell_orchestrator(self, msg: Message) -> None:
+        orch = next((c for c in self.children if c.role is Role.ORCHESTRATOR and c.provision is not None), None)
+        if orch is None or orch.provision is None:
+            return
+        header, frames = encode_message(msg)
+        with contextlib.suppress(OSError):
+            orch.provision.send(encode_bytes(header, frames))
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        for child in list(self.children):
+            proc = child.proc
+            if proc is None or child.due is not None:
+                continue
+            code = proc.poll()
+            if code is None:
+                if (child.restart and child.ready and self.cfg.watchdog_s > 0
+                        and now - child.pinged > self.cfg.watchdog_s):
+                    _say(f"{child.name} (pid {proc.pid}) is hung: no watchdog ping for {now - child.pinged:.1f} s; "
+                         "killing it")
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                continue
+            self._exited(child, code, now)
+        if not self.was_ready and all(c.ready for c in self.children if c.proc is not None and not c.replaces):
+            self.was_ready = True
+            self.ready.set()
+
+    def _exited(self, child: Child, code: int, now: float) -> None:
+        assert child.proc is not None
+        pid = child.proc.pid
+        self._close_sockets(child)
+        if not self.was_ready:
+            self.failure = f"{child.name} exited with code {code} during start-up"
+            return
+        if child.replaces or child.role in (Role.ATTENTION, Role.EXPERT, Role.STORE):
+            _say(f"{child.name} (pid {pid}) exited with code {code}; the fabric takes over its work")
+            self._tell_orchestrator(WorkerExited(pid, code))
+            with self.lock:
+                self.children.remove(child)
+            return
+        young = now - child.started < YOUNG
+        child.backoff = min(MAX_BACKOFF, child.backoff * 2 if young and child.backoff else self.cfg.restart_delay_s)
+        child.due = now + child.backoff
+        child.ready = False
+        _say(f"{child.name} (pid {pid}) exited with code {code}; starting it again in {child.backoff:.1f} s")
+
+    def _act(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.due is not None and now >= child.due:
+                child.incarnation += 1
+                self._spawn(child)
+                assert child.proc is not None
+                _say(f"{child.name} started again (pid {child.proc.pid})")
+
+    # -- stopping -----------------------------------------------------------------------------
+    def _announce_shutdown(self) -> None:
+        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
+        url = f"http://{self.cfg.host}:{self.orchestrator_port}/shutdown"
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
+            urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=2).close()
+
+    def _shutdown(self) -> None:
+        if any(c.role is Role.ORCHESTRATOR and c.proc is not None and c.proc.poll() is None for c in self.children):
+            self._announce_shutdown()
+        for roles in STOP_ORDER:
+            group = [c for c in self.children if c.role in roles and c.proc is not None]
+            grace = self.cfg.drain_timeout + 10.0 if roles == [Role.GATEWAY] else 10.0
+            _stop_group([c.proc for c in group if c.proc is not None], grace)
+        for child in self.children:
+            self._close_sockets(child)
+        shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    # -- for callers in other threads -----------------------------------------------------------
+    def snapshot(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        with self.lock:
+            return [(c.name, c.proc) for c in self.children if c.proc is not None]
+
+    def cluster(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{self.cfg.host}:{self.orchestrator_port}/cluster", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
+
+def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # a stopped (hung) process handles SIGTERM once woken
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _say(msg: str) -> None:
+    print(f"moe-fabric: {msg}", file=sys.stderr, flush=True)
+
+
+def wait_ready(sup: Supervisor, timeout: float) -> None:
+    """Returns once every process of the fabric serves; raises FabricError if start-up failed."""
+    if not sup.ready.wait(timeout):
+        raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
+    if sup.failure is not None:
+        raise FabricError(sup.failure)

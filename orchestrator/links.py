@@ -1,0 +1,64 @@
+"""The orchestrator's side of one worker's websocket: messages go out through a queue and a writer
+task with a send deadline, so a broadcast never waits on one slow worker, and a worker that does
+not take its messages within the deadline loses its link (and registers again, or is declared
+dead)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+
+from fabric.control_link import pack
+from fabric.messages.base import Message
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLink:
+    def __init__(self, worker_id: str, ws: web.WebSocketResponse, send_timeout: float) -> None:
+        self.worker_id = worker_id
+        self.ws = ws
+        self.send_timeout = send_timeout
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._writer = asyncio.create_task(self._write())
+
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed or self._writer.done()
+
+    def send(self, msg: Message) -> None:
+        self.send_packed(pack(msg))
+
+    def send_packed(self, data: bytes) -> None:
+        if not self.closed:
+            self._queue.put_nowait(data)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                data = await self._queue.get()
+                await asyncio.wait_for(self.ws.send_bytes(data), self.send_timeout)
+                self._queue.task_done()
+        except TimeoutError:
+            log.warning("%s took no control message for %.0f ms; dropping its link", self.worker_id,
+                        self.send_timeout * 1e3)
+        except (ConnectionError, RuntimeError):
+            pass
+        if not self.ws.closed:
+            await self._abort()
+
+    async def _abort(self) -> None:
+        """Closes without the close handshake (the peer may be stopped)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(), 0.5)
+
+    async def close(self) -> None:
+        """Flushes what is queued (bounded by the deadline), then closes."""
+        if not self._writer.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queue.join(), self.send_timeout)
+            self._writer.cancel()
+        await self._abort()

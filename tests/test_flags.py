@@ -1,0 +1,61 @@
+"""Config written once: every role's flags come from its config dataclass, a config goes to a child
+as flags and comes back equal; sampling and stream positions at their limits."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from attention_worker.sampler import GREEDY_BELOW, greedy, sample, token_logprobs
+from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig
+from gateway.protocol import ApiError
+from gateway.streaming import Position
+from launch.cli import build_parser
+from launch.config import ServeConfig
+from launch.flags import add_flags, from_args, to_argv
+
+
+@pytest.mark.parametrize("cfg", [
+    AttentionWorkerConfig(model="/m", orchestrator="h:1", probe_misses=5, checkpoint="off", dtype="bfloat16"),
+    ExpertWorkerConfig(model="/m", orchestrator="h:1", gather="threshold", max_wait_ms=3.5, watch_pid=7),
+    GatewayConfig(model="/m", orchestrator="h:1", reuse_port=True, stream_resume_grace_s=0.0, port=0),
+    OrchestratorConfig(model="/m", expert_workers=3, recovery_grace_s=0.5, generation=9),
+    ServeConfig(gateways=3, provisioner="none", api_key="k"),
+], ids=lambda c: type(c).__name__)
+def test_a_config_survives_its_flags(cfg: object) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, type(cfg))
+    assert from_args(type(cfg), parser.parse_args(to_argv(cfg))) == cfg
+
+
+def test_every_subcommand_parses_its_defaults() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["attention-worker", "--model", "m", "--orchestrator", "h:1"]).kv_cache_mib == 256
+    assert parser.parse_args(["serve"]).gateways == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["expert-worker", "--model", "m", "--orchestrator", "h:1", "--gather", "fifo"])
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 5e-324, GREEDY_BELOW / 2, math.nan])
+def test_tiny_or_broken_temperatures_are_greedy(temperature: float) -> None:
+    logits = torch.randn(50) * 10
+    assert sample(logits, temperature, 1.0, -1, 3, 0) == int(logits.argmax())
+
+
+def test_a_distribution_that_is_not_finite_does_not_reach_multinomial() -> None:
+    logits = torch.tensor([1.0, math.nan, 3.0, math.inf])
+    assert sample(logits, 1.0, 1.0, -1, 3, 0) == greedy(logits) == 3
+    lp, top = token_logprobs(torch.tensor([0.0, -math.inf]), 1, 2)
+    assert lp == -9999.0 and top is not None and all(math.isfinite(v) for _, v in top)
+
+
+def test_stream_positions_roundtrip_and_refuse_strangers() -> None:
+    pos = Position("chatcmpl-" + "a" * 32, 2**64 - 1, [3, 0], usage_sent=True)
+    assert Position.parse(pos.event_id(), chat=True, n=2) == pos
+    for raw in [pos.event_id(), "cmpl-" + "a" * 32 + ":1:3", "x:1:2", "chatcmpl-" + "a" * 32 + ":-1:2,2",
+                "chatcmpl-" + "a" * 32 + ":1:2,2:z"]:
+        with pytest.raises(ApiError):
+            Position.parse(raw, chat=True, n=1)

@@ -1,0 +1,77 @@
+"""The AW's side of resumable streams, with fake gateway connections: a request whose client goes
+away runs on detached for its grace, any connection may attach to it (and gets every output so
+far), and past its grace it is aborted; a request that is not resumable is aborted at once."""
+
+from __future__ import annotations
+
+import time
+
+from attention_worker.request import Sequence
+from attention_worker.sessions import Sessions
+from fabric.messages.client import Attach, Submit
+
+
+class Conn:
+    """A gateway connection (identity is all Sessions uses)."""
+
+
+def submit(rid: str, grace: float = 5.0, seed: int = 1) -> Submit:
+    return Submit(rid, [1, 2, 3], 8, 0.7, 1.0, -1, seed, [2], False, [], resume_grace_s=grace)
+
+
+class World:
+    def __init__(self) -> None:
+        self.running: dict[str, Sequence] = {}
+        self.removed: list[str] = []
+        self.sessions = Sessions(self.running.get, self.remove)
+
+    def remove(self, rid: str) -> None:
+        self.removed.append(rid)
+        self.running.pop(rid, None)
+
+    def add(self, msg: Submit, conn: Conn) -> Sequence:
+        seq = Sequence.from_submit(msg, conn)
+        self.running[msg.request_id] = seq
+        return seq
+
+
+def test_detached_requests_run_on_and_can_be_attached_from_anywhere() -> None:
+    w = World()
+    a, b = Conn(), Conn()
+    seq = w.add(submit("r"), a)
+    seq.outputs.append(["r", 42, None, None, None])
+    w.sessions.connection_lost(a, {"r"})  # its gateway died
+    assert seq.client is None and seq.detached_until is not None and w.removed == []
+    reply = w.sessions.attach(b, Attach(submit("r", seed=2)))  # another generation: not this request
+    assert not reply.found and seq.client is None
+    reply = w.sessions.attach(b, Attach(submit("r")))
+    assert reply.found and reply.outputs == [["r", 42, None, None, None]] and seq.client is b
+    assert not w.sessions.abort(a, "r") and w.removed == []  # the old owner has no say any more
+    w.sessions.detach(b, "r")  # its HTTP client left
+    w.sessions.expire(list(w.running.values()), now=time.monotonic() + 10)
+    assert w.removed == ["r"] and w.sessions.expired == 1
+
+
+def test_a_request_that_finishes_detached_is_parked_for_its_grace() -> None:
+    w = World()
+    a, b = Conn(), Conn()
+    seq = w.add(submit("r"), a)
+    w.sessions.detach(a, "r")
+    seq.outputs.append(["r", 7, "length", None, None])
+    w.sessions.finished(seq)
+    w.remove("r")
+    reply = w.sessions.attach(b, Attach(submit("r")))
+    assert reply.found and reply.outputs[-1][2] == "length" and "r" not in w.sessions.parked
+    w.add(submit("s"), a)
+    w.sessions.detach(a, "s")
+    w.sessions.finished(w.running["s"])
+    w.sessions.expire([], now=time.monotonic() + 10)
+    assert "s" not in w.sessions.parked
+
+
+def test_a_request_that_is_not_resumable_is_aborted_at_once() -> None:
+    w = World()
+    a = Conn()
+    w.add(submit("r", grace=0.0), a)
+    w.sessions.connection_lost(a, {"r"})
+    assert w.removed == ["r"]
