@@ -26,6 +26,8 @@ from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger(__name__)
 
+IDLE_TICK = 0.1  # seconds between a prober's checks while no call is in flight
+
 
 class ExpertCallError(FabricError):
     """The EW refused a call (e.g. the expert is not hosted there)."""
@@ -89,9 +91,9 @@ class EwLink:
         sent = 0
         nonce = itertools.count(1)
         while not self.dead:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval if self.pending else max(interval, IDLE_TICK))  # idle: tick slower
             silent = time.monotonic() - self.last_heard
-            if not self.pending or silent < interval:
+            if not self.pending or silent < max(interval, self.latency):  # not due before a usual answer
                 sent = 0
                 continue
             if sent >= misses and silent > max(interval * (misses + 1), 10 * self.latency):

@@ -24,11 +24,31 @@ from fabric.transport.base import Connection
 log = logging.getLogger(__name__)
 
 
+MAX_PARKED = 4096  # finished resumable requests kept for an Attach at once (the oldest go first)
+
+
 @dataclass
 class Parked:
+    """A finished resumable request's outputs, compact: its tokens, the finish reason, and the
+    logprob parts only if it asked for them."""
+
     submit: Submit
-    outputs: list[list[Any]]
+    tokens: list[int]
+    finish: str | None
+    logprobs: list[list[Any]] | None  # [logprob, top] per token
     until: float  # monotonic
+
+    @classmethod
+    def of(cls, seq: Sequence, until: float) -> Parked:
+        assert seq.submit is not None
+        lps = [row[3:] for row in seq.outputs] if seq.logprobs >= 0 else None
+        return cls(seq.submit, [row[1] for row in seq.outputs], seq.outputs[-1][2] if seq.outputs else None, lps,
+                   until)
+
+    def outputs(self) -> list[list[Any]]:
+        rid, last = self.submit.request_id, len(self.tokens) - 1
+        return [[rid, t, self.finish if i == last else None, *(self.logprobs[i] if self.logprobs else (None, None))]
+                for i, t in enumerate(self.tokens)]
 
 
 class Sessions:
@@ -70,9 +90,15 @@ class Sessions:
         return False
 
     def finished(self, seq: Sequence) -> None:
-        """`seq` produced its last token; if nobody holds it, park its outputs for an Attach."""
-        if seq.client is None and seq.detached_until is not None and seq.submit is not None:
-            self.parked[seq.request_id] = Parked(seq.submit, seq.outputs, seq.detached_until)
+        """A resumable `seq` produced its last token: its outputs are parked for its grace. Even
+        when a gateway holds it: that gateway may be hung, its last tokens unread, and its client
+        about to resume elsewhere."""
+        if seq.submit is None or seq.submit.resume_grace_s <= 0:
+            return
+        until = seq.detached_until or time.monotonic() + seq.submit.resume_grace_s
+        self.parked[seq.request_id] = Parked.of(seq, until)
+        while len(self.parked) > MAX_PARKED:
+            del self.parked[next(iter(self.parked))]
 
     def attach(self, conn: Connection, msg: Attach) -> Attached:
         """Binds the request to `conn` if it runs (or finished) here as the same generation. Send
@@ -87,7 +113,7 @@ class Sessions:
         if parked is not None and parked.submit.same_request(msg.submit):
             del self.parked[rid]
             self.attaches += 1
-            return Attached(rid, True, parked.outputs, parked.submit.deaths)
+            return Attached(rid, True, parked.outputs(), 0)
         return Attached(rid, False, [])
 
     def expire(self, running: list[Sequence], now: float | None = None) -> None:

@@ -7,6 +7,9 @@ transformers round next to it, which cancels most of a shared, noisy machine's d
 full run):
 
     python bench/bench_datapath.py --concurrency 1,16 --tokens 128 --repeats 3
+
+`--gateways 2,1` adds a fabric with one gateway (the setting before resumable streams) beside the
+default two.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,14 +96,14 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats
 
 
 @contextlib.contextmanager
-def running_fabric(model: Path, transport: str, sched: str, log_root: str,
+def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
                    warm: list[list[list[int]]] | None = None) -> Iterator[str]:
-    """A fabric (2 AWs + 2 EWs) up and warmed (a short round with each batch of prompts in
-    `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields its
-    completions URL."""
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, transport=transport,
+    """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
+    of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
+    its completions URL."""
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
                       port=free_port(), ready_timeout=300, sched=sched)
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-", dir=log_root)
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-", dir=log_root)
     url = f"http://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
     with Fabric(cfg, log_dir=log_dir):
@@ -106,6 +111,37 @@ def running_fabric(model: Path, transport: str, sched: str, log_root: str,
         for batch in warm or [[[1] * 8]]:
             asyncio.run(fabric_round(url, batch, 16))
         yield url
+
+
+@contextlib.contextmanager
+def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
+                    warm: list[list[list[int]]] | None = None) -> Iterator[str]:
+    """The fabric of another checkout (`tree`, e.g. a `git worktree` of an earlier commit) started
+    with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL."""
+    port = free_port()
+    log = open(Path(log_root) / f"baseline-{transport}.log", "wb")  # noqa: SIM115
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # its packages before this checkout's
+    module = "launch.cli" if (tree / "launch" / "cli.py").exists() else "fabric.cli"
+    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
+                             "--expert-workers", "2", "--transport", transport, "--port", str(port)],
+                            cwd=tree, env=env, stdout=subprocess.PIPE, stderr=log)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if "moe-fabric ready" not in line:
+            raise RuntimeError(f"the baseline fabric did not start: {line!r} (log: {log.name})")
+        print(f"  baseline fabric {transport} from {tree}: ready (log {log.name})", flush=True)
+        for batch in warm or [[[1] * 8]]:
+            asyncio.run(fabric_round(url, batch, 16))
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def load_hf(model: Path) -> Any:
@@ -206,6 +242,12 @@ def main() -> None:
     ap.add_argument("--other-sched", action="store_true",
                     help="add a row per transport with the workers in the scheduling class `--sched auto` does not "
                          "pick for it (`serve --sched normal` over tcp, `--sched batch` over ucx)")
+    ap.add_argument("--gateways", default="2",
+                    help="comma-separated gateway counts: a fabric per count (the first one for every transport; "
+                         "1 is the single-gateway setting of the design before resumable streams)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="also run the fabric of this checkout (e.g. `git worktree add /tmp/base COMMIT`), over the "
+                         "first transport: the previous design side by side")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -236,24 +278,36 @@ def main() -> None:
     for batch in warm:  # warm-up, as every fabric gets
         hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
-    fabrics = {f"fabric {t}": (t, "auto") for t in transports}
+    counts = [int(g) for g in args.gateways.split(",") if g.strip()]
+    fabrics = {f"fabric {t}": (t, "auto", counts[0]) for t in transports}
+    for g in counts[1:]:
+        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g)
     if args.other_sched:
         for t in transports:
             other = "normal" if auto_sched(t) == "batch" else "batch"
-            fabrics[f"fabric {t}, --sched {other}"] = (t, other)
-    systems = [*fabrics, HF]
+            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0])
+    names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
+    systems = [*names, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
-    ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in fabrics}
+    ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in names}
     rates: list[dict[str, float]] = []
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
         # Every fabric stays up (idle between its rounds) for the whole run, so the systems'
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
-        for name, (t, sched) in fabrics.items():
+        for name, (t, sched, gws) in fabrics.items():
             try:
-                urls[name] = stack.enter_context(running_fabric(model, t, sched, log_root, warm))
+                urls[name] = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm))
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                print(f"  ERROR {errors[-1]}", flush=True)
+        if args.baseline_tree is not None:
+            name = f"baseline {transports[0]} ({args.baseline_tree.name})"
+            try:
+                urls[name] = stack.enter_context(baseline_fabric(args.baseline_tree.resolve(), model.resolve(),
+                                                                 transports[0], log_root, warm))
+            except Exception as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)
         for rep in range(args.repeats):

@@ -4,8 +4,10 @@ demo model, medians in one table (the README's), and a bar plot of the stalls.
 Scenarios: an EW gets SIGINT (fabric), an AW gets SIGINT (fabric; with the checkpoint store, by
 replay without one, and variants: the replacement started at once, the normal scheduling class,
 over ucx), an EW gets SIGSTOP (a hung process: found by probes; the detection time is the
-orchestrator's verdict), and an EW gets SIGINT with every process restarted (restart-all, the
-MegaScale-Infer-like baseline).
+orchestrator's verdict), an EW gets SIGINT with every process restarted (restart-all, the
+MegaScale-Infer-like baseline), and the control plane's processes die: the orchestrator (SIGKILL,
+SIGINT, SIGSTOP: its supervisor's watchdog), a gateway (SIGKILL, SIGSTOP; the client resumes its
+streams with Last-Event-ID) and the checkpoint store.
 
     python bench/bench_failover.py --repeats 3
 """
@@ -35,6 +37,12 @@ SCENARIOS: dict[str, list[str]] = {
     "EW SIGINT / fabric over ucx": ["--role", "expert", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
+    "orchestrator SIGKILL / fabric": ["--role", "orchestrator", "--signal", "KILL", "--mode", "fabric"],
+    "orchestrator SIGINT / fabric": ["--role", "orchestrator", "--signal", "INT", "--mode", "fabric"],
+    "orchestrator SIGSTOP / fabric": ["--role", "orchestrator", "--signal", "STOP", "--mode", "fabric"],
+    "gateway SIGKILL / fabric": ["--role", "gateway", "--signal", "KILL", "--mode", "fabric"],
+    "gateway SIGSTOP / fabric": ["--role", "gateway", "--signal", "STOP", "--mode", "fabric"],
+    "store SIGKILL / fabric": ["--role", "store", "--signal", "KILL", "--mode", "fabric"],
 }
 FIELDS = ["stall_s", "victim_gone_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s",
           "normal_gap_s", "degraded_gap_s"]
@@ -117,6 +125,7 @@ def main() -> None:
         for f in FIELDS:
             row[f] = med([m.get(f) for m in ms])
         row["lost"] = sum(m["requests_lost"] for m in ms)
+        row["client_resumes"] = sum(m.get("client_resumes", 0) for m in ms)
         row["requests"] = sum(m["requests"] for m in ms)
         row["all_equal"] = all(m["outputs_equal"] for m in ms) and bool(ms)
         rows.append(row)
@@ -126,15 +135,16 @@ def main() -> None:
 
     print(f"\n`{command}`\n")
     print("| scenario | runs | stall (median) | each run | victim gone | first token after kill | found dead by a peer | "
-          "declared dead (orchestrator) | replacement ready | back to 90% tok/s | token gap before / one worker short | "
-          "requests lost | outputs equal to failure-free run |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "declared dead (orchestrator) | replaced or restarted | back to 90% tok/s | token gap before / one worker short | "
+          "client resumes | requests lost | outputs equal to failure-free run |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         each = ", ".join(f"{m['stall_s'] * 1e3:.0f}" for m in runs[r["scenario"]] if m.get("stall_s") is not None)
         print(f"| {r['scenario']} | {r['runs']} | {ms(r['stall_s'])} | {each} | {ms(r['victim_gone_s'])} | "
               f"{ms(r['time_to_first_success_s'])} | "
               f"{ms(r['suspected_s'])} | {ms(r['detected_s'])} | {ms(r['replacement_ready_s'])} | {ms(r['time_to_90pct_throughput_s'])} | "
-              f"{ms(r['normal_gap_s'])} / {ms(r['degraded_gap_s'])} | {r['lost']} of {r['requests']} | {'yes' if r['all_equal'] else 'no'} |")
+              f"{ms(r['normal_gap_s'])} / {ms(r['degraded_gap_s'])} | {r['client_resumes']} | {r['lost']} of {r['requests']} | "
+              f"{'yes' if r['all_equal'] else 'no'} |")
     fabric_ew = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / fabric"), None)
     restart = next((r["stall_s"] for r in rows if r["scenario"] == "EW SIGINT / restart-all"), None)
     if fabric_ew and restart:

@@ -6,8 +6,9 @@
 #   host B:  HOST_A=10.0.0.1 HOST_B=10.0.0.2 MODEL_DIR=/srv/models/m ./two-hosts.sh b
 #            one attention worker, one expert worker
 #
-# Ctrl-C (or SIGTERM) stops every process this script started. If any of them exits, the script
-# stops the others and exits with that process's code. See deploy/README.md.
+# Ctrl-C (or SIGTERM) stops every process this script started. The orchestrator and the gateway are
+# started again whenever they exit (a supervisor's job: the workers keep serving meanwhile and
+# register with the new orchestrator); a worker that exits is the fabric's to handle. See deploy/README.md.
 set -euo pipefail
 
 usage() {
@@ -104,13 +105,35 @@ start() {  # start NAME CMD...
     NAMES+=("$name")
 }
 
+supervise() {  # supervise NAME CMD...: like start, and CMD runs again (after 0.5 s) whenever it exits
+    local name=$1
+    shift
+    echo "+ $* (supervised)" >&2
+    (
+        child=
+        trap 'stopping=1; [[ -n "$child" ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM INT
+        stopping=
+        while [[ -z "$stopping" ]]; do
+            "$@" &
+            child=$!
+            wait "$child" && rc=0 || rc=$?
+            [[ -n "$stopping" ]] && break
+            echo "two-hosts.sh: $name exited ($rc); starting it again in 0.5 s" >&2
+            sleep 0.5
+        done
+    ) &
+    PIDS+=($!)
+    NAMES+=("$name")
+}
+
 stop_all() {
     trap - INT TERM EXIT
     local i pid deadline=$((SECONDS + 10))
     for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do  # reverse start order: gateway first
-        kill -TERM "${PIDS[i]}" 2>/dev/null || true
+        [[ -n "${PIDS[i]}" ]] && kill -TERM "${PIDS[i]}" 2>/dev/null || true
     done
     for pid in "${PIDS[@]}"; do
+        [[ -n "$pid" ]] || continue
         while kill -0 "$pid" 2>/dev/null; do
             if ((SECONDS >= deadline)); then
                 echo "two-hosts.sh: pid $pid did not stop; killing it" >&2
@@ -143,30 +166,34 @@ wait_for_orchestrator() {
 }
 
 if [[ "$ROLE" == a ]]; then
-    start orchestrator "$MOE_FABRIC" orchestrator --model "$MODEL_DIR" --expert-workers 2 \
+    supervise orchestrator "$MOE_FABRIC" orchestrator --model "$MODEL_DIR" --expert-workers 2 \
         --host "$ORCH_BIND" --port "$ORCH_PORT"
 fi
-# Workers give up on the orchestrator after 30 s, so do not start them before it answers.
+# Workers wait for the orchestrator as long as it takes; starting them once it answers keeps the logs quiet.
 wait_for_orchestrator
 start expert-worker "$MOE_FABRIC" expert-worker "${worker_args[@]}" --port "$EW_PORT" --gather "$GATHER"
 start attention-worker "$MOE_FABRIC" attention-worker "${worker_args[@]}" --port "$AW_PORT"
 if [[ "$ROLE" == a ]]; then
-    start gateway "$MOE_FABRIC" gateway --model "$MODEL_DIR" --orchestrator "$ORCH" \
+    supervise gateway "$MOE_FABRIC" gateway --model "$MODEL_DIR" --orchestrator "$ORCH" \
         --host "$GATEWAY_BIND" --port "$GATEWAY_PORT" --transport "$TRANSPORT"
     echo "two-hosts.sh: cluster view: curl http://$HOST_A:$ORCH_PORT/cluster" >&2
     echo "two-hosts.sh: the gateway answers once host B is up: curl http://$HOST_A:$GATEWAY_PORT/v1/models" >&2
 fi
 
-# Block until the first process exits (wait -n needs bash >= 4.3), then stop the others.
+# Serve until Ctrl-C or SIGTERM (the traps stop everything). A worker that exits is reported; the
+# fabric takes over its work (wait -n needs bash >= 4.3).
 set +e
-wait -n
-rc=$?
-set -e
-for i in "${!PIDS[@]}"; do
-    if ! kill -0 "${PIDS[i]}" 2>/dev/null; then
-        echo "two-hosts.sh: ${NAMES[i]} (pid ${PIDS[i]}) exited (status $rc); stopping the rest" >&2
-        break
+while true; do
+    wait -n
+    rc=$?
+    for i in "${!PIDS[@]}"; do
+        if [[ -n "${PIDS[i]}" ]] && ! kill -0 "${PIDS[i]}" 2>/dev/null; then
+            echo "two-hosts.sh: ${NAMES[i]} (pid ${PIDS[i]}) exited (status $rc); the fabric takes over its work" >&2
+            PIDS[i]=
+        fi
+    done
+    if ! kill -0 ${PIDS[@]} 2>/dev/null; then
+        echo "two-hosts.sh: nothing left to run" >&2
+        exit "$rc"
     fi
 done
-stop_all
-exit "$rc"

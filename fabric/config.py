@@ -6,6 +6,7 @@ defaults (`launch.flags.to_argv`). Validation lives in `__post_init__`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,13 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, meta
         hidden: bool = False) -> Any:
     """A config field with what its command-line flag needs. `hidden`: not in --help (a launcher's)."""
     return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar, "hidden": hidden})
+
+
+def like(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """The field `name` of config `cls` again (its default unless given, and its flag's help), for
+    a config that passes it on: `serve`'s flags are its roles' flags."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field(default=f.default if default is dataclasses.MISSING else default, metadata=f.metadata)
 
 
 def req(help: str, *, metavar: str | None = None) -> Any:
@@ -228,6 +236,8 @@ class OrchestratorConfig:
                                        "register again before it rebuilds the cluster from their reports")
     generation: int = opt(0, "this orchestrator's fencing token; workers follow no older one "
                              "(0: microseconds since the epoch, so a later start is newer)")
+    boot_nice: int = opt(0, "run start-up (imports) this much nicer, 0..19, or 20: in the idle class "
+                            "(a restarted orchestrator boots beside the serving workers)")
     supervisor_fd: int | None = opt(None, "socket to the supervisor that starts replacements", hidden=True)
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
@@ -246,6 +256,7 @@ class OrchestratorConfig:
         if self.rejoin_grace_ms < 0 or self.recovery_grace_s < 0 or self.generation < 0:
             raise ConfigError("rejoin_grace_ms, recovery_grace_s and generation must be >= 0")
         _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
+        _check_boot_nice(self.boot_nice, "boot_nice")
 
     @property
     def sched_policy(self) -> str:

@@ -59,6 +59,7 @@ class ControlLink:
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.fenced: str | None = None  # why the orchestrator declared this worker dead
         self.registrations = 0
+        self.leaving = False  # this worker is shutting down: a closed link is no news
         self._ws: aiohttp.ClientWebSocketResponse | None = None
 
     async def run(self) -> None:
@@ -88,6 +89,8 @@ class ControlLink:
                 except _Stale:
                     delay = MAX_BACKOFF
                 except (PeerDeadError, ProtocolError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    if self.leaving:
+                        return
                     if self.registrations:
                         log.warning("orchestrator link lost (%s); serving on, reconnecting", exc)
                 finally:

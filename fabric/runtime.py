@@ -138,8 +138,9 @@ class Runtime:
     async def _watch_link(self, link_task: asyncio.Task[None]) -> None:
         await asyncio.wait([link_task])
         if self.link.fenced is not None and not self.stop.is_set():
-            log.error("%s was declared dead by the orchestrator (%s); leaving", self.worker_id or "this worker",
-                      self.link.fenced)
+            # Expected after a hang (SIGSTOP, a stall): the fabric has replaced this worker meanwhile.
+            log.warning("%s: the orchestrator declared this worker dead (%s); leaving", self.worker_id or "this worker",
+                        self.link.fenced)
             mark_failed()
             self.stop.set()
 
@@ -153,6 +154,7 @@ class Runtime:
         try:
             await stop.wait()
         finally:
+            self.link.leaving = True
             if self.link.connected.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._send_quietly(Leaving("shutting down")), 1.0)

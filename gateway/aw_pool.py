@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
+IDLE_TICK = 0.1  # seconds between a prober's checks while nothing is in flight
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
 
 
@@ -77,7 +78,8 @@ class AwClient:
 
     async def probe_loop(self, interval: float, misses: int, on_dead: Callable[[AwClient, str], None]) -> None:
         """A hung AW (SIGSTOP) keeps its connection open: while requests are in flight and the link
-        has been silent for `interval`, ping; after `misses` unanswered probes and a silence over 5x
+        has been silent for `interval` and the usual gap between its messages, ping; after `misses`
+        unanswered probes and a silence over 5x
         the usual gap between its messages and over `MIN_SILENCE` (a busy AW answers between
         layers, but its first step warms torch up, and on a loaded host it may not be scheduled for
         a while), the AW is declared dead and its requests resume elsewhere. A false verdict
@@ -85,9 +87,10 @@ class AwClient:
         sent = 0
         nonce = itertools.count(1)
         while not self.conn.closed:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval if self.requests else max(interval, IDLE_TICK))  # idle: tick slower
             silent = time.monotonic() - self.last_heard
-            if not self.requests or silent < interval:
+            # An AW is silent for a whole step between its outputs: no probe before that is due.
+            if not self.requests or silent < max(interval, self.gap):
                 sent = 0
                 continue
             if sent >= misses and silent > max(interval * (misses + 1), 5 * self.gap, MIN_SILENCE):
@@ -302,19 +305,17 @@ class AwPool:
         return found
 
     async def abort(self, client: AwClient, request_id: str) -> None:
-        self.cleared(client, request_id)
-        if client.requests.pop(request_id, None) is not None:
-            try:
-                client.conn.send_nowait(Abort(request_id))
-            except PeerDeadError:
-                pass
+        self._let_go(client, request_id, Abort(request_id))
 
     async def detach(self, client: AwClient, request_id: str) -> None:
         """The HTTP client left a resumable stream: the AW keeps it for a resume."""
+        self._let_go(client, request_id, Detach(request_id))
+
+    def _let_go(self, client: AwClient, request_id: str, msg: Abort | Detach) -> None:
         self.cleared(client, request_id)
         if client.requests.pop(request_id, None) is not None:
             try:
-                client.conn.send_nowait(Detach(request_id))
+                client.conn.send_nowait(msg)
             except PeerDeadError:
                 pass
 

@@ -79,12 +79,16 @@ async def attach_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> bool
     """Resumes a stream whose client came back (Last-Event-ID): binds to the AW that still runs it;
     if none does (its AW died meanwhile, or its grace passed), generates it again from the start
     (sampling depends only on the seed and the token index: the same tokens). True if attached."""
+    t0 = time.monotonic()
     found = await pool.attach(choice.submit)
     if found is None:
+        log.info("%s: resumed by its client; no AW runs it any more: generating it again", choice.request_id)
         await start_choice(pool, choice, wait)
         return False
     choice.client, choice.pending, reply = found
     choice.deaths, choice.since_submit = reply.deaths, 0
+    log.info("%s: resumed by its client: attached to it on %s (%d tokens so far) in %.1f ms", choice.request_id,
+             choice.client.worker_id, len(reply.outputs), (time.monotonic() - t0) * 1e3)
     return True
 
 

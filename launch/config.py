@@ -6,18 +6,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.config import (
-    PROBE_INTERVAL_HELP,
-    PROBE_MISSES_HELP,
     SCHED_POLICIES,
-    SEND_TIMEOUT_HELP,
-    TRANSPORTS,
     AttentionWorkerConfig,
     CheckpointStoreConfig,
     ExpertWorkerConfig,
     GatewayConfig,
     OrchestratorConfig,
+    RoleConfig,
+    WorkerConfig,
     check_port,
     check_probes,
+    like,
     opt,
 )
 from fabric.errors import ConfigError
@@ -30,36 +29,35 @@ class ServeConfig:
     expert_workers: int = opt(2, "expert workers")
     gateways: int = opt(2, "gateway processes sharing the HTTP port (a dead one costs only its connections)")
     checkpoint_stores: int = opt(1, "KV checkpoint stores (0: AW deaths replay)")
-    transport: str = opt("auto", "the fabric's transport (auto: ucx where UCX finds RDMA, else tcp)", choices=TRANSPORTS)
+    transport: str = like(RoleConfig, "transport")
     host: str = opt("127.0.0.1", "address every process listens on")
     port: int = opt(8000, "the gateways' HTTP port")
     orchestrator_port: int = opt(0, "the orchestrator's port (0: a free one, kept across its restarts)")
-    dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
-    gather: str = opt("sync", "the EWs' gather policy", choices=("sync", "threshold"))
-    shadows_per_expert: int = opt(1, "inactive copies of each expert on other EWs")
-    served_model_name: str | None = opt(None, "the model's name in the API (default: the directory's name)")
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 (default: $MOE_FABRIC_API_KEY)")
+    dtype: str | None = like(WorkerConfig, "dtype")
+    gather: str = like(ExpertWorkerConfig, "gather")
+    shadows_per_expert: int = like(OrchestratorConfig, "shadows_per_expert")
+    served_model_name: str | None = like(GatewayConfig, "served_model_name")
+    api_key: str | None = like(GatewayConfig, "api_key")
     max_waiting: int = opt(512, "requests waiting for their first token beyond this get 429 (per gateway)")
-    drain_timeout: float = opt(30.0, "seconds SIGTERM waits for running requests")
-    routing: str = opt("least-work", "how a gateway picks an attention worker", choices=("least-work", "round-robin"))
-    resume: str = opt("restore", "how a dead AW's requests resume: from the checkpoint store, or by replay (baselines)",
-                      choices=("restore", "parallel", "sequential"))
-    stream_resume_grace_s: float = opt(10.0, "a stream whose client went away keeps running this long for a resume "
-                                             "with Last-Event-ID")
+    drain_timeout: float = like(GatewayConfig, "drain_timeout")
+    routing: str = like(GatewayConfig, "routing")
+    resume: str = like(GatewayConfig, "resume")
+    stream_resume_grace_s: float = like(GatewayConfig, "stream_resume_grace_s")
     provisioner: str = opt("local", "replace every worker that dies with a new process (none: don't)",
                            choices=("local", "none"))
-    checkpoint: str = opt("incremental", "how AWs checkpoint KV (pause: the stop-copy-resume baseline)",
-                          choices=("incremental", "pause", "off"))
-    probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
-    probe_misses: int = opt(3, PROBE_MISSES_HELP)
-    send_timeout_ms: float = opt(1000.0, SEND_TIMEOUT_HELP)
+    checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
+    probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
+    probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
+    send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
     sched: str = opt("auto", "CPU scheduling policy of the serving processes (batch: a woken peer does not preempt "
                              "the sender; auto: batch over tcp)", choices=SCHED_POLICIES)
     restart_delay_s: float = opt(0.5, "a dead orchestrator or gateway is started again after this (doubling while it "
                                       "keeps dying young, up to 10 s)")
-    watchdog_s: float = opt(3.0, "an orchestrator or gateway whose event loop is silent this long is hung: killed and "
+    watchdog_s: float = opt(2.0, "an orchestrator or gateway whose event loop is silent this long is hung: killed and "
                                  "started again (0: no watchdog)")
-    recovery_grace_s: float = opt(3.0, "a restarted orchestrator waits this long for the workers to register again")
+    recovery_grace_s: float = like(OrchestratorConfig, "recovery_grace_s")
+    restart_boot_nice: int = opt(10, "a restarted orchestrator or gateway boots this much nicer (0..19; 20: the idle "
+                                     "class), so its start-up takes little CPU from the serving workers")
     ready_timeout: float = opt(300.0, "seconds start-up may take")
 
     def __post_init__(self) -> None:
@@ -74,6 +72,8 @@ class ServeConfig:
         check_port(self.orchestrator_port, "orchestrator_port")
         if self.sched not in SCHED_POLICIES:
             raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
+        if not 0 <= self.restart_boot_nice <= 20:
+            raise ConfigError("restart_boot_nice must be in 0..20")
         if self.restart_delay_s < 0 or self.watchdog_s < 0 or self.recovery_grace_s < 0 or self.send_timeout_ms <= 0:
             raise ConfigError("restart_delay_s, watchdog_s and recovery_grace_s must be >= 0, send_timeout_ms > 0")
 

@@ -79,6 +79,7 @@ class Child:
     incarnation: int = 0
     backoff: float = 0.0
     due: float | None = None  # when to start it again
+    killed: bool = False  # the watchdog killed it (it may take a moment to go)
 
 
 class Supervisor:
@@ -119,6 +120,8 @@ class Supervisor:
             # The first orchestrator has no one to wait for; a restarted one waits for the workers.
             grace = cfg.recovery_grace_s if child.incarnation else 0.0
             cfg = replace(cfg, supervisor_fd=pass_fd, recovery_grace_s=grace)
+        if child.incarnation:  # restarted beside serving workers: its imports yield the CPU to them
+            cfg = replace(cfg, boot_nice=self.cfg.restart_boot_nice)
         if child.boot_nice:
             cfg = replace(cfg, boot_nice=child.boot_nice)
         command = COMMAND[child.role]
@@ -158,7 +161,7 @@ class Supervisor:
                 out.close()
             if theirs is not None:
                 theirs.close()
-        child.notify, child.ready, child.due = notify, False, None
+        child.notify, child.ready, child.due, child.killed = notify, False, None, False
         child.started = child.pinged = time.monotonic()
 
     def _close_sockets(self, child: Child) -> None:
@@ -258,10 +261,11 @@ class Supervisor:
                 continue
             code = proc.poll()
             if code is None:
-                if (child.restart and child.ready and self.cfg.watchdog_s > 0
+                if (child.restart and child.ready and not child.killed and self.cfg.watchdog_s > 0
                         and now - child.pinged > self.cfg.watchdog_s):
                     _say(f"{child.name} (pid {proc.pid}) is hung: no watchdog ping for {now - child.pinged:.1f} s; "
                          "killing it")
+                    child.killed = True
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
                 continue

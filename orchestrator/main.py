@@ -157,7 +157,7 @@ class Orchestrator:
             rec = self.cluster.add(reg)
             if rec is None:
                 log.warning("%s (pid %d) registered again, but it was declared dead: fenced", reg.worker_id, reg.pid)
-                await ws.send_bytes(pack(Fenced("declared dead by the orchestrator")))
+                await ws.send_bytes(pack(Fenced("it was declared dead earlier")))
                 return ws
             link = WorkerLink(rec.id, ws, LINK_SEND_TIMEOUT)
             old = self.links.pop(rec.id, None)

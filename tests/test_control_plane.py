@@ -45,6 +45,8 @@ def test_orchestrator_death_mid_decode(hf_models: dict[str, Path], tmp_path: Pat
         logs = (tmp_path / "logs" / "gateway-0.log").read_text() + (tmp_path / "logs" / "gateway-1.log").read_text()
         assert "resuming after" not in logs  # and no stream needed resuming
 
+        if sig != signal.SIGKILL:
+            return  # (the EW death below is the same after either signal)
         # The new orchestrator handles an EW death as usual: shadows, the next epoch, a replacement.
         _, outputs, ew_pid = kill_mid_decode(fabric, "expert-worker-1", signal.SIGKILL, reference=reference)
         assert outputs == reference

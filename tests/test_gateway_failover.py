@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.conftest import running_fabric
 from tests.helpers import post_json, resumable_stream, wait_for
-from tests.load import BODY, PROMPTS
+from tests.load import BODY, PROMPTS, wait_gone
 
 
 def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tmp_path: Path) -> None:
@@ -58,7 +58,8 @@ def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tm
         victim = max(gateways, key=first.count)  # the gateway that serves the most streams
         old_pid = gateways[victim]
         os.kill(old_pid, signal.SIGKILL)
-        kill_wall = time.time()
+        wait_gone(old_pid, 10)
+        gone_wall = time.time()  # its sockets are closed: every connection from now on reaches a live gateway
         for t in threads:
             t.join(120)
         wait_for(fabric, "the dead gateway started again", lambda c: sum(
@@ -73,7 +74,7 @@ def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tm
         assert on_victim, "no stream was on the victim"
         assert all(r[1] >= 1 and victim not in r[2][1:] for r in on_victim)  # resumed on another gateway
         assert all(r[1] == 0 for r in on_other)  # untouched
-        after = [(s, n) for t0, s, n in new if t0 > kill_wall]
+        after = [(s, n) for t0, s, n in new if t0 > gone_wall]
         assert len(after) >= 5 and all(s == 200 and n == 4 for s, n in after), after
         assert all(p.pid != old_pid for n, p in fabric.procs if n.startswith("gateway"))
         assert all(p.poll() is None for n, p in fabric.procs if n.startswith("gateway"))

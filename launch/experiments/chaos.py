@@ -22,7 +22,6 @@ import random
 import signal
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,12 +79,18 @@ class Chaos:
         self.signals = [s.strip().upper() for s in args.signals.split(",") if s.strip()]
         self.kills: list[Kill] = []
         self.stopped: set[int] = set()
+        self.woken: set[int] = set()
         self._wake: set[asyncio.Task[None]] = set()
 
-    def whole(self) -> bool:
+    def whole(self, victim: Kill | None = None) -> bool:
+        """Every role back to its size, every expert with all its copies, no recovery under way,
+        and the victim (if any) out of the view, or woken again (a SIGSTOP the fabric never saw)."""
         try:
             c = self.fabric.cluster()
         except OSError:
+            return False
+        if victim is not None and victim.pid not in self.woken and any(
+                w["pid"] == victim.pid and w["state"] == "alive" for w in c["workers"]):
             return False
         a = self.args
         alive = [w["role"] for w in c["workers"] if w["state"] == "alive"]
@@ -96,12 +101,12 @@ class Chaos:
                 and red.get("copies_min") == red.get("copies_wanted")
                 and all(p.poll() is None for _, p in self.fabric.procs if _.startswith(("orchestrator", "gateway"))))
 
-    async def wait_whole(self, limit: float) -> float | None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < limit:
-            if await asyncio.to_thread(self.whole):
-                return time.monotonic() - t0
-            await asyncio.sleep(0.25)
+    async def wait_whole(self, victim: Kill, limit: float) -> float | None:
+        """Seconds from the kill until the fabric is whole again (None: not within `limit`)."""
+        while self.run.now() - victim.at < limit:
+            if await asyncio.to_thread(self.whole, victim):
+                return self.run.now() - victim.at
+            await asyncio.sleep(0.1)
         return None
 
     def victims(self, role: str) -> list[tuple[str, Any]]:
@@ -111,15 +116,11 @@ class Chaos:
 
     async def loop(self) -> None:
         a = self.args
-        while self.run.now() + a.kill_every < a.duration:
-            await asyncio.sleep(a.kill_every)
-            if self.kills:
-                self.kills[-1].whole_after = await self.wait_whole(a.kill_every * 3)
-                if self.kills[-1].whole_after is None:
-                    say("chaos", "the fabric is not whole again; the next kill would be a double fault: stopping kills")
-                    return
-            if self.run.now() + 2.0 > a.duration:
+        while True:
+            next_at = max((len(self.kills) + 1) * a.kill_every, self.run.now())
+            if next_at + 2.0 > a.duration:
                 return
+            await asyncio.sleep(next_at - self.run.now())
             role = self.rng.choice(self.roles)
             sig = self.rng.choice(self.signals)
             candidates = self.victims(role)
@@ -135,13 +136,17 @@ class Chaos:
                 task = asyncio.create_task(self._wake_later(proc))
                 self._wake.add(task)
                 task.add_done_callback(self._wake.discard)
-        if self.kills and self.kills[-1].whole_after is None:
-            self.kills[-1].whole_after = await self.wait_whole(a.kill_every * 3)
+            kill.whole_after = await self.wait_whole(kill, max(3 * a.kill_every, 60.0))
+            if kill.whole_after is None:
+                say("chaos", "the fabric is not whole again; another kill would be a double fault: no more kills")
+                return
+            say("chaos", f"           whole again {kill.whole_after:.1f} s after")
 
     async def _wake_later(self, proc: Any) -> None:
         await asyncio.sleep(self.args.stop_for)
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
+        self.woken.add(proc.pid)
 
 
 def report(args: argparse.Namespace, out: Path, run: Run, chaos: Chaos, reference: dict[int, list[int]]) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -313,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = None
         if args.mode == "fabric":
             if args.signal == "STOP" and inj.victim_pid:
-                os.kill(inj.victim_pid, signal.SIGCONT)  # fenced (or restarted): it exits once woken
+                with contextlib.suppress(ProcessLookupError):  # (its supervisor may have killed it)
+                    os.kill(inj.victim_pid, signal.SIGCONT)  # fenced: it exits once woken
             cluster = _settled_cluster(exp, args.role)
         say("failover", f"failure run: {len(fail.streams)} requests; stopping the fabric")
         exp.stop_all()
