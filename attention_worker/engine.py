@@ -243,9 +243,10 @@ class AttentionWorker:
             self._remove(seq.request_id)
         self.steps += 1
         self.tokens_out += row
+        load = self.scheduler.outstanding_work()
         for conn, outputs in per_client.items():
             try:
-                conn.send_nowait(StepOutput(outputs))  # a gateway that stops reading loses its link
+                conn.send_nowait(StepOutput(outputs, load))  # a gateway that stops reading loses its link
             except PeerDeadError:
                 pass  # handle_client's cleanup detaches its requests
 

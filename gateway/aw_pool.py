@@ -1,7 +1,9 @@
 """The gateway's connections to AWs and the choice of AW for each request.
 
 Each new request goes to the AW with the least outstanding work (prompt tokens still to prefill
-plus tokens still to decode, FailSafe §3.1), counted here from what this gateway sent.
+plus tokens still to decode, FailSafe §3.1). Several gateways share the AWs, so no gateway's own
+count is the AW's: each AW reports its whole outstanding work with every step output, and a
+gateway adds what it submitted since that report.
 
 Suspects (see gateway/generation.py): a request whose AW died before it produced a token may be
 what killed it. At most one suspect per AW is in flight from this gateway until it produces a
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
 IDLE_TICK = 0.1  # seconds between a prober's checks while nothing is in flight
+REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
 
 
@@ -68,6 +71,9 @@ class AwClient:
         self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
         self.dead_reason: str | None = None
         self.suspect: str | None = None  # the suspect request in flight here, until it produces a token
+        self.reported_load = 0  # the AW's outstanding work at its last step output (all gateways')
+        self.reported_at = 0.0
+        self.submitted_since = 0  # work this gateway submitted since that report
 
     def _heard(self) -> None:
         now = time.monotonic()
@@ -107,7 +113,12 @@ class AwClient:
 
     @property
     def outstanding_work(self) -> int:
-        return sum(p.work for p in self.requests.values())
+        """This AW's outstanding work as far as this gateway knows: its own requests', or the
+        AW's last report plus what this gateway sent since, whichever is more."""
+        own = sum(p.work for p in self.requests.values())
+        if not self.requests and time.monotonic() - self.reported_at > REPORT_TTL:
+            return own  # nothing of ours there for a while: that report is stale
+        return max(own, self.reported_load + self.submitted_since)
 
     async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
         reason = "attention worker connection lost"
@@ -118,6 +129,7 @@ class AwClient:
                 if isinstance(msg, Pong):
                     continue
                 if isinstance(msg, StepOutput):
+                    self.reported_load, self.submitted_since, self.reported_at = msg.load, 0, time.monotonic()
                     for row in msg.outputs:
                         p = self.requests.get(row[0])
                         if p is not None:
@@ -258,6 +270,7 @@ class AwPool:
         if not client.requests:
             client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
         client.requests[submit.request_id] = pending
+        client.submitted_since += pending.work
         if suspect:
             client.suspect = submit.request_id
         try:

@@ -100,6 +100,10 @@ def _run_role(role: str, cfg: Any, module: str) -> None:
     when they leave it idle."""
     from fabric.process import run_niced, run_role
 
+    # OpenMP threads that spin between parallel regions take the CPU from the other processes a
+    # fabric runs on the same cores; set before torch is first imported (and left to the user).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
     def load() -> Any:
         return run_niced(lambda: importlib.import_module(module), getattr(cfg, "boot_nice", 0)).serve
 

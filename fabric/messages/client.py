@@ -88,10 +88,13 @@ class Attached(Message):
 @dataclass
 class StepOutput(Message):
     """One AW step: for each request that produced a token,
-    [request_id, token, finish_reason|None, logprob|None, [[token, logprob], ...]|None]."""
+    [request_id, token, finish_reason|None, logprob|None, [[token, logprob], ...]|None]; and the
+    AW's outstanding work after the step (tokens to prefill and decode, over every gateway's
+    requests), which every gateway routes on."""
 
     kind = "step_output"
     outputs: list[list[Any]]
+    load: int = 0
 
 
 @register

@@ -229,12 +229,15 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     baseline, ttp = tl.recovery(series, kill)
     gaps = tl.token_gaps(times)
     stall, tfs = tl.stall(times, kill), tl.first_success(times, kill)
+    # The same measure on the failure-free run at the same moment: what a stall reads against.
+    stall_ref = tl.stall([s.times for s in ref.streams], kill)
     reference = {s.index: s.tokens for s in ref.streams}
     differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
     gone = fail.lost(args.tokens)
     found = detection(inj, cluster)
     metrics = {"kill_at_s": kill, "victim_gone_s": None if inj.gone is None else inj.gone - kill,
-               "new_fabric_ready_s": inj.ready, "stall_s": stall, "normal_gap_s": tl.normal_gap(times, kill),
+               "new_fabric_ready_s": inj.ready, "stall_s": stall, "stall_without_failure_s": stall_ref,
+               "normal_gap_s": tl.normal_gap(times, kill),
                "time_to_first_success_s": tfs, "baseline_tok_s": baseline,
                "time_to_90pct_throughput_s": ttp, "requests": len(fail.streams), "requests_lost": len(gone),
                "lost": gone, "outputs_equal": not differ, "differing": differ,
@@ -257,7 +260,8 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     def f(x: float | None, unit: str = " s", sign: str = "") -> str:
         return "never" if x is None else f"{sign}{x:.2f}{unit}"
 
-    summary = (f"failover role={args.role} signal={args.signal} mode={args.mode}: stall {f(stall)}, first success "
+    summary = (f"failover role={args.role} signal={args.signal} mode={args.mode}: stall {f(stall)} (without the "
+               f"failure {f(stall_ref)}), first success "
                f"{f(tfs, sign='+')}, back to 90% throughput {f(ttp, sign='+')}, "
                + (f"declared dead {f(found['detected_s'], sign='+')}, back {f(found['replacement_ready_s'], sign='+')}, "
                   if args.mode == "fabric" else "")
