@@ -39,6 +39,9 @@ from fabric.transport.base import Connection
 log = logging.getLogger("attention_worker")
 
 
+MAX_RESUME_GRACE_S = 3600.0  # a detached stream is kept at most this long
+
+
 class AttentionWorker:
     def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig) -> None:
         self.cfg = cfg
@@ -104,8 +107,12 @@ class AttentionWorker:
                 raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
             if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
                 raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
-            if msg.resume_grace_s < 0 or msg.deaths < 0:
-                raise RequestError("resume_grace_s and deaths must be >= 0")
+            if not 0 <= msg.resume_grace_s <= MAX_RESUME_GRACE_S or msg.deaths < 0 or msg.replay_chunk < 0:
+                raise RequestError(f"resume_grace_s must be in [0, {MAX_RESUME_GRACE_S}], deaths and replay_chunk >= 0")
+            if not (0.0 <= msg.temperature <= 2.0 and 0.0 < msg.top_p <= 1.0 and -1 <= msg.top_k <= self.model.vocab_size
+                    and -1 <= msg.logprobs <= 20 and len(msg.stop_token_ids) <= 64):
+                raise RequestError("sampling parameters out of range (temperature 0..2, top_p (0, 1], top_k -1..vocab, "
+                                   "logprobs -1..20, at most 64 stop token ids)")
             if self._find(msg.request_id) is not None:
                 raise RequestError(f"request {msg.request_id} is already running here")
             seq = Sequence.from_submit(msg, conn)

@@ -42,7 +42,8 @@ class AttentionService(Service):
     def __init__(self, cfg: AttentionWorkerConfig) -> None:
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
-        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000)
+        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
+                                        secret=cfg.cluster_secret(), tls=cfg.tls())
         self.aw = AttentionWorker(cfg, self.model)
         self.weights: AttentionWeights | None = None
         self.listener: Listener | None = None

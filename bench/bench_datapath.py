@@ -9,7 +9,11 @@ full run):
     python bench/bench_datapath.py --concurrency 1,16 --tokens 128 --repeats 3
 
 `--gateways 2,1` adds a fabric with one gateway (the setting before resumable streams) beside the
-default two.
+default two. `--security none,tls` adds fabrics without authentication (`serve --no-auth`) and with
+TLS on every TCP link and HTTP server (a self-signed cluster certificate) beside the default
+(authenticated, not encrypted):
+
+    python bench/bench_datapath.py --transports tcp --concurrency 1,16 --security none,tls --repeats 5
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from common import percentile, scan_logs  # bench/ is on sys.path when run as a 
 from fabric.config import auto_sched
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
+from fabric.tls import Tls
 from launch.config import ServeConfig
 from launch.local import Fabric, free_port
 
@@ -82,9 +87,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return times, n
 
 
-async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats:
+async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None) -> Stats:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    connector = aiohttp.TCPConnector(limit=0, ssl=tls.client() if tls is not None else True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
     n = sum(k for _, k in results)
@@ -95,22 +101,34 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int) -> Stats
     return summarize(n, end - t0, gaps)
 
 
+def self_signed(out: Path) -> Tls:
+    """A cluster certificate for the TLS rows (openssl, as deploy/README.md shows)."""
+    cert, key = out / "cluster.crt", out / "cluster.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=moe-fabric",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return Tls(str(cert), str(key))
+
+
 @contextlib.contextmanager
 def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
-                   warm: list[list[list[int]]] | None = None) -> Iterator[str]:
+                   warm: list[list[list[int]]] | None = None, security: str = "secret") -> Iterator[tuple[str, Tls | None]]:
     """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
     of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
-    its completions URL."""
+    its completions URL and TLS (`security`: secret = authenticated, the default; none =
+    `--no-auth`; tls = authenticated inside TLS)."""
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-", dir=log_root)
+    tls = self_signed(Path(log_dir)) if security == "tls" else None
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
-                      port=free_port(), ready_timeout=300, sched=sched)
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-", dir=log_root)
-    url = f"http://{cfg.host}:{cfg.port}/v1/completions"
+                      port=free_port(), ready_timeout=300, sched=sched, auth=security != "none",
+                      tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)
+    url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
     with Fabric(cfg, log_dir=log_dir):
-        print(f"  fabric {transport} (sched {sched}): ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
+        print(f"  fabric {transport} (sched {sched}, {security}): ready in {time.perf_counter() - t:.1f}s "
+              f"(logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
-            asyncio.run(fabric_round(url, batch, 16))
-        yield url
+            asyncio.run(fabric_round(url, batch, 16, tls))
+        yield url, tls
 
 
 @contextlib.contextmanager
@@ -248,6 +266,9 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run the fabric of this checkout (e.g. `git worktree add /tmp/base COMMIT`), over the "
                          "first transport: the previous design side by side")
+    ap.add_argument("--security", default="",
+                    help="comma-separated extra fabrics over the first transport: none (serve --no-auth), tls "
+                         "(TLS on every TCP link and HTTP server); the default fabric is authenticated")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -279,13 +300,17 @@ def main() -> None:
         hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     counts = [int(g) for g in args.gateways.split(",") if g.strip()]
-    fabrics = {f"fabric {t}": (t, "auto", counts[0]) for t in transports}
+    fabrics = {f"fabric {t}": (t, "auto", counts[0], "secret") for t in transports}
     for g in counts[1:]:
-        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g)
+        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g, "secret")
     if args.other_sched:
         for t in transports:
             other = "normal" if auto_sched(t) == "batch" else "batch"
-            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0])
+            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0], "secret")
+    for sec in [x.strip() for x in args.security.split(",") if x.strip()]:
+        if sec not in ("none", "tls"):
+            ap.error(f"--security takes none and tls, not {sec!r}")
+        fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
@@ -296,9 +321,10 @@ def main() -> None:
         # Every fabric stays up (idle between its rounds) for the whole run, so the systems'
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
-        for name, (t, sched, gws) in fabrics.items():
+        tlss: dict[str, Tls | None] = {}
+        for name, (t, sched, gws, sec) in fabrics.items():
             try:
-                urls[name] = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm))
+                urls[name], tlss[name] = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec))
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)
@@ -320,7 +346,7 @@ def main() -> None:
                         if name == HF:
                             done[name] = hf_round(hf, prompts[:c], args.tokens, args.hf_threads)
                         else:
-                            done[name] = asyncio.run(fabric_round(urls[name], prompts[:c], args.tokens))
+                            done[name] = asyncio.run(fabric_round(urls[name], prompts[:c], args.tokens, tlss.get(name)))
                     except Exception as exc:
                         errors.append(f"repeat {rep + 1} {name} C={c}: {type(exc).__name__}: {exc}")
                         print(f"  ERROR {errors[-1]}", flush=True)

@@ -19,7 +19,7 @@ import torch
 
 from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
 from fabric.config import CheckpointStoreConfig
-from fabric.errors import ProtocolError
+from fabric.errors import AuthError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import (
     KvAppend,
@@ -32,12 +32,14 @@ from fabric.messages.checkpoint import (
     StoreHello,
 )
 from fabric.messages.control import Role, RoutingUpdate
+from fabric.model.config import ModelConfig
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener
 
 log = logging.getLogger("checkpoint_store")
 
+OWNER_GONE_WAIT_S = 5.0  # a fetch from a bucket whose owner is still connected waits this long for it to go
 RESTORE_CHUNK_BYTES = 4 << 20  # k and v of one KvRestore message, at most (one block at least)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +50,11 @@ class CheckpointStore(Service):
     def __init__(self, cfg: CheckpointStoreConfig) -> None:
         self.cfg = cfg
         self.log = CheckpointLog()
-        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000)
+        self.model = ModelConfig.from_dir(cfg.model)
+        self.owners: dict[str, Connection] = {}  # AW -> its live connection (identity is bound to it)
+        self.owner_gone = asyncio.Condition()  # notified when an owner's connection ends or it is declared dead
+        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
+                                        secret=cfg.cluster_secret(), tls=cfg.tls())
         self.listener: Listener | None = None
         self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
         self.fetches = 0
@@ -74,6 +80,8 @@ class CheckpointStore(Service):
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, RoutingUpdate):
             self.forget_dead(msg.view.dead)
+            async with self.owner_gone:
+                self.owner_gone.notify_all()
 
     async def _expire(self) -> None:
         while True:
@@ -89,12 +97,32 @@ class CheckpointStore(Service):
         hello = await conn.recv()
         if not isinstance(hello, StoreHello):
             raise ProtocolError(f"expected store_hello, got {hello.kind}")
-        if hello.dtype not in DTYPES or min(hello.num_layers, hello.num_kv_heads, hello.head_dim) < 1:
-            raise ProtocolError(f"store_hello: bad KV layout {hello}")
+        m = self.model
+        if hello.dtype not in DTYPES or (hello.num_layers, hello.num_kv_heads, hello.head_dim) != \
+                (m.num_layers, m.num_kv_heads, m.head_dim):
+            raise ProtocolError(f"store_hello: a KV layout that is not this model's: {hello}")
+        aw = hello.aw_id
+        if aw in self.dead_since:
+            raise ProtocolError(f"{aw} was declared dead")
+        owner = self.owners.get(aw)
+        if owner is not None and not owner.closed:
+            raise AuthError(f"{conn.peer} claims {aw}, which is connected")
+        if aw not in self.log.buckets and len(self.log.buckets) >= self.cfg.max_aws:
+            raise ProtocolError(f"{aw}: this store already keeps {self.cfg.max_aws} attention workers' checkpoints")
         layout = KvLayout(hello.num_layers, hello.num_kv_heads, hello.head_dim, DTYPES[hello.dtype])
-        bucket = self.log.bucket(hello.aw_id, layout, self.cfg.bucket_mib << 20)
-        log.info("%s checkpoints here (%d layers, %d kv heads x %d, %s)", hello.aw_id, layout.num_layers,
+        bucket = self.log.bucket(aw, layout, self.cfg.bucket_mib << 20)
+        self.owners[aw] = conn
+        log.info("%s checkpoints here (%d layers, %d kv heads x %d, %s)", aw, layout.num_layers,
                  layout.num_kv_heads, layout.head_dim, hello.dtype)
+        try:
+            await self._serve_aw(conn, hello, bucket)
+        finally:
+            if self.owners.get(aw) is conn:
+                del self.owners[aw]
+            async with self.owner_gone:
+                self.owner_gone.notify_all()
+
+    async def _serve_aw(self, conn: Connection, hello: StoreHello, bucket: AwBucket) -> None:
         while True:
             msg = await conn.recv()
             if isinstance(msg, KvAppend):
@@ -103,6 +131,7 @@ class CheckpointStore(Service):
                 self._check(bucket.layout, msg.k, msg.v, 4)
                 if msg.k.shape[0] != bucket.layout.num_layers:
                     raise ProtocolError("kv_put: k must hold every layer")
+                self._check_span(msg.start, msg.k.shape[1])
                 try:
                     bucket.put_tokens(msg.request_id, msg.start, msg.k, msg.v)
                 except StoreFullError as exc:
@@ -125,6 +154,13 @@ class CheckpointStore(Service):
         if tuple(k.shape[-2:]) != (layout.num_kv_heads, layout.head_dim):
             raise ProtocolError(f"checkpoint KV of shape {tuple(k.shape)} does not fit the layout")
 
+    def _check_span(self, start: int, count: int) -> None:
+        """Token positions within the model's context: nothing is allocated for a position no
+        request can reach."""
+        if not 0 <= start <= start + count <= self.model.max_position:
+            raise ProtocolError(f"checkpoint tokens {start}..+{count} are outside the model's context "
+                                f"({self.model.max_position})")
+
     def _append(self, bucket: AwBucket, msg: KvAppend) -> None:
         """k, v [m, T, K, d]: layers msg.layer .. +m-1, columns grouped per request span."""
         self._check(bucket.layout, msg.k, msg.v, 4)
@@ -133,6 +169,8 @@ class CheckpointStore(Service):
         if not len(msg.request_ids) == len(msg.starts) == len(msg.counts) or sum(msg.counts) != msg.k.shape[1] \
                 or any(c < 0 for c in msg.counts) or any(s < 0 for s in msg.starts):
             raise ProtocolError("kv_append: spans do not match the columns")
+        for start, count in zip(msg.starts, msg.counts):
+            self._check_span(start, count)
         col = 0
         for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
             try:
@@ -146,6 +184,10 @@ class CheckpointStore(Service):
     async def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket, conn: Connection) -> None:
         """Sends the request's committed KV in chunks of whole blocks (`RESTORE_CHUNK_BYTES`)."""
         self.fetches += 1
+        if msg.owner != asker and not await self._owner_gone(msg.owner):
+            log.warning("%s asked for %s of %s, which is still connected: refused", asker, msg.request_id, msg.owner)
+            await conn.send(KvRestore(msg.call_id, 0, 0, *bucket.layout.empty_kv()))
+            return
         owner = self.log.buckets.get(msg.owner)
         req = owner.requests.get(msg.request_id) if owner is not None else None
         n = min(req.frontier, max(0, msg.max_tokens)) if req is not None else 0
@@ -162,6 +204,22 @@ class CheckpointStore(Service):
             await conn.send(KvRestore(msg.call_id, n, start, k, v))
             self.restored_bytes += k.numel() * k.element_size() * 2
         log.info("restored %s (%d tokens) from %s's bucket to %s", msg.request_id, n, msg.owner, asker)
+
+    async def _owner_gone(self, owner: str) -> bool:
+        """A bucket is served to its owner, or to another AW once the owner is gone: its connection
+        ended (the process died) or the orchestrator declared it dead (a hung one). A restore
+        races the owner's death by a few ms, so a fetch waits for it, bounded."""
+
+        def gone() -> bool:
+            conn = self.owners.get(owner)
+            return conn is None or conn.closed or owner in self.dead_since
+
+        async with self.owner_gone:
+            try:
+                await asyncio.wait_for(self.owner_gone.wait_for(gone), OWNER_GONE_WAIT_S)
+            except TimeoutError:
+                return False
+        return True
 
     def forget_dead(self, dead: list[str]) -> None:
         now = time.monotonic()

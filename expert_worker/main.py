@@ -21,7 +21,7 @@ from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
 from fabric import faults
 from fabric.config import ExpertWorkerConfig
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
@@ -42,7 +42,8 @@ class ExpertWorker(Service):
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.executor = ExpertExecutor(self.model)
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
-        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000)
+        self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
+                                        secret=cfg.cluster_secret(), tls=cfg.tls())
         self.runtime: Runtime | None = None
         self.listener: Listener | None = None
         self.slot = ""  # the placement slot whose experts this EW holds
@@ -70,6 +71,11 @@ class ExpertWorker(Service):
             raise ProtocolError(f"expected hello, got {hello.kind}")
         if hello.aw_id in self.fenced:
             raise ProtocolError(f"{hello.aw_id} was declared dead")
+        if any(c.channel == hello.channel and not c.closed for c in self.conns.get(hello.aw_id, [])):
+            # Identity is bound to the first connection: a second peer that claims this AW's
+            # channel while the first is up is an impostor (a reconnecting AW closed the old one).
+            raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
+        conn.channel = hello.channel
         self.conns.setdefault(hello.aw_id, []).append(conn)
         try:
             if hello.channel == "control":
@@ -80,6 +86,9 @@ class ExpertWorker(Service):
             conns = self.conns.get(hello.aw_id, [])
             if conn in conns:
                 conns.remove(conn)
+            if not conns:  # none of its links left: never wait for its calls
+                self.active_aws.discard(hello.aw_id)
+                self.wakeup.set()
 
     # -- the role runtime's side ---------------------------------------------------------------
     async def start(self, runtime: Runtime) -> int:

@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fabric.auth import load_secret
 from fabric.errors import ConfigError
+from fabric.tls import Tls
 
 TRANSPORTS = ("tcp", "ucx", "auto")
 SCHED_POLICIES = ("auto", "batch", "normal")
@@ -67,6 +69,10 @@ def auto_sched(transport: str) -> str:
 
 PROBE_INTERVAL_HELP = "probe a peer that is silent with work in flight this often (0: no probes)"
 PROBE_MISSES_HELP = "unanswered probes before the peer is declared dead"
+SECRET_HELP = ("file holding the cluster secret (mode 0600) that every internal connection proves; default: "
+               "$MOE_FABRIC_CLUSTER_SECRET; with neither, nothing is authenticated and only loopback is allowed")
+TLS_CERT_HELP = "the cluster's TLS certificate (PEM): TCP links and HTTP servers use TLS (not with --transport ucx)"
+TLS_KEY_HELP = "the TLS certificate's private key (PEM)"
 SEND_TIMEOUT_HELP = ("a peer that does not drain what this process sends for this long is declared dead "
                      "(a stuck reader answers probes but blocks its senders)")
 
@@ -87,10 +93,15 @@ class RoleConfig:
                              "mid-send; normal = the kernel's default; auto = batch with --transport tcp, else normal",
                      choices=SCHED_POLICIES)
     send_timeout_ms: float = opt(1000.0, SEND_TIMEOUT_HELP)
+    cluster_secret_file: str | None = opt(None, SECRET_HELP, metavar="PATH")
+    tls_cert: str | None = opt(None, TLS_CERT_HELP, metavar="PATH")
+    tls_key: str | None = opt(None, TLS_KEY_HELP, metavar="PATH")
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
         parse_hostport(self.orchestrator)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
         check_port(self.port, "port")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}")
@@ -99,6 +110,13 @@ class RoleConfig:
             raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
         if self.send_timeout_ms <= 0:
             raise ConfigError("send_timeout_ms must be > 0")
+
+    def cluster_secret(self) -> bytes | None:
+        """The secret itself (read now: a file is checked for its mode and length)."""
+        return load_secret(self.cluster_secret_file)
+
+    def tls(self) -> Tls | None:
+        return Tls.of(self.tls_cert, self.tls_key)
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
@@ -166,11 +184,12 @@ class AttentionWorkerConfig(WorkerConfig):
 class CheckpointStoreConfig(RoleConfig):
     bucket_mib: int = opt(1024, "host memory per attention worker")
     orphan_ttl_s: float = opt(60.0, "keep a dead AW's checkpoints this long")
+    max_aws: int = opt(1024, "attention workers whose checkpoints the store keeps at most (a bucket each)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bucket_mib < 1 or self.orphan_ttl_s < 0:
-            raise ConfigError("bucket_mib must be >= 1 and orphan_ttl_s >= 0")
+        if self.bucket_mib < 1 or self.orphan_ttl_s < 0 or self.max_aws < 1:
+            raise ConfigError("bucket_mib and max_aws must be >= 1 and orphan_ttl_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -191,6 +210,8 @@ class GatewayConfig(RoleConfig):
     resume_wait_s: float = opt(30.0, "a request whose AW died waits this long for a live one")
     probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
     probe_misses: int = opt(3, PROBE_MISSES_HELP)
+    public_metrics: bool = opt(False, "serve /metrics and /health's details without the cluster secret "
+                                      "(/health's status is always public)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -238,6 +259,9 @@ class OrchestratorConfig:
                              "(0: microseconds since the epoch, so a later start is newer)")
     boot_nice: int = opt(0, "run start-up (imports) this much nicer, 0..19, or 20: in the idle class "
                             "(a restarted orchestrator boots beside the serving workers)")
+    cluster_secret_file: str | None = opt(None, SECRET_HELP, metavar="PATH")
+    tls_cert: str | None = opt(None, TLS_CERT_HELP, metavar="PATH")
+    tls_key: str | None = opt(None, TLS_KEY_HELP, metavar="PATH")
     supervisor_fd: int | None = opt(None, "socket to the supervisor that starts replacements", hidden=True)
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
@@ -257,6 +281,12 @@ class OrchestratorConfig:
             raise ConfigError("rejoin_grace_ms, recovery_grace_s and generation must be >= 0")
         _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
         _check_boot_nice(self.boot_nice, "boot_nice")
+
+    def cluster_secret(self) -> bytes | None:
+        return load_secret(self.cluster_secret_file)
+
+    def tls(self) -> Tls | None:
+        return Tls.of(self.tls_cert, self.tls_key)
 
     @property
     def sched_policy(self) -> str:

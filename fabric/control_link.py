@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric import auth
+from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Fenced, LinkProbe, LinkProbeReply, Register, Registered
 from fabric.wire import decode_bytes, encode_bytes
@@ -41,6 +44,22 @@ def unpack(data: bytes) -> Message:
     return decode_message(header, frames)
 
 
+def ws_channel(ws: aiohttp.ClientWebSocketResponse | Any) -> tuple[auth.Read, auth.Write]:
+    """The cluster handshake's byte exchange over a websocket (client or server side): one
+    binary message per step."""
+
+    async def read(n: int) -> bytes:
+        msg = await ws.receive()
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            raise AuthError(f"the link closed during the handshake ({msg.type.name})")
+        return bytes(msg.data)
+
+    async def write(data: bytes) -> None:
+        await ws.send_bytes(data)
+
+    return read, write
+
+
 class Registration(Message):
     """Put in the inbox after every (re)registration (not sent on the wire)."""
 
@@ -50,8 +69,11 @@ class _Stale(Exception):
 
 
 class ControlLink:
-    def __init__(self, host: str, port: int, make_register: Callable[[], Register]) -> None:
-        self.url = f"http://{host}:{port}/ws"
+    def __init__(self, host: str, port: int, make_register: Callable[[], Register], secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.url = f"{'https' if tls else 'http'}://{host}:{port}/ws"
+        self.secret = secret
+        self.tls = tls
         self.make_register = make_register
         self.worker_id = ""
         self.generation = 0  # the newest orchestrator generation this worker followed
@@ -71,6 +93,7 @@ class ControlLink:
             while True:
                 try:
                     ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20,
+                                                  ssl=self.tls if self.tls is not None else True,
                                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     now = time.monotonic()
@@ -101,6 +124,12 @@ class ControlLink:
                 await asyncio.sleep(delay)
 
     async def _session(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        if self.secret is not None:
+            try:
+                await auth.dialer_handshake(self.secret, *ws_channel(ws), self.url)
+            except AuthError as exc:
+                log.error("orchestrator link: %s", exc)
+                raise
         await ws.send_bytes(pack(self.make_register()))
         reply = await asyncio.wait_for(self._receive(ws), REGISTER_TIMEOUT)
         if isinstance(reply, Fenced):

@@ -54,3 +54,8 @@ class ExpertsUnavailableError(FabricError):
     requests of that step end with an in-band error, the process keeps serving."""
 
     recoverable = True
+
+
+class AuthError(ProtocolError):
+    """A peer did not prove that it holds the cluster secret (or claimed an identity that is not
+    its own); its connection is closed before any message of it is read."""

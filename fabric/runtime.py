@@ -25,13 +25,15 @@ import os
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
+from fabric.auth import check_bind
 from fabric.config import RoleConfig
 from fabric.control_link import ControlLink, Registration
-from fabric.errors import PeerDeadError
+from fabric.errors import ConfigError, PeerDeadError
 from fabric.messages.base import Message
 from fabric.messages.control import ClusterView, Leaving, PeerFailed, Register, Role, RoutingUpdate, WorkerStats
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, mark_failed
+from fabric.transport import resolve_transport_name
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,10 @@ class Runtime:
         self.stop = asyncio.Event()
         self.view: ClusterView | None = None  # the newest view received (reported back when registering)
         self.port = 0
-        self.link = ControlLink(*cfg.orchestrator_addr, self._register)
+        self.secret = cfg.cluster_secret()
+        tls = cfg.tls()
+        self.link = ControlLink(*cfg.orchestrator_addr, self._register, self.secret,
+                                tls.client() if tls is not None else None)
         self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
@@ -146,6 +151,12 @@ class Runtime:
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.stop = stop
+        check_bind(self.cfg.host, self.secret, f"this {self.service.role.value}")
+        if self.secret is None and self.service.role is not Role.GATEWAY \
+                and resolve_transport_name(self.cfg.transport) == "ucx":
+            # ucxx's listener binds every interface whatever the host (fabric/transport/ucx.py)
+            raise ConfigError("the ucx transport listens on every interface: it needs a cluster secret "
+                              "(--cluster-secret-file); or use --transport tcp")
         self.port = await self.service.start(self)
         link_task = asyncio.create_task(self.link.run())
         self.spawn(self._watch_link(link_task))

@@ -58,6 +58,7 @@ class Choice:
     deaths: int = 0  # AW deaths seen since its last token (see the module's docstring)
     since_submit: int = 0  # tokens since it was last submitted (or attached)
     resumes: int = 0
+    origin: str = ""  # the HTTP client's address (its fair share of the waiting queue)
 
 
 class GenerationError(Exception):
@@ -101,14 +102,14 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
     pending = choice.pending
     assert pending is not None, "start_choice first"
     last = None
-    metrics.enter_waiting()
+    metrics.enter_waiting(choice.origin)
     waiting = True
     try:
         while True:
             ev = await pending.queue.get()
             now = time.monotonic()
             if waiting:
-                metrics.leave_waiting(running=True)
+                metrics.leave_waiting(choice.origin, running=True)
                 waiting = False
                 if ev.error is None:
                     metrics.ttft.observe(now - arrived)
@@ -155,7 +156,7 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
             yield Delta(text, [ev.token], lp, index)
     finally:
         if waiting:
-            metrics.leave_waiting(running=False)
+            metrics.leave_waiting(choice.origin, running=False)
         else:
             metrics.running.dec()
         if not choice.aw_done and choice.client is not None:

@@ -34,7 +34,8 @@ class GatewayService(Service):
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.runtime: Runtime | None = None
-        self.pool = AwPool(make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000), cfg.routing,
+        self.pool = AwPool(make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
+                                        secret=cfg.cluster_secret(), tls=cfg.tls()), cfg.routing,
                            cfg.probe_interval_ms / 1000, cfg.probe_misses, self._report_dead)
         self.pool.resume = cfg.resume
         self.gateway = Gateway(cfg, self.pool)
@@ -73,9 +74,11 @@ class GatewayService(Service):
 
     async def _listen(self) -> None:
         assert self.runtime is not None
-        self.site = web.TCPSite(self.http, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None)
+        tls = self.cfg.tls()
+        self.site = web.TCPSite(self.http, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None,
+                                ssl_context=tls.server() if tls is not None else None)
         await self.site.start()
-        log.info("%s serving http://%s:%d/v1 (model %s%s)", self.runtime.worker_id, self.cfg.host, self.cfg.port,
+        log.info("%s serving http%s://%s:%d/v1 (model %s%s)", self.runtime.worker_id, "s" if tls else "", self.cfg.host, self.cfg.port,
                  self.gateway.model_name, ", port shared" if self.cfg.reuse_port else "")
         self.runtime.ready()
 

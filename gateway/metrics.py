@@ -14,6 +14,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.n_waiting = 0  # mirrors the waiting gauge, for the gateway's queue limit
+        self.waiting_by_origin: dict[str, int] = {}  # per client address: its share of the queue
         self.running = Gauge("moe_fabric_requests_running", "Requests producing tokens", registry=r)
         self.waiting = Gauge("moe_fabric_requests_waiting", "Requests admitted but without a first token yet", registry=r)
         self.finished = Counter("moe_fabric_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r)
@@ -28,12 +29,18 @@ class Metrics:
         self.stores = Gauge("moe_fabric_checkpoint_stores_alive", "Live KV checkpoint stores (0: AW failures replay)", registry=r)
         self.expert_tokens = Gauge("moe_fabric_expert_tokens_processed", "Tokens processed per expert worker and expert", ["worker", "layer", "expert"], registry=r)
 
-    def enter_waiting(self) -> None:
+    def enter_waiting(self, origin: str) -> None:
         self.n_waiting += 1
+        self.waiting_by_origin[origin] = self.waiting_by_origin.get(origin, 0) + 1
         self.waiting.inc()
 
-    def leave_waiting(self, running: bool) -> None:
+    def leave_waiting(self, origin: str, running: bool) -> None:
         self.n_waiting -= 1
+        left = self.waiting_by_origin[origin] - 1
+        if left:
+            self.waiting_by_origin[origin] = left
+        else:
+            del self.waiting_by_origin[origin]
         self.waiting.dec()
         if running:
             self.running.inc()

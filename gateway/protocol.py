@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,44 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+MAX_N = 16  # choices per request
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_DEPTH = 32  # JSON nesting
+MAX_INT_DIGITS = 24  # a seed is the largest integer the API takes (2**64)
+
+
+def _int_literal(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(400, f"an integer of {len(text)} digits; the API takes none over {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _const(text: str) -> float:
+    raise ApiError(400, f"{text} is not JSON")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON: 400 for anything malformed, nested deeper than MAX_DEPTH, or with
+    an integer longer than MAX_INT_DIGITS (Python refuses to convert 4300 digits, with a 500)."""
+    try:
+        body = json.loads(raw, parse_int=_int_literal, parse_constant=_const)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from exc
+    except RecursionError:
+        raise ApiError(400, f"the JSON body is nested deeper than {MAX_DEPTH} levels") from None
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the JSON body is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return body
 
 
 @dataclass(frozen=True)
@@ -81,12 +120,14 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 16 of them", "stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up to "
+                       f"{MAX_STOP} of them", "stop")
     return tuple(stop)
 
 
-def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[list[int] | None, str | None]:
+def _prompt(body: dict[str, Any], vocab_size: int, context: int) -> tuple[list[int] | None, str | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -95,6 +136,9 @@ def _prompt(body: dict[str, Any], vocab_size: int) -> tuple[list[int] | None, st
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        if len(prompt) >= context:
+            raise ApiError(400, f"the prompt ({len(prompt)} tokens) does not fit the context of {context} tokens",
+                           "prompt")
         return list(prompt), None
     raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
@@ -114,7 +158,7 @@ def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int
         top_k=_int(body, "top_k", -1, vocab_size) or -1,
         seed=seed if seed is not None else secrets.randbits(63),
         seed_given=seed is not None,
-        n=_int(body, "n", 1, 16) or 1,
+        n=_int(body, "n", 1, MAX_N) or 1,
         stop=_stop(body),
         stream=stream,
         include_usage=bool(options and options.get("include_usage")),
@@ -127,7 +171,7 @@ def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int
 def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    ids, text = _prompt(body, vocab_size)
+    ids, text = _prompt(body, vocab_size, context)
     max_tokens = _int(body, "max_tokens", 1, context)
     lp = _int(body, "logprobs", 0, 20)
     return GenParams(prompt_ids=ids, prompt_text=text,

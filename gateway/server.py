@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from fabric.auth import bearer_ok
 from fabric.config import GatewayConfig
 from fabric.messages.client import Submit
 from fabric.messages.control import ClusterView, Role
@@ -30,7 +30,7 @@ from gateway.aw_pool import AwPool
 from gateway.chat_template import ChatTemplate, validate_messages
 from gateway.generation import Choice, GenerationError, attach_choice, run_choice, start_choice
 from gateway.metrics import Metrics
-from gateway.protocol import ApiError, GenParams, parse_chat, parse_completion
+from gateway.protocol import MAX_N, ApiError, GenParams, parse_chat, parse_completion, parse_json
 from gateway.responses import Formatter
 from gateway.streaming import Position, stream
 
@@ -77,6 +77,8 @@ class Gateway:
         self.idle.set()
         self.view: ClusterView | None = None
         self.worker_id = ""
+        self.secret = cfg.cluster_secret()
+        self.tls = cfg.tls()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
@@ -102,7 +104,14 @@ class Gateway:
                 raise ApiError(503, "the server is shutting down", type_="service_unavailable", headers={"Retry-After": "1"})
             if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
                 raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="request_too_large")
-            return await handler(request)
+            self.active += 1  # from here to the last byte (parsing and tokenising included): drain waits for it
+            self.idle.clear()
+            try:
+                return await handler(request)
+            finally:
+                self.active -= 1
+                if self.active == 0:
+                    self.idle.set()
         except ApiError as err:
             self.metrics.errors.labels(str(err.status)).inc()
             return err.response()
@@ -132,19 +141,34 @@ class Gateway:
             return f"{len(lost)} logical experts have no live replica (e.g. layer {lost[0][0]} expert {lost[0][1]})"
         return None
 
+    def _insider(self, request: web.Request) -> bool:
+        """May see the cluster's details: --public-metrics, no secret, or the cluster secret as Bearer."""
+        return self.cfg.public_metrics or self.secret is None or \
+            bearer_ok(request.headers.get("Authorization"), self.secret)
+
     async def health(self, request: web.Request) -> web.Response:
+        """The status (and code) for anyone, e.g. a load balancer; the details for insiders."""
         reason = "draining" if self.draining else self.unhealthy_reason()
+        insider = self._insider(request)
         if reason:
-            return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+            return web.json_response({"status": "unhealthy", **({"reason": reason} if insider else {})}, status=503)
+        if not insider:
+            return web.json_response({"status": "ok"})
         stores = len(self.view.serving(Role.STORE)) if self.view is not None else 0
         checkpointing = "on" if stores else "off: no live checkpoint store (an AW failure falls back to replay)"
         return web.json_response({"status": "ok", "checkpointing": checkpointing, "gateway": self.worker_id})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        if not self._insider(request):
+            raise web.HTTPUnauthorized(text="/metrics needs 'Authorization: Bearer <cluster secret>' "
+                                            "(or a gateway started with --public-metrics)\n",
+                                       headers={"WWW-Authenticate": "Bearer"})
         host, port = self.cfg.orchestrator_addr
+        admin = {"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {}
+        scheme, tls = ("https", self.tls.client()) if self.tls is not None else ("http", None)
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s, \
-                    s.get(f"http://{host}:{port}/cluster") as r:
+                    s.get(f"{scheme}://{host}:{port}/cluster", headers=admin, ssl=tls if tls else True) as r:
                 self.metrics.update_cluster(await r.json())
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("metrics: cluster view unavailable: %s", exc)
@@ -152,10 +176,13 @@ class Gateway:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def _body(self, request: web.Request) -> Any:
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"malformed JSON body: {exc}") from exc
+        """The JSON body: JSON only (a form or text/plain post from any web page is refused), and
+        a malformed one is a 400, never a 500 (nesting, huge numbers)."""
+        if request.content_type != "application/json":
+            raise ApiError(415, f"the body must be application/json, not {request.content_type or 'untyped'}",
+                           code="unsupported_media_type")
+        raw = await request.read()
+        return await _off_loop(lambda: parse_json(raw), len(raw))
 
     def _check_model(self, body: Any) -> None:
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
@@ -185,7 +212,9 @@ class Gateway:
         if self.tokenizer is None or params.prompt_text is None:
             raise ApiError(400, "this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
         tok, text = self.tokenizer, params.prompt_text
-        ids = await _off_loop(lambda: list(tok.encode(text, add_special_tokens=False).ids), len(text))
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works (a 6 MiB
+        # prompt held the event loop for 5 s through `encode`, even from another thread).
+        ids = await _off_loop(lambda: list(tok.encode_batch([text], add_special_tokens=False)[0].ids), len(text))
         if not ids:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
         return ids
@@ -214,6 +243,11 @@ class Gateway:
         if self.metrics.n_waiting + params.n > self.cfg.max_waiting:
             raise ApiError(429, f"more than {self.cfg.max_waiting} requests are waiting", type_="rate_limit_error",
                            headers={"Retry-After": "1"})
+        origin = request.remote or "?"
+        share = max(MAX_N, self.cfg.max_waiting // 2)  # one client never holds more than half the queue
+        if self.metrics.waiting_by_origin.get(origin, 0) + params.n > share:
+            raise ApiError(429, f"this client has {self.metrics.waiting_by_origin[origin]} choices waiting; one client "
+                           f"may have at most {share}", type_="rate_limit_error", headers={"Retry-After": "1"})
         if pos is None:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             pos = Position(rid, params.seed % (1 << 64), [0] * params.n)
@@ -221,15 +255,13 @@ class Gateway:
         choices = [Choice(i, f"{pos.rid}-{i}", Submit(
             f"{pos.rid}-{i}", prompt_ids, max_tokens, params.temperature, params.top_p, params.top_k,
             (pos.seed + i) % (1 << 64), list(self.model.eos_token_ids), params.ignore_eos, [], params.logprobs,
-            resume_grace_s=grace), resumable=grace > 0) for i in range(params.n)]
+            resume_grace_s=grace), resumable=grace > 0, origin=origin) for i in range(params.n)]
         skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
         resumed = any(pos.counts)
         fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer)
         headers = {GATEWAY_HEADER: self.worker_id}
         if pos.usage_sent:  # the client has everything but [DONE]
             return await stream(request, fmt, prompt_ids, [], [], pos, self.metrics, headers)
-        self.active += 1
-        self.idle.clear()
         self.metrics.prompt.inc(len(prompt_ids) * params.n)
         gens: list[Any] = []
         try:
@@ -250,9 +282,6 @@ class Gateway:
                 if c.client is not None and not c.aw_done:
                     await self.pool.abort(c.client, c.request_id)
             self.metrics.e2e.observe(time.monotonic() - arrived)
-            self.active -= 1
-            if self.active == 0:
-                self.idle.set()
 
     async def _whole(self, fmt: Formatter, prompt_ids: list[int], choices: list[Choice], gens: list[Any],
                      headers: dict[str, str]) -> web.Response:

@@ -1,4 +1,5 @@
-"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`, `experiment`.
+"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`,
+`cluster-secret`, `experiment`.
 
 Each role's flags are derived from the fields of its config dataclass (fabric/config.py,
 launch/config.py) by launch/flags.py, so a flag is written once.
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
+    c = sub.add_parser("cluster-secret", help="write a new random cluster secret (mode 0600) for a multi-host cluster")
+    c.add_argument("out", help="the file to create (an existing one is never overwritten)")
+
     x = sub.add_parser("experiment", help="failure-injection experiments against a local fabric")
     xs = x.add_subparsers(dest="experiment", required=True)
     from launch.experiments import chaos, failover
@@ -79,6 +83,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from fabric.model.demo import write_demo_model
 
         print(write_demo_model(args.out, arch=args.arch, seed=args.seed, size=args.size, dtype=args.dtype))
+        return 0
+    if cmd == "cluster-secret":
+        from fabric.auth import create_secret_file
+
+        if not create_secret_file(args.out):
+            raise ConfigError(f"{args.out} exists; it is not overwritten (remove it first to rotate the secret)")
+        print(args.out)
         return 0
     if cmd == "experiment":
         from launch.experiments import chaos, failover

@@ -43,6 +43,7 @@ class ServeConfig:
     routing: str = like(GatewayConfig, "routing")
     resume: str = like(GatewayConfig, "resume")
     stream_resume_grace_s: float = like(GatewayConfig, "stream_resume_grace_s")
+    public_metrics: bool = like(GatewayConfig, "public_metrics")
     provisioner: str = opt("local", "replace every worker that dies with a new process (none: don't)",
                            choices=("local", "none"))
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
@@ -59,8 +60,19 @@ class ServeConfig:
     restart_boot_nice: int = opt(10, "a restarted orchestrator or gateway boots this much nicer (0..19; 20: the idle "
                                      "class), so its start-up takes little CPU from the serving workers")
     ready_timeout: float = opt(300.0, "seconds start-up may take")
+    cluster_secret_file: str | None = opt(None, "the cluster secret every process proves on every internal connection "
+                                                "and admin endpoint (a 0600 file, created if missing; default: a fresh "
+                                                "one for this run, removed when it ends)", metavar="PATH")
+    auth: bool = opt(True, "authenticate every internal connection with the cluster secret (--no-auth: nobody proves "
+                           "anything; loopback only, for comparisons)")
+    tls_cert: str | None = like(RoleConfig, "tls_cert")
+    tls_key: str | None = like(RoleConfig, "tls_key")
 
     def __post_init__(self) -> None:
+        if not self.auth and self.cluster_secret_file:
+            raise ConfigError("--no-auth and --cluster-secret-file contradict each other")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.attention_workers < 1 or self.expert_workers < 1 or self.gateways < 1:
             raise ConfigError("serve needs at least one attention worker, one expert worker and one gateway")
         if self.provisioner not in ("none", "local"):
@@ -77,11 +89,13 @@ class ServeConfig:
         if self.restart_delay_s < 0 or self.watchdog_s < 0 or self.recovery_grace_s < 0 or self.send_timeout_ms <= 0:
             raise ConfigError("restart_delay_s, watchdog_s and recovery_grace_s must be >= 0, send_timeout_ms > 0")
 
-    def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int) -> RoleConfigs:
+    def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,
+                     secret_file: str | None) -> RoleConfigs:
         """Every role's config, as this `serve` runs them (`transport` resolved, so all agree)."""
         orch = f"{self.host}:{orchestrator_port}"
         common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
-                      send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid)
+                      send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
+                      tls_cert=self.tls_cert, tls_key=self.tls_key)
         probes: dict[str, Any] = dict(probe_interval_ms=self.probe_interval_ms, probe_misses=self.probe_misses)
         return RoleConfigs(
             orchestrator=OrchestratorConfig(
@@ -89,7 +103,8 @@ class ServeConfig:
                 shadows_per_expert=self.shadows_per_expert,
                 provisioner="supervisor" if self.provisioner == "local" else "none",
                 supervisor_fd=0 if self.provisioner == "local" else None,  # the real fd is known at spawn time
-                recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid),
+                recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
+                tls_cert=self.tls_cert, tls_key=self.tls_key),
             expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather),
             attention=AttentionWorkerConfig(**common, dtype=self.dtype, checkpoint=self.checkpoint,
                                             **probes),
@@ -98,7 +113,7 @@ class ServeConfig:
                 **common, port=self.port, reuse_port=self.gateways > 1,
                 served_model_name=self.served_model_name, max_waiting=self.max_waiting,
                 drain_timeout=self.drain_timeout, routing=self.routing, resume=self.resume,
-                stream_resume_grace_s=self.stream_resume_grace_s, **probes),
+                stream_resume_grace_s=self.stream_resume_grace_s, public_metrics=self.public_metrics, **probes),
         )
 
 

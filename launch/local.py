@@ -69,6 +69,15 @@ class Fabric:
     def cluster(self) -> dict[str, Any]:
         return self.supervisor.cluster()
 
+    @property
+    def secret_file(self) -> Path | None:
+        return Path(self.supervisor.secret_file) if self.supervisor.secret_file else None
+
+    def admin_headers(self) -> dict[str, str]:
+        """`Authorization` for the admin endpoints (/cluster, /shutdown, the gateways' /metrics)."""
+        secret = self.supervisor.secret
+        return {"Authorization": f"Bearer {secret.decode()}"} if secret else {}
+
     def stop(self) -> None:
         """Idempotent: stops every process in order and waits for the supervisor."""
         self.supervisor.stop_requested.set()
@@ -107,9 +116,10 @@ def serve(cfg: ServeConfig) -> int:
             return
         if sup.stop_requested.is_set():
             return
-        print(f"moe-fabric ready: http://{cfg.host}:{cfg.port}/v1 (model {model}, {cfg.attention_workers} AW + "
+        print(f"moe-fabric ready: {sup.scheme}://{cfg.host}:{cfg.port}/v1 (model {model}, {cfg.attention_workers} AW + "
               f"{cfg.expert_workers} EW + {cfg.gateways} gateways over {sup.transport}; cluster view at "
-              f"http://{cfg.host}:{sup.orchestrator_port}/cluster)", flush=True)
+              f"{sup.scheme}://{cfg.host}:{sup.orchestrator_port}/cluster"
+              f"{f' with the secret in {sup.secret_file} as Bearer' if sup.secret_file else ''})", flush=True)
 
     threading.Thread(target=announce, name="announce", daemon=True).start()
     sup.run()  # until Ctrl-C / SIGTERM, or a failed start-up

@@ -26,6 +26,7 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from fabric.auth import create_secret_file, load_secret
 from fabric.errors import FabricError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
 from fabric.process import die_with_parent
+from fabric.tls import Tls
 from fabric.transport import resolve_transport_name
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig
@@ -92,14 +95,22 @@ class Supervisor:
         self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
         self.transport = resolve_transport_name(cfg.transport)
         self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)
-        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid())
+        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")  # mode 0700: notify sockets, this run's secret
+        self.secret_file: str | None = None
+        if cfg.auth:
+            self.secret_file = cfg.cluster_secret_file or os.path.join(self._sockdir, "cluster-secret")
+            if create_secret_file(self.secret_file) and cfg.cluster_secret_file:
+                _say(f"wrote a new cluster secret to {self.secret_file}")
+        self.secret = load_secret(self.secret_file) if self.secret_file else None
+        self.tls = Tls.of(cfg.tls_cert, cfg.tls_key)
+        self.scheme = "https" if self.tls else "http"
+        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid(), self.secret_file)
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
         self.stop_requested = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why start-up failed
         self.was_ready = False
-        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")
         self._replacements = 0
 
     # -- the processes ------------------------------------------------------------------------
@@ -303,11 +314,19 @@ class Supervisor:
                 _say(f"{child.name} started again (pid {child.proc.pid})")
 
     # -- stopping -----------------------------------------------------------------------------
+    def ssl(self) -> ssl.SSLContext | None:
+        return self.tls.client() if self.tls is not None else None
+
+    def admin_request(self, path: str, method: str = "GET") -> urllib.request.Request:
+        """A request to the orchestrator's admin endpoint `path`, with the cluster secret."""
+        return urllib.request.Request(f"{self.scheme}://{self.cfg.host}:{self.orchestrator_port}{path}",
+                                      data=b"" if method == "POST" else None, method=method,
+                                      headers={"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {})
+
     def _announce_shutdown(self) -> None:
         """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
-        url = f"http://{self.cfg.host}:{self.orchestrator_port}/shutdown"
         with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
-            urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=2).close()
+            urllib.request.urlopen(self.admin_request("/shutdown", "POST"), timeout=2, context=self.ssl()).close()
 
     def _shutdown(self) -> None:
         if any(c.role is Role.ORCHESTRATOR and c.proc is not None and c.proc.poll() is None for c in self.children):
@@ -326,7 +345,7 @@ class Supervisor:
             return [(c.name, c.proc) for c in self.children if c.proc is not None]
 
     def cluster(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://{self.cfg.host}:{self.orchestrator_port}/cluster", timeout=5) as r:
+        with urllib.request.urlopen(self.admin_request("/cluster"), timeout=5, context=self.ssl()) as r:
             return dict(json.loads(r.read()))
 
 

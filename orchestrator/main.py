@@ -25,11 +25,14 @@ import logging
 import time
 from typing import Any
 
+import msgpack
 from aiohttp import WSMsgType, web
 
+from fabric import auth
+from fabric.auth import bearer_ok
 from fabric.config import OrchestratorConfig
-from fabric.control_link import pack, unpack
-from fabric.errors import FabricError
+from fabric.control_link import pack, unpack, ws_channel
+from fabric.errors import AuthError, FabricError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
@@ -58,6 +61,11 @@ from orchestrator.provisioner import NoProvisioner, Provisioner, make_provisione
 
 log = logging.getLogger("orchestrator")
 
+MAX_INFO_BYTES = 16 << 10  # a registration's free-form info (shown in /cluster)
+# (reporter, target) roles where the reporter sends data to the target: its "the peer stopped
+# taking data" is evidence the orchestrator's probe cannot see (a stuck reader answers probes).
+DATA_LINKS = {(Role.ATTENTION, Role.EXPERT), (Role.ATTENTION, Role.STORE), (Role.GATEWAY, Role.ATTENTION),
+              (Role.EXPERT, Role.ATTENTION)}
 LINK_SEND_TIMEOUT = 2.0  # seconds a worker has to take a control message before its link is dropped
 
 
@@ -65,6 +73,7 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, stop: asyncio.Event | None = None) -> None:
         self.cfg = cfg
         self.stop = stop or asyncio.Event()
+        self.secret = cfg.cluster_secret()
         self.generation = cfg.generation or time.time_ns() // 1000
         planner = BalancedPlanner(cfg.shadows_per_expert)
         self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port,
@@ -94,7 +103,14 @@ class Orchestrator:
         app.router.add_get("/ws", self.worker_link)
         return app
 
+    def _admin(self, request: web.Request) -> None:
+        """Endpoints that reveal or change the cluster need `Authorization: Bearer <cluster secret>`."""
+        if self.secret is not None and not bearer_ok(request.headers.get("Authorization"), self.secret):
+            raise web.HTTPUnauthorized(text="this endpoint needs 'Authorization: Bearer <cluster secret>'\n",
+                                       headers={"WWW-Authenticate": "Bearer"})
+
     async def get_cluster(self, request: web.Request) -> web.Response:
+        self._admin(request)
         body = self.cluster.to_json()
         body["recovering"] = not self.recovered.is_set()
         body["replacements_started"] = self.replacements_started
@@ -102,6 +118,7 @@ class Orchestrator:
 
     async def post_shutdown(self, request: web.Request) -> web.Response:
         """The whole cluster is being stopped: workers that go away now are not replaced."""
+        self._admin(request)
         self.shutting_down = True
         log.info("cluster shutdown announced: no more replacements")
         return web.json_response({"shutting_down": True})
@@ -139,6 +156,8 @@ class Orchestrator:
         link: WorkerLink | None = None
         leaving = False
         try:
+            if self.secret is not None:
+                await auth.listener_handshake(self.secret, *ws_channel(ws), f"ws://{request.remote}")
             first = await ws.receive(timeout=10.0)
             reg = unpack(first.data) if first.type == WSMsgType.BINARY else None
             if not isinstance(reg, Register):
@@ -152,7 +171,15 @@ class Orchestrator:
                 return ws
             if reg.view is not None and (self.newest_view is None or reg.view.version > self.newest_view.version):
                 self.newest_view = reg.view
-            if not reg.worker_id:
+            if len(msgpack.packb(reg.info, use_bin_type=True)) > MAX_INFO_BYTES:
+                raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
+            if reg.worker_id:
+                old = self.links.get(reg.worker_id)
+                if old is not None and not old.closed and await self._answers(old):
+                    # Identity is bound to the link: a worker re-registers only once its link
+                    # is gone, so a claim on a link that answers is another peer's.
+                    raise AuthError(f"{request.remote} claims {reg.worker_id}, whose link is up and answering")
+            else:
                 await self.recovered.wait()  # new ids only once the earlier orchestrator's are known
             rec = self.cluster.add(reg)
             if rec is None:
@@ -181,6 +208,8 @@ class Orchestrator:
                     leaving = True
                     break
                 await self._handle(rec.id, m)
+        except AuthError as exc:
+            log.warning("refused a link: %s", exc)
         except FabricError as exc:
             log.error("closing link of %s: %s", rec.id if rec else request.remote, exc)
         except TimeoutError:
@@ -301,6 +330,21 @@ class Orchestrator:
             self._confirming[msg.worker_id] = task
             task.add_done_callback(lambda _: self._confirming.pop(msg.worker_id, None))
 
+    async def _answers(self, link: WorkerLink) -> bool:
+        """Whether the worker at the end of `link` answers a probe within `confirm_timeout_ms`
+        (answered by its link reader, so a busy but healthy worker replies in milliseconds)."""
+        nonce = next(self._nonce)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._probes[nonce] = fut
+        link.send(LinkProbe(nonce))
+        try:
+            await asyncio.wait_for(fut, self.cfg.confirm_timeout_ms / 1000)
+        except TimeoutError:
+            pass
+        finally:
+            self._probes.pop(nonce, None)
+        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
+
     async def _confirm(self, reporter: str, msg: PeerFailed) -> None:
         """A peer says `msg.worker_id` is dead. The verdict is ours: probe it over its own link
         (answered by its link reader, so a busy but healthy worker replies in milliseconds); no
@@ -313,23 +357,16 @@ class Orchestrator:
         if rec is None or rec.state is WorkerState.DEAD:
             return
         link = self.links.get(target)
-        if link is not None and not link.closed and not msg.definitive:
-            nonce = next(self._nonce)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._probes[nonce] = fut
-            link.send(LinkProbe(nonce))
-            try:
-                await asyncio.wait_for(fut, self.cfg.confirm_timeout_ms / 1000)
-            except TimeoutError:
-                pass
-            finally:
-                self._probes.pop(nonce, None)
-            if fut.done() and not fut.cancelled():  # wait_for cancels it on a timeout
-                log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
-                reporter_link = self.links.get(reporter)
-                if reporter_link is not None:
-                    reporter_link.send(PeerAlive(target))
-                return
+        reporter_rec = self.cluster.workers.get(reporter)
+        # Definitive evidence counts only from a role that sends data to the target's role.
+        definitive = msg.definitive and reporter_rec is not None and \
+            (reporter_rec.role, rec.role) in DATA_LINKS
+        if link is not None and not link.closed and not definitive and await self._answers(link):
+            log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
+            reporter_link = self.links.get(reporter)
+            if reporter_link is not None:
+                reporter_link.send(PeerAlive(target))
+            return
         await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
 
     def _broadcast(self) -> None:
@@ -342,9 +379,11 @@ class Orchestrator:
 
 async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     orch = Orchestrator(cfg, stop)
+    auth.check_bind(cfg.host, orch.secret, "the orchestrator")
     runner = web.AppRunner(orch.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    tls = cfg.tls()
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server() if tls is not None else None)
     await site.start()
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port

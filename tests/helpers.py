@@ -45,8 +45,10 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int
         return e.code, json.loads(e.read() or b"{}")
 
 
-def get_json(url: str, timeout: float = 10) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def get_json(url: str, timeout: float = 10, secret_file: Path | None = None) -> dict[str, Any]:
+    """GET `url`; with `secret_file`, as an admin (`Authorization: Bearer <cluster secret>`)."""
+    headers = {"Authorization": f"Bearer {secret_file.read_text().strip()}"} if secret_file else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
 
 

@@ -1,5 +1,7 @@
 """Random bytes, truncated frames and oversized length headers thrown at the internal ports of AWs,
-EWs and the orchestrator: each bad connection is closed, every process keeps serving."""
+EWs, the checkpoint store and the orchestrator by a peer that holds the cluster secret (so the
+decoders, not the handshake, meet them): each bad connection is closed, every process keeps serving.
+Peers without the secret are tests/test_hostile_peers.py's."""
 
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ import msgpack
 import pytest
 import torch
 
+from fabric import auth
+from fabric.control_link import ws_channel
 from fabric.errors import PeerDeadError
 from fabric.messages.base import encode_message
 from fabric.messages.expert import ExpertCall, Hello
 from fabric.wire import MAGIC, PREFIX, encode, encode_bytes
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import get_json, post_json
+from tests.helpers import post_json
 
 
 def prefix(header_len: int, n_frames: int, body_len: int, magic: bytes = MAGIC) -> bytes:
@@ -78,9 +82,32 @@ def rejected_payloads() -> list[bytes]:
     ]
 
 
-def throw(port: int, payload: bytes) -> None:
-    """Sends `payload`, half-closes, and waits until the server closes (or 5 s pass)."""
+def prove(sock: socket.socket, secret: bytes) -> None:
+    """The dialer's side of the cluster handshake (fabric/auth.py) on a plain socket."""
+    nd = os.urandom(auth.NONCE)
+    sock.sendall(auth.MAGIC + nd)
+    reply = recv_exactly(sock, auth.LISTENER_PROOF)
+    key = auth._key(secret)
+    assert reply[auth.NONCE:] == auth._mac(key, b"listener", nd, reply[:auth.NONCE])
+    sock.sendall(auth._mac(key, b"dialer", reply[:auth.NONCE], nd))
+    assert recv_exactly(sock, 1) == auth.ACCEPT
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "closed during the handshake"
+        data += chunk
+    return data
+
+
+def throw(port: int, payload: bytes, secret: bytes | None) -> None:
+    """Sends `payload` (after the handshake, given the secret), half-closes, and waits until the
+    server closes (or 5 s pass)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        if secret is not None:
+            prove(s, secret)
         try:
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
@@ -90,12 +117,13 @@ def throw(port: int, payload: bytes) -> None:
             pass
 
 
-async def throw_ws(port: int) -> None:
+async def throw_ws(port: int, secret: bytes) -> None:
     async with aiohttp.ClientSession() as session:
         for payload in [os.urandom(512), encode_bytes({"kind": "register", "role": "boss"}), b"x" * (2 << 20),
                         msgpack.packb({"kind": "register"})]:
             try:
                 async with session.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
+                    await auth.dialer_handshake(secret, *ws_channel(ws), "orchestrator")
                     await ws.send_bytes(payload)
                     await asyncio.wait_for(ws.receive(), 5)
             except (TimeoutError, ConnectionError, aiohttp.ClientError):
@@ -113,26 +141,28 @@ def serve_once_and_list_ports(fabric: Fabric, workers: int) -> tuple[str, dict, 
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     status, before = post_json(base, BODY)
     assert status == 200
-    cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
-    ports = [w["port"] for w in cluster["workers"] if w["role"] in ("attention", "expert")]
+    cluster = fabric.cluster()
+    ports = [w["port"] for w in cluster["workers"] if w["role"] in ("attention", "expert", "checkpoint_store")]
     assert len(ports) == workers
     return base, before, ports
 
 
 def test_internal_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
-        base, before, ports = serve_once_and_list_ports(fabric, 5)
+        base, before, ports = serve_once_and_list_ports(fabric, 6)
         body = BODY
+        secret = fabric.supervisor.secret
+        assert secret is not None
         for port in ports:
             for payload in bad_payloads():
-                throw(port, payload)
+                throw(port, payload, secret)
         for payload in [os.urandom(3000), b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", b"\x00" * 100]:
-            throw(fabric.orchestrator_port, payload)
-        asyncio.run(throw_ws(fabric.orchestrator_port))
+            throw(fabric.orchestrator_port, payload, None)
+        asyncio.run(throw_ws(fabric.orchestrator_port, secret))
         assert all(proc.poll() is None for _, proc in fabric.procs), "a process died"
         status, after = post_json(base, body)
         assert status == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
-        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+        cluster = fabric.cluster()
         assert all(w["state"] == "alive" for w in cluster["workers"]), cluster
         # a checkpoint without a tokenizer serves token ids, and says so for text
         status, err = post_json(base, {"prompt": "hello", "max_tokens": 4})
@@ -153,10 +183,10 @@ def ucx_payloads() -> list[tuple[list[bytes], bool]]:
     return [(parts, True) for parts in rejected] + [(parts, False) for parts in truncated]
 
 
-async def throw_ucx(port: int, payloads: list[tuple[list[bytes], bool]]) -> None:
+async def throw_ucx(port: int, payloads: list[tuple[list[bytes], bool]], secret: bytes | None) -> None:
     from fabric.transport.ucx import UcxConnection, UcxTransport
 
-    transport = UcxTransport()
+    transport = UcxTransport(secret=secret)
     for parts, rejected in payloads:
         conn = await transport.connect("127.0.0.1", port)
         assert isinstance(conn, UcxConnection)
@@ -173,11 +203,11 @@ async def throw_ucx(port: int, payloads: list[tuple[list[bytes], bool]]) -> None
 def test_ucx_ports_survive_garbage(hf_models: dict[str, Path], tmp_path: Path) -> None:
     pytest.importorskip("ucxx", reason="the [ucx] extra is part of the test install")
     with running_fabric(hf_models["qwen3_moe"], tmp_path, transport="ucx", aws=1, ews=2) as fabric:
-        base, before, ports = serve_once_and_list_ports(fabric, 3)
+        base, before, ports = serve_once_and_list_ports(fabric, 4)
         body = BODY
         payloads = ucx_payloads()
         for port in ports:
-            asyncio.run(throw_ucx(port, payloads))
+            asyncio.run(throw_ucx(port, payloads, fabric.supervisor.secret))
         assert all(proc.poll() is None for _, proc in fabric.procs), "a process died"
         status, after = post_json(base, body)
         assert status == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]

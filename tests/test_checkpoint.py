@@ -71,7 +71,7 @@ def test_store_death_serving_goes_on_and_protection_resumes(hf_models: dict[str,
         assert outputs == reference
         wait_stats(fabric, "restores from the new store", lambda c: any(
             w["id"] == new["id"] and w["stats"].get("restores", 0) > 0 for w in role(c, "checkpoint_store")))
-        health = get_json(f"http://127.0.0.1:{fabric.port}/health")
+        health = get_json(f"http://127.0.0.1:{fabric.port}/health", secret_file=fabric.secret_file)
         assert health["status"] == "ok" and health["checkpointing"] == "on"
         assert run_streams(fabric) == reference
         # Checkpoint segments travel while the AW waits for expert results (the link's idle gaps).

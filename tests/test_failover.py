@@ -17,7 +17,7 @@ def test_attention_worker_death_resumes_every_stream(hf_models: dict[str, Path],
     with running_fabric(hf_models["qwen3_moe"], tmp_path, aws=2, ews=2) as fabric:
         reference, outputs, pid = kill_mid_decode(fabric, "attention-worker-0")
         assert outputs == reference  # seeded sampling: the resumed streams continue identically
-        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+        cluster = fabric.cluster()
         assert [w["state"] for w in cluster["workers"] if w["pid"] == pid] == ["dead"]
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("gateway-*.log"))
     assert "resuming after" in logs
@@ -25,17 +25,16 @@ def test_attention_worker_death_resumes_every_stream(hf_models: dict[str, Path],
 
 def test_expert_worker_death_loses_nothing(hf_models: dict[str, Path], tmp_path: Path) -> None:
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
-        cluster_url = f"http://127.0.0.1:{fabric.orchestrator_port}/cluster"
-        assert get_json(cluster_url)["epoch"] == 1
+        assert fabric.cluster()["epoch"] == 1
         reference, outputs, pid = kill_mid_decode(fabric, "expert-worker-1")
         assert outputs == reference  # nothing lost, nothing repeated, same tokens
-        after = get_json(cluster_url)
+        after = fabric.cluster()
         dead = [w for w in after["workers"] if w["pid"] == pid]
         assert dead[0]["state"] == "dead" and after["epoch"] >= 2  # 2: shadows promoted; 3: replacement joined
         assert all(dead[0]["id"] not in ews and ews for _, _, ews in after["routing"]["replicas"])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # AW stats reach the orchestrator once a second
-            stats = [w["stats"] for w in get_json(cluster_url)["workers"] if w["role"] == "attention"]
+            stats = [w["stats"] for w in fabric.cluster()["workers"] if w["role"] == "attention"]
             if sum(s.get("replays", 0) for s in stats) >= 1:
                 break
             time.sleep(0.2)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import pytest
 from fabric.model.demo import write_demo_model
 from launch.config import ServeConfig
 from launch.local import Fabric
-from tests.helpers import free_port, get_json, iter_events
+from tests.helpers import free_port, iter_events
 
 KEY = "test-key-123"
 GRACE = 2.0
@@ -149,7 +150,8 @@ def test_auth_body_cap_and_the_server_still_serves(fabric: Fabric) -> None:
 
 
 def metric(f: Fabric, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{f.port}/metrics", timeout=10) as r:
+    req = urllib.request.Request(f"http://127.0.0.1:{f.port}/metrics", headers=f.admin_headers())
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
@@ -171,7 +173,7 @@ def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
     """A stream whose client vanished keeps running detached for its resume grace (its KV held),
     then is aborted and every KV block freed."""
     def stats() -> list[dict]:
-        workers = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")["workers"]
+        workers = fabric.cluster()["workers"]
         return [w["stats"] for w in workers if w["role"] == "attention" and w["state"] == "alive"]
 
     def kv_used() -> int:
@@ -280,8 +282,15 @@ def test_64_concurrent_streams_are_complete_and_well_formed(fabric: Fabric) -> N
 
 def test_health_and_metrics_names(fabric: Fabric) -> None:
     code, _, body = raw(fabric, "/health", None, method="GET", key=None)
-    assert code == 200 and body["status"] == "ok"
-    with urllib.request.urlopen(f"http://127.0.0.1:{fabric.port}/metrics", timeout=10) as r:
+    assert code == 200 and body == {"status": "ok"}  # the details are for insiders
+    with pytest.raises(urllib.error.HTTPError) as err:  # /metrics too: not --public-metrics
+        urllib.request.urlopen(f"http://127.0.0.1:{fabric.port}/metrics", timeout=10)
+    assert err.value.code == 401
+    req = urllib.request.Request(f"http://127.0.0.1:{fabric.port}/health", headers=fabric.admin_headers())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read())["checkpointing"] == "on"
+    req = urllib.request.Request(f"http://127.0.0.1:{fabric.port}/metrics", headers=fabric.admin_headers())
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     for name in ["moe_fabric_requests_running", "moe_fabric_requests_waiting", "moe_fabric_requests_finished_total",
                  "moe_fabric_request_errors_total", "moe_fabric_time_to_first_token_seconds_bucket",

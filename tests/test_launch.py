@@ -43,7 +43,8 @@ def launcher(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, 
     port, oport = free_port(), free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "2",
-           "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport)]
+           "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport),
+           "--cluster-secret-file", str(tmp_path / "secret")]
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
@@ -57,8 +58,12 @@ def launcher(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, 
         log.close()
 
 
-def child_pids(oport: int) -> list[int]:
-    return [w["pid"] for w in get_json(f"http://127.0.0.1:{oport}/cluster")["workers"]]
+def cluster(oport: int, tmp: Path) -> dict:
+    return get_json(f"http://127.0.0.1:{oport}/cluster", secret_file=tmp / "secret")
+
+
+def child_pids(oport: int, tmp: Path) -> list[int]:
+    return [w["pid"] for w in cluster(oport, tmp)["workers"]]
 
 
 def test_serve_demo_model_and_sigterm_stops_everything(launcher: tuple[subprocess.Popen[str], int, int, Path]) -> None:
@@ -69,10 +74,11 @@ def test_serve_demo_model_and_sigterm_stops_everything(launcher: tuple[subproces
     assert status == 200 and body["usage"]["completion_tokens"] == 8 and isinstance(body["choices"][0]["text"], str)
     events = stream_completion(base, {"prompt": "Serving language models", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
-    pids = child_pids(oport)
+    assert (tmp / "secret").stat().st_mode & 0o777 == 0o600  # serve wrote the missing secret file, private
+    pids = child_pids(oport, tmp)
     assert len(pids) == 7 and all(alive(p) for p in pids)  # orchestrator, 2 gateways, 1 AW, 2 EWs, checkpoint store
     if sys.platform.startswith("linux"):  # `--sched batch` by default: every serving role, not the orchestrator
-        policies = {w["role"]: os.sched_getscheduler(w["pid"]) for w in get_json(f"http://127.0.0.1:{oport}/cluster")["workers"]}
+        policies = {w["role"]: os.sched_getscheduler(w["pid"]) for w in cluster(oport, tmp)["workers"]}
         assert policies.pop("orchestrator") == os.SCHED_OTHER
         assert set(policies) == {"gateway", "attention", "expert", "checkpoint_store"}
         assert set(policies.values()) == {os.SCHED_BATCH}
@@ -82,8 +88,8 @@ def test_serve_demo_model_and_sigterm_stops_everything(launcher: tuple[subproces
 
 
 def test_sigkilled_launcher_leaves_no_orphans(launcher: tuple[subprocess.Popen[str], int, int, Path]) -> None:
-    proc, _, oport, _ = launcher
-    pids = child_pids(oport)
+    proc, _, oport, tmp = launcher
+    pids = child_pids(oport, tmp)
     proc.kill()
     proc.wait()
     assert wait_gone(pids, 10) == []
@@ -109,7 +115,8 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) ->
     port, oport = free_port(), free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "1",
-           "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport), "--max-waiting", "1"]
+           "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport), "--max-waiting", "1",
+           "--cluster-secret-file", str(tmp_path / "secret")]
     with open(tmp_path / "serve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         try:
@@ -134,7 +141,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) ->
             t = threading.Thread(target=stream)
             t.start()
             assert first.wait(60)
-            pids = child_pids(oport)
+            pids = child_pids(oport, tmp_path)
             proc.send_signal(signal.SIGTERM)
             refused = False
             for _ in range(50):  # draining gateways leave the port at once (or answer 503 meanwhile)

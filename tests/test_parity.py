@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import running_fabric
-from tests.helpers import get_json, post_json, stream_completion
+from tests.helpers import post_json, stream_completion
 
 TIE = 1e-4
 
@@ -72,7 +72,7 @@ def test_greedy_parity(arch: str, transport: str, hf_models: dict[str, Path], tm
     with running_fabric(model, tmp_path, transport=transport, aws=2, ews=3, extra=extra) as fabric:
         base = f"http://127.0.0.1:{fabric.port}"
         got = run_requests(base, prompts, lengths)
-        cluster = get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")
+        cluster = fabric.cluster()
     for i, (tokens, (want, logits)) in enumerate(zip(got, expected)):
         assert_matches(tokens, want, logits, f"{arch}/{transport} request {i}")
     aws = [w for w in cluster["workers"] if w["role"] == "attention"]

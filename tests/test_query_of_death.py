@@ -13,7 +13,7 @@ import pytest
 
 from fabric.faults import CRASH_ENV
 from tests.conftest import running_fabric
-from tests.helpers import get_json, iter_stream, post_json, wait_for
+from tests.helpers import iter_stream, post_json, wait_for
 from tests.load import BODY, PROMPTS, run_streams
 
 EXTREMES = [
@@ -68,7 +68,7 @@ def test_a_poisoned_request_fails_alone(hf_models: dict[str, Path], tmp_path: Pa
         status, again = post_json(url, {**BODY, "prompt": PROMPTS[0], "stream": False})
         assert status == 200 and again["choices"][0]["finish_reason"] == "length"
         time.sleep(1.5)  # AW stats come once a second
-        stats = [w["stats"] for w in get_json(f"http://127.0.0.1:{fabric.orchestrator_port}/cluster")["workers"]
+        stats = [w["stats"] for w in fabric.cluster()["workers"]
                  if w["role"] == "attention" and w["state"] == "alive"]
         assert stats and all(s.get("running", 0) == 0 for s in stats)
     gateway_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("gateway-*.log"))

@@ -106,7 +106,7 @@ def _health_watch(fabric: Fabric, seen: list[str], stop: threading.Event) -> Non
 
     while not stop.is_set():
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=fabric.admin_headers()), timeout=2) as r:
                 seen.append(str(r.status))
         except urllib.error.HTTPError as e:
             seen.append(f"{e.code} {e.read().decode()}")
@@ -160,18 +160,18 @@ def test_lost_experts_past_the_bound_end_with_an_error(hf_models: dict[str, Path
         elapsed = time.monotonic() - t0
         assert "error" in events[-1] and "no live copy" in events[-1]["error"]["message"]
         assert elapsed < 60
-        health = get_json_status(f"http://127.0.0.1:{fabric.port}/health")
+        health = get_json_status(f"http://127.0.0.1:{fabric.port}/health", fabric.admin_headers())
         assert health[0] == 503 and "no live replica" in health[1]["reason"]
         assert alive(fabric.procs[0][1].pid)
 
 
-def get_json_status(url: str) -> tuple[int, dict[str, Any]]:
+def get_json_status(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
     import json
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

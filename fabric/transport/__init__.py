@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fabric.errors import ConfigError
+from fabric.tls import Tls
 from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Listener, Transport
 from fabric.wire import DEFAULT_LIMITS, WireLimits
 
@@ -22,13 +23,18 @@ def resolve_transport_name(name: str) -> str:
     return "ucx" if rdma_available() else "tcp"
 
 
-def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> Transport:
-    """A transport whose connections have the send deadline `send_timeout` (seconds)."""
+def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+                   secret: bytes | None = None, tls: Tls | None = None) -> Transport:
+    """A transport whose connections have the send deadline `send_timeout` (seconds), begin with
+    the cluster handshake (fabric/auth.py) on both sides given a `secret`, and run inside TLS
+    given `tls` (tcp only)."""
     resolved = resolve_transport_name(name)
     if resolved == "ucx":
+        if tls is not None:
+            raise ConfigError("UCX has no TLS: use --transport tcp with --tls-cert, or a private network for ucx")
         from fabric.transport.ucx import UcxTransport
 
-        return UcxTransport(limits, send_timeout)
+        return UcxTransport(limits, send_timeout, secret)
     from fabric.transport.tcp import TcpTransport
 
-    return TcpTransport(limits, send_timeout)
+    return TcpTransport(limits, send_timeout, secret, tls)

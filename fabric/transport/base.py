@@ -19,7 +19,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric import auth
+from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.wire import DEFAULT_LIMITS, WireLimits, parse_body, parse_prefix
 
@@ -35,6 +36,7 @@ class Connection(abc.ABC):
         self.limits = limits
         self.send_timeout = send_timeout
         self.closed = False
+        self.channel = ""  # what the peer said this connection is for (a role's own label)
 
     async def send(self, msg: Message) -> None:
         header, frames = encode_message(msg)
@@ -57,6 +59,25 @@ class Connection(abc.ABC):
         except ProtocolError:
             await self.close()
             raise
+
+    # -- the handshake (fabric/auth.py): raw bytes before the first message --------------------
+    @abc.abstractmethod
+    async def _read_exactly(self, n: int) -> bytes | bytearray | memoryview: ...
+
+    @abc.abstractmethod
+    async def _write_bytes(self, data: bytes) -> None: ...
+
+    async def prove(self, secret: bytes, dialer: bool) -> None:
+        """The mutual handshake over the cluster secret; raises AuthError (and closes this
+        connection) unless both sides hold it."""
+        handshake = auth.dialer_handshake if dialer else auth.listener_handshake
+        try:
+            await handshake(secret, self._read_exactly, self._write_bytes, self.peer)
+        except (ProtocolError, PeerDeadError) as exc:
+            await self.close()
+            if isinstance(exc, AuthError):
+                raise
+            raise AuthError(f"{self.peer}: handshake failed: {exc}") from exc
 
     @abc.abstractmethod
     async def send_raw(self, header: dict, frames: list[memoryview]) -> None: ...
@@ -99,12 +120,37 @@ class Transport(abc.ABC):
         """Raises PeerDeadError if the peer cannot be reached within `timeout`."""
 
     send_timeout: float = DEFAULT_SEND_TIMEOUT  # the send deadline of every connection it makes
+    secret: bytes | None = None  # the cluster secret: every connection, made or accepted, proves it first
+
+    async def _dialed(self, conn: Connection) -> Connection:
+        """A connection this transport made, once the listener has proved itself (if a secret is set)."""
+        if self.secret is not None:
+            try:
+                await conn.prove(self.secret, dialer=True)
+            except AuthError as exc:
+                log.warning("refusing %s: %s", conn.peer, exc)
+                raise PeerDeadError(conn.peer, f"authentication failed: {exc}") from exc
+        return conn
+
+    def _accepting(self, handler: Handler) -> Handler:
+        """`handler`, run only for a dialer that proved itself (if a secret is set)."""
+        secret = self.secret
+        if secret is None:
+            return handler
+
+        async def authenticated(conn: Connection) -> None:
+            await conn.prove(secret, dialer=False)
+            await handler(conn)
+
+        return authenticated
 
 
 async def guarded(handler: Handler, conn: Connection) -> None:
     """Runs a connection handler so that a misbehaving peer only ever loses its own connection."""
     try:
         await handler(conn)
+    except AuthError as exc:
+        log.warning("refused a connection: %s", exc)
     except ProtocolError as exc:
         log.error("closing connection from %s: %s", conn.peer, exc)
     except PeerDeadError:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fabric.errors import PeerDeadError, PeerStalledError, ProtocolError
+from fabric.tls import Tls
 from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
@@ -226,6 +227,21 @@ class TcpConnection(Connection):
             raise self._error(str(exc.__cause__ or "connection closed")) from exc
         return buf
 
+    async def _write_bytes(self, data: bytes) -> None:
+        await self.send_raw_bytes(data)
+
+    async def send_raw_bytes(self, data: bytes) -> None:
+        lost = self._lost()
+        if lost is not None:
+            raise self._error(lost)
+        self._transport.write(data)
+        self._pipe.written += len(data)
+        try:
+            await self._pipe.drain()
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            await self.close()
+            raise self._error(str(exc) or type(exc).__name__) from exc
+
     async def _read_prefix(self) -> bytearray | memoryview:
         return await self._read_exactly(PREFIX_SIZE)
 
@@ -257,13 +273,18 @@ class TcpListener(Listener):
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+                 secret: bytes | None = None, tls: Tls | None = None) -> None:
         self.limits = limits
         self.send_timeout = send_timeout
+        self.secret = secret
+        self._server_ssl = tls.server() if tls is not None else None
+        self._client_ssl = tls.client() if tls is not None else None
         self._handlers: set[asyncio.Task[Any]] = set()  # referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         transport = self
+        handler = self._accepting(handler)
         accepted: set[TcpConnection] = set()
 
         class _ServerPipe(_Pipe):
@@ -279,13 +300,13 @@ class TcpTransport(Transport):
                 transport._handlers.add(task)
                 task.add_done_callback(transport._handlers.discard)
 
-        server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port)
+        server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port, ssl=self._server_ssl)
         return TcpListener(server, accepted)
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
         try:
             _, pipe = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
-                lambda: _Pipe(self.send_timeout), host, port), timeout)
-        except (TimeoutError, OSError) as exc:
+                lambda: _Pipe(self.send_timeout), host, port, ssl=self._client_ssl), timeout)
+        except (TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
             raise PeerDeadError(f"tcp://{host}:{port}", f"connect failed: {exc}") from exc
-        return TcpConnection(pipe, self.limits)
+        return await self._dialed(TcpConnection(pipe, self.limits))

@@ -248,6 +248,14 @@ class UcxConnection(Connection):
         except Exception as exc:
             raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
 
+    async def _read_exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await self.recv_into(buf)
+        return buf
+
+    async def _write_bytes(self, data: bytes) -> None:
+        await self.post([data])
+
     async def _read_prefix(self) -> bytearray:
         buf = bytearray(PREFIX_SIZE)
         await self.recv_into(buf)
@@ -289,15 +297,18 @@ class UcxListener(Listener):
 class UcxTransport(Transport):
     name = "ucx"
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+                 secret: bytes | None = None) -> None:
         self.limits = limits
         self.send_timeout = send_timeout
+        self.secret = secret
         self._lib = _lib()
         self._tasks: set[asyncio.Task[None]] = set()  # connection handlers, referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         progress = _progress()
         lst = UcxListener()
+        handler = self._accepting(handler)
 
         def on_conn_request(conn_request: Any, *_: Any) -> None:  # runs inside progress()
             try:
@@ -345,4 +356,4 @@ class UcxTransport(Transport):
         if greeting != GREETING:
             await conn.close()
             raise ProtocolError(f"{peer} is not a moe-fabric UCX listener")
-        return conn
+        return await self._dialed(conn)

@@ -1,0 +1,51 @@
+"""Optional TLS for TCP links and the HTTP servers (the `ssl` module).
+
+One cluster certificate and key (`--tls-cert`, `--tls-key`), the same on every process: a listener
+presents it, a dialer accepts only a peer that presents it (the certificate is its own trust
+anchor; host names are not checked, as peers are named by address and proven by the cluster
+handshake, which runs inside TLS). TLS adds what the handshake does not: the bytes on the wire are
+encrypted. UCX has no TLS: `--transport ucx` with TLS is refused.
+
+A self-signed cluster certificate:
+
+    openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj /CN=moe-fabric \\
+        -keyout cluster.key -out cluster.crt && chmod 600 cluster.key
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+from fabric.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Tls:
+    cert: str
+    key: str
+
+    @staticmethod
+    def of(cert: str | None, key: str | None) -> Tls | None:
+        if (cert is None) != (key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if cert is None or key is None:
+            return None
+        tls = Tls(cert, key)
+        tls.server()  # unreadable files or a key that does not match: refused at start-up
+        return tls
+
+    def server(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load the TLS certificate {self.cert} and key {self.key}: {exc}") from exc
+        return ctx
+
+    def client(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.cert)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = False  # peers are dialled by address; the certificate must still verify
+        return ctx
