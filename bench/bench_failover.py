@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ SCENARIOS: dict[str, list[str]] = {
     "AW SIGINT / fabric over ucx": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
     "EW SIGINT / fabric over ucx": ["--role", "expert", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
+    "AW SIGSTOP / fabric": ["--role", "attention", "--signal", "STOP", "--mode", "fabric"],
     "EW SIGINT / restart-all": ["--role", "expert", "--signal", "INT", "--mode", "restart-all"],
     "orchestrator SIGKILL / fabric": ["--role", "orchestrator", "--signal", "KILL", "--mode", "fabric"],
     "orchestrator SIGINT / fabric": ["--role", "orchestrator", "--signal", "INT", "--mode", "fabric"],
@@ -93,6 +95,9 @@ def main() -> None:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenario names")
     ap.add_argument("--workload", default="--concurrency 8 --duration 14 --at 4 --tokens 64 --prompt-len 16",
                     help="flags passed to every experiment run")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="also run every scenario with the code of this checkout (e.g. `git worktree add /tmp/base "
+                         "COMMIT`), alternating with this one: rows '... @ <its name>'")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     if not (args.model_dir / "config.json").exists():
@@ -102,24 +107,29 @@ def main() -> None:
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
         sys.exit(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    trees: list[tuple[str, Path | None]] = [("", None)]
+    if args.baseline_tree is not None:
+        trees.append((f" @ {args.baseline_tree.name}", args.baseline_tree.resolve()))
+    plan = [(name + suffix, name, tree) for name in chosen for suffix, tree in trees]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan}
     for rep in range(args.repeats):
-        for name in chosen:
-            out = args.out / f"{name.replace(' ', '').replace('/', '-')}-{rep}"
+        for label, name, tree in plan:
+            out = (args.out / f"{label.replace(' ', '').replace('/', '-').replace('@', '-')}-{rep}").resolve()
             cmd = [sys.executable, "-m", "launch.cli", "experiment", "failover", *SCENARIOS[name],
-                   "--model", str(args.model_dir), "--out", str(out), *shlex.split(args.workload)]
+                   "--model", str(args.model_dir.resolve()), "--out", str(out), *shlex.split(args.workload)]
+            env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None  # its packages first
             t = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
             summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-            print(f"[{rep + 1}/{args.repeats}] {name} ({time.perf_counter() - t:.0f} s, exit {proc.returncode}): "
+            print(f"[{rep + 1}/{args.repeats}] {label} ({time.perf_counter() - t:.0f} s, exit {proc.returncode}): "
                   f"{summary}", flush=True)
             if not (out / "results.json").exists():
                 print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
                 continue
             res = json.loads((out / "results.json").read_text())
-            runs[name].append({**res["metrics"], **gap_context(res)})
+            runs[label].append({**res["metrics"], **gap_context(res)})
     rows = []
-    for name in chosen:
+    for name in runs:
         ms = runs[name]
         row: dict[str, Any] = {"scenario": name, "runs": len(ms)}
         for f in FIELDS:
