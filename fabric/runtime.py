@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
@@ -38,6 +39,15 @@ from fabric.transport import resolve_transport_name
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL = 1.0
+
+
+NODE_ENV = "MOE_FABRIC_NODE"
+
+
+def node_name() -> str:
+    """The failure domain this process runs in: $MOE_FABRIC_NODE, else the host's name. Placement
+    puts the copies of an expert on different nodes where it can."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 class Service(abc.ABC):
@@ -89,8 +99,10 @@ class Runtime:
         return self.link.worker_id
 
     def _register(self) -> Register:
+        fields = self.service.registration()
+        fields["info"] = {**fields.get("info", {}), "node": node_name()}
         return Register(self.service.role, os.getpid(), self.cfg.host, self.port, self.link.worker_id,
-                        self.link.generation, self.view, **self.service.registration())
+                        self.link.generation, self.view, **fields)
 
     def spawn(self, coro: Coroutine[Any, Any, None], main_loop: bool = False) -> asyncio.Task[None]:
         """A task referenced until done; a main loop's unexpected exception stops the process."""

@@ -15,6 +15,7 @@ restarted orchestrator takes it (`add`), unless that worker was declared dead (`
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any
 from fabric.messages.control import ClusterView, Register, Role, WorkerInfo, WorkerState
 from fabric.model.config import ModelConfig
 from fabric.routing import EwAddress, RoutingTable, Unit, placement_tensor
-from orchestrator.placement import PlacementPlanner
+from orchestrator.placement import PlacementPlanner, single_node_units
+
+log = logging.getLogger("orchestrator")
 
 
 @dataclass
@@ -148,7 +151,9 @@ class Cluster:
         if self.placement is None:
             if len(ews) < self.expected_ews:
                 return {}
-            self.placement = self.planner.place(self.units(), ews)
+            nodes = {ew: str(self.workers[ew].info.get("node") or ew) for ew in ews}
+            self.placement = self.planner.place(self.units(), ews, nodes)
+            _say_spread(self.placement, nodes)
             self.occupant = {ew: ew for ew in ews}
             assignment = {ew: self.slot_units(ew) for ew in ews}
             for ew in ews:
@@ -292,3 +297,15 @@ class Cluster:
             "redundancy": self.redundancy(),
             "routing": self.table.to_json() if self.table else {},
         }
+
+
+def _say_spread(placement: dict[Unit, list[str]], nodes: dict[str, str]) -> None:
+    """Which failure-domain guarantee the placement does not give (logged once, at placement)."""
+    if len(set(nodes.values())) == 1:
+        log.info("every expert worker is on node %s: a copy of each expert survives one expert worker's death, "
+                 "not the node's", next(iter(nodes.values())))
+        return
+    for node, units in single_node_units(placement, nodes).items():
+        log.warning("%d experts (e.g. layer %d expert %d) have every copy on node %s: its death would lose them "
+                    "(more nodes with expert workers, or --shadows-per-expert, would spread them)",
+                    len(units), units[0][0], units[0][1], node)
