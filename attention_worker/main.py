@@ -43,7 +43,7 @@ class AttentionService(Service):
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
-                                        secret=cfg.cluster_secret(), tls=cfg.tls())
+                                        secret=cfg.secret, tls=cfg.tls)
         self.aw = AttentionWorker(cfg, self.model)
         self.weights: AttentionWeights | None = None
         self.listener: Listener | None = None

@@ -41,7 +41,7 @@ from common import percentile, scan_logs  # bench/ is on sys.path when run as a 
 from fabric.config import auto_sched
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
-from fabric.tls import Tls
+from fabric.tls import Tls, write_self_signed
 from launch.config import ServeConfig
 from launch.local import Fabric, free_port
 
@@ -89,7 +89,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
 
 async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None) -> Stats:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    connector = aiohttp.TCPConnector(limit=0, ssl=tls.client() if tls is not None else True)
+    connector = aiohttp.TCPConnector(limit=0, ssl=tls.client if tls is not None else True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
@@ -101,14 +101,6 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls
     return summarize(n, end - t0, gaps)
 
 
-def self_signed(out: Path) -> Tls:
-    """A cluster certificate for the TLS rows (openssl, as deploy/README.md shows)."""
-    cert, key = out / "cluster.crt", out / "cluster.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=moe-fabric",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return Tls(str(cert), str(key))
-
-
 @contextlib.contextmanager
 def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
                    warm: list[list[list[int]]] | None = None, security: str = "secret") -> Iterator[tuple[str, Tls | None]]:
@@ -117,7 +109,7 @@ def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_r
     its completions URL and TLS (`security`: secret = authenticated, the default; none =
     `--no-auth`; tls = authenticated inside TLS)."""
     log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-", dir=log_root)
-    tls = self_signed(Path(log_dir)) if security == "tls" else None
+    tls = write_self_signed(Path(log_dir), days=2) if security == "tls" else None
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
                       port=free_port(), ready_timeout=300, sched=sched, auth=security != "none",
                       tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)

@@ -54,7 +54,7 @@ class CheckpointStore(Service):
         self.owners: dict[str, Connection] = {}  # AW -> its live connection (identity is bound to it)
         self.owner_gone = asyncio.Condition()  # notified when an owner's connection ends or it is declared dead
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
-                                        secret=cfg.cluster_secret(), tls=cfg.tls())
+                                        secret=cfg.secret, tls=cfg.tls)
         self.listener: Listener | None = None
         self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
         self.fetches = 0

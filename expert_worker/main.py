@@ -43,7 +43,7 @@ class ExpertWorker(Service):
         self.executor = ExpertExecutor(self.model)
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
-                                        secret=cfg.cluster_secret(), tls=cfg.tls())
+                                        secret=cfg.secret, tls=cfg.tls)
         self.runtime: Runtime | None = None
         self.listener: Listener | None = None
         self.slot = ""  # the placement slot whose experts this EW holds
@@ -56,7 +56,7 @@ class ExpertWorker(Service):
         self.epoch = 0  # newest routing-table epoch seen (from the orchestrator or on a call)
         self.stale_calls = 0  # calls tagged with an older epoch: still served (we host the expert)
         self.fenced: set[str] = set()  # AWs the orchestrator declared dead: never waited for, never served
-        self.conns: dict[str, list[Connection]] = {}
+        self.conns: dict[str, dict[str, Connection]] = {}  # AW -> channel ("control", "data") -> its connection
         self.stalled = asyncio.Event()  # the test-only fault hook: a stuck reader (fabric/faults.py)
         # Experts run in one thread of their own, with the configured intra-op threads: torch's
         # thread count is per calling thread for OpenMP, and a default pool thread would run two
@@ -71,22 +71,24 @@ class ExpertWorker(Service):
             raise ProtocolError(f"expected hello, got {hello.kind}")
         if hello.aw_id in self.fenced:
             raise ProtocolError(f"{hello.aw_id} was declared dead")
-        if any(c.channel == hello.channel and not c.closed for c in self.conns.get(hello.aw_id, [])):
+        channels = self.conns.setdefault(hello.aw_id, {})
+        held = channels.get(hello.channel)
+        if held is not None and not held.closed:
             # Identity is bound to the first connection: a second peer that claims this AW's
             # channel while the first is up is an impostor (a reconnecting AW closed the old one).
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
-        conn.channel = hello.channel
-        self.conns.setdefault(hello.aw_id, []).append(conn)
+        channels[hello.channel] = conn
         try:
             if hello.channel == "control":
                 await self._control_loop(hello.aw_id, conn)
             else:
                 await self._data_loop(hello.aw_id, conn)
         finally:
-            conns = self.conns.get(hello.aw_id, [])
-            if conn in conns:
-                conns.remove(conn)
-            if not conns:  # none of its links left: never wait for its calls
+            channels = self.conns.get(hello.aw_id, {})
+            if channels.get(hello.channel) is conn:
+                del channels[hello.channel]
+            if not channels:  # none of its links left: never wait for its calls
+                self.conns.pop(hello.aw_id, None)
                 self.active_aws.discard(hello.aw_id)
                 self.wakeup.set()
 
@@ -149,7 +151,7 @@ class ExpertWorker(Service):
                 log.info("%s declared dead: no longer waited for", aw_id)
             self.active_aws.discard(aw_id)
             self.pending = [p for p in self.pending if p.aw_id != aw_id]
-            for conn in self.conns.pop(aw_id, []):
+            for conn in self.conns.pop(aw_id, {}).values():
                 await conn.close()
         if newly:
             self.wakeup.set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fabric.auth import load_secret
@@ -111,11 +112,14 @@ class RoleConfig:
         if self.send_timeout_ms <= 0:
             raise ConfigError("send_timeout_ms must be > 0")
 
-    def cluster_secret(self) -> bytes | None:
-        """The secret itself (read now: a file is checked for its mode and length)."""
+    @cached_property
+    def secret(self) -> bytes | None:
+        """The cluster secret (read once, on first use: a file is checked for its mode and length)."""
         return load_secret(self.cluster_secret_file)
 
+    @cached_property
     def tls(self) -> Tls | None:
+        """The cluster certificate (loaded once, on first use), or None: no TLS."""
         return Tls.of(self.tls_cert, self.tls_key)
 
     @property
@@ -282,9 +286,11 @@ class OrchestratorConfig:
         _check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")
         _check_boot_nice(self.boot_nice, "boot_nice")
 
-    def cluster_secret(self) -> bytes | None:
+    @cached_property
+    def secret(self) -> bytes | None:
         return load_secret(self.cluster_secret_file)
 
+    @cached_property
     def tls(self) -> Tls | None:
         return Tls.of(self.tls_cert, self.tls_key)
 

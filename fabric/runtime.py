@@ -86,10 +86,10 @@ class Runtime:
         self.stop = asyncio.Event()
         self.view: ClusterView | None = None  # the newest view received (reported back when registering)
         self.port = 0
-        self.secret = cfg.cluster_secret()
-        tls = cfg.tls()
+        self.secret = cfg.secret
+        tls = cfg.tls
         self.link = ControlLink(*cfg.orchestrator_addr, self._register, self.secret,
-                                tls.client() if tls is not None else None)
+                                tls.client if tls is not None else None)
         self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False

@@ -15,7 +15,10 @@ A self-signed cluster certificate:
 from __future__ import annotations
 
 import ssl
+import subprocess
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 from fabric.errors import ConfigError
 
@@ -32,10 +35,12 @@ class Tls:
         if cert is None or key is None:
             return None
         tls = Tls(cert, key)
-        tls.server()  # unreadable files or a key that does not match: refused at start-up
+        _ = tls.server  # unreadable files or a key that does not match: refused at start-up
         return tls
 
+    @cached_property
     def server(self) -> ssl.SSLContext:
+        """The listening side's context (built once)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
@@ -44,8 +49,20 @@ class Tls:
             raise ConfigError(f"cannot load the TLS certificate {self.cert} and key {self.key}: {exc}") from exc
         return ctx
 
+    @cached_property
     def client(self) -> ssl.SSLContext:
+        """The dialing side's context (built once)."""
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.cert)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.check_hostname = False  # peers are dialled by address; the certificate must still verify
         return ctx
+
+
+def write_self_signed(out: Path, name: str = "cluster", days: int = 365) -> Tls:
+    """A self-signed cluster certificate and key in `out` (openssl, as the module docstring shows):
+    for tests, benchmarks and a first try."""
+    cert, key = out / f"{name}.crt", out / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", str(days),
+                    "-subj", "/CN=moe-fabric", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    key.chmod(0o600)
+    return Tls(str(cert), str(key))

@@ -35,7 +35,7 @@ class GatewayService(Service):
         self.cfg = cfg
         self.runtime: Runtime | None = None
         self.pool = AwPool(make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
-                                        secret=cfg.cluster_secret(), tls=cfg.tls()), cfg.routing,
+                                        secret=cfg.secret, tls=cfg.tls), cfg.routing,
                            cfg.probe_interval_ms / 1000, cfg.probe_misses, self._report_dead)
         self.pool.resume = cfg.resume
         self.gateway = Gateway(cfg, self.pool)
@@ -74,9 +74,9 @@ class GatewayService(Service):
 
     async def _listen(self) -> None:
         assert self.runtime is not None
-        tls = self.cfg.tls()
+        tls = self.cfg.tls
         self.site = web.TCPSite(self.http, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None,
-                                ssl_context=tls.server() if tls is not None else None)
+                                ssl_context=tls.server if tls is not None else None)
         await self.site.start()
         log.info("%s serving http%s://%s:%d/v1 (model %s%s)", self.runtime.worker_id, "s" if tls else "", self.cfg.host, self.cfg.port,
                  self.gateway.model_name, ", port shared" if self.cfg.reuse_port else "")

@@ -77,8 +77,8 @@ class Gateway:
         self.idle.set()
         self.view: ClusterView | None = None
         self.worker_id = ""
-        self.secret = cfg.cluster_secret()
-        self.tls = cfg.tls()
+        self.secret = cfg.secret
+        self.tls = cfg.tls
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
@@ -165,7 +165,7 @@ class Gateway:
                                        headers={"WWW-Authenticate": "Bearer"})
         host, port = self.cfg.orchestrator_addr
         admin = {"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {}
-        scheme, tls = ("https", self.tls.client()) if self.tls is not None else ("http", None)
+        scheme, tls = ("https", self.tls.client) if self.tls is not None else ("http", None)
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s, \
                     s.get(f"{scheme}://{host}:{port}/cluster", headers=admin, ssl=tls if tls else True) as r:

@@ -28,7 +28,7 @@ API_KEY_ENV = "MOE_FABRIC_API_KEY"
 
 # subcommand -> (config class, the module whose `serve(cfg, stop)` runs it, help)
 ROLES: dict[str, tuple[type, str, str]] = {
-    "orchestrator": (OrchestratorConfig, "orchestrator.main", "run the orchestrator"),
+    "orchestrator": (OrchestratorConfig, "orchestrator.server", "run the orchestrator"),
     "gateway": (GatewayConfig, "gateway.main", "run one HTTP gateway"),
     "attention-worker": (AttentionWorkerConfig, "attention_worker.main", "run one attention worker"),
     "expert-worker": (ExpertWorkerConfig, "expert_worker.main", "run one expert worker"),

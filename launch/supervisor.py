@@ -315,7 +315,7 @@ class Supervisor:
 
     # -- stopping -----------------------------------------------------------------------------
     def ssl(self) -> ssl.SSLContext | None:
-        return self.tls.client() if self.tls is not None else None
+        return self.tls.client if self.tls is not None else None
 
     def admin_request(self, path: str, method: str = "GET") -> urllib.request.Request:
         """A request to the orchestrator's admin endpoint `path`, with the cluster secret."""

@@ -1,5 +1,5 @@
-"""Orchestrator process: aiohttp serves `GET /cluster`, `POST /shutdown` and the workers'
-websocket (`/ws`).
+"""The orchestrator: the workers' websocket links (`/ws`, served by orchestrator/server.py with
+the admin endpoints), and the authority over the cluster.
 
 Per worker link: register (new workers get an id; workers that registered before keep theirs) ->
 (EWs) place experts once enough have registered, or fill a vacant slot -> collect worker_ready ->
@@ -29,7 +29,6 @@ import msgpack
 from aiohttp import WSMsgType, web
 
 from fabric import auth
-from fabric.auth import bearer_ok
 from fabric.config import OrchestratorConfig
 from fabric.control_link import pack, unpack, ws_channel
 from fabric.errors import AuthError, FabricError, ProtocolError
@@ -52,12 +51,11 @@ from fabric.messages.control import (
     WorkerStats,
 )
 from fabric.model.config import ModelConfig
-from fabric.notify import notifier
 from fabric.process import mark_failed
 from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner
-from orchestrator.provisioner import NoProvisioner, Provisioner, make_provisioner
+from orchestrator.provisioner import NoProvisioner, Provisioner
 
 log = logging.getLogger("orchestrator")
 
@@ -73,7 +71,7 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, stop: asyncio.Event | None = None) -> None:
         self.cfg = cfg
         self.stop = stop or asyncio.Event()
-        self.secret = cfg.cluster_secret()
+        self.secret = cfg.secret
         self.generation = cfg.generation or time.time_ns() // 1000
         planner = BalancedPlanner(cfg.shadows_per_expert)
         self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port,
@@ -95,33 +93,6 @@ class Orchestrator:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_get("/cluster", self.get_cluster)
-        app.router.add_post("/shutdown", self.post_shutdown)
-        app.router.add_get("/ws", self.worker_link)
-        return app
-
-    def _admin(self, request: web.Request) -> None:
-        """Endpoints that reveal or change the cluster need `Authorization: Bearer <cluster secret>`."""
-        if self.secret is not None and not bearer_ok(request.headers.get("Authorization"), self.secret):
-            raise web.HTTPUnauthorized(text="this endpoint needs 'Authorization: Bearer <cluster secret>'\n",
-                                       headers={"WWW-Authenticate": "Bearer"})
-
-    async def get_cluster(self, request: web.Request) -> web.Response:
-        self._admin(request)
-        body = self.cluster.to_json()
-        body["recovering"] = not self.recovered.is_set()
-        body["replacements_started"] = self.replacements_started
-        return web.json_response(body)
-
-    async def post_shutdown(self, request: web.Request) -> web.Response:
-        """The whole cluster is being stopped: workers that go away now are not replaced."""
-        self._admin(request)
-        self.shutting_down = True
-        log.info("cluster shutdown announced: no more replacements")
-        return web.json_response({"shutting_down": True})
 
     # -- recovery -----------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -376,33 +347,3 @@ class Orchestrator:
         for link in list(self.links.values()):
             link.send_packed(data)
 
-
-async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
-    orch = Orchestrator(cfg, stop)
-    auth.check_bind(cfg.host, orch.secret, "the orchestrator")
-    runner = web.AppRunner(orch.app(), access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    tls = cfg.tls()
-    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server() if tls is not None else None)
-    await site.start()
-    port = runner.addresses[0][1]
-    orch.cluster.self_record.port = port
-    orch.provisioner = make_provisioner(  # replacements dial the port actually bound
-        cfg.provisioner, {Role.ATTENTION: cfg.spawn_attention_args, Role.EXPERT: cfg.spawn_expert_args,
-                          Role.STORE: cfg.spawn_store_args},
-        f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
-    tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
-    log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
-             orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
-    notifier().send("READY=1")
-    try:
-        await stop.wait()
-    finally:
-        orch.shutting_down = True
-        for handle in orch._delayed:
-            handle.cancel()
-        for t in tasks:
-            t.cancel()
-        await orch.provisioner.close()
-        await asyncio.gather(*(link.close() for link in list(orch.links.values())), return_exceptions=True)
-        await runner.cleanup()

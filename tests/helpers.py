@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -138,3 +140,32 @@ def replacement_of(cluster: dict[str, Any], dead_id: str) -> dict[str, Any] | No
 
 def worker_by_pid(cluster: dict[str, Any], pid: int) -> dict[str, Any]:
     return next(w for w in cluster["workers"] if w["pid"] == pid)
+
+
+async def replay_handshake(transport: str, port: int, secret: bytes) -> None:
+    """Records a real dialer's handshake bytes (accepted), then plays them to a new connection:
+    the listener's nonce is fresh, so the recorded proof is stale and the replay is refused."""
+    from fabric import auth
+    from fabric.errors import PeerDeadError
+    from fabric.transport import make_transport
+
+    rec = await make_transport(transport).connect("127.0.0.1", port)
+    hello = auth.MAGIC + os.urandom(auth.NONCE)
+    await rec._write_bytes(hello)
+    reply = bytes(await rec._read_exactly(auth.LISTENER_PROOF))
+    proof = auth._mac(auth._key(secret), b"dialer", reply[:auth.NONCE], hello[len(auth.MAGIC):])
+    await rec._write_bytes(proof)
+    assert bytes(await rec._read_exactly(1)) == auth.ACCEPT  # the original exchange is accepted
+    await rec.close()
+    replay = await make_transport(transport).connect("127.0.0.1", port)
+    try:
+        await replay._write_bytes(hello)
+        await replay._read_exactly(auth.LISTENER_PROOF)
+        await replay._write_bytes(proof)
+        try:
+            await asyncio.wait_for(replay._read_exactly(1), 30)
+        except PeerDeadError:
+            return
+        raise AssertionError("a replayed handshake was accepted")
+    finally:
+        await replay.close()

@@ -5,7 +5,6 @@ listener keeps serving the peers that prove themselves."""
 from __future__ import annotations
 
 import asyncio
-import os
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from fabric.errors import AuthError, ConfigError, PeerDeadError
 from fabric.messages.expert import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
+from tests.helpers import replay_handshake
 
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 SECRET = b"s" * 32
@@ -66,23 +66,8 @@ def test_only_peers_with_the_secret_get_in(name: str) -> None:
                 await asyncio.wait_for(bare.recv(), 30)
             await bare.close()
 
-            # A replayed handshake: record a real dialer's bytes, play them to a new connection.
-            rec = await make_transport(name).connect("127.0.0.1", listener.port)
-            hello = auth.MAGIC + os.urandom(auth.NONCE)
-            await rec._write_bytes(hello)
-            reply = bytes(await rec._read_exactly(auth.LISTENER_PROOF))
-            key = auth._key(SECRET)
-            proof = auth._mac(key, b"dialer", reply[:auth.NONCE], hello[len(auth.MAGIC):])
-            await rec._write_bytes(proof)
-            assert bytes(await rec._read_exactly(1)) == auth.ACCEPT  # the original exchange is accepted
-            await rec.close()
-            replay = await make_transport(name).connect("127.0.0.1", listener.port)
-            await replay._write_bytes(hello)
-            await replay._read_exactly(auth.LISTENER_PROOF)  # a fresh nonce: the recorded proof is stale
-            await replay._write_bytes(proof)
-            with pytest.raises(PeerDeadError):
-                await asyncio.wait_for(replay._read_exactly(1), 30)
-            await replay.close()
+            # A replayed handshake: a real dialer's recorded bytes played to a new connection.
+            await replay_handshake(name, listener.port, SECRET)
 
             # The listener saw no message from any refused peer, and still serves.
             assert echo.read == 1

@@ -32,7 +32,7 @@ from fabric.transport import make_transport
 from fabric.transport.base import Connection
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import post_json, wait_for
+from tests.helpers import post_json, replay_handshake, wait_for
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 WRONG = b"w" * 32
@@ -62,22 +62,7 @@ async def outsiders(name: str, port: int, secret: bytes) -> None:
     with pytest.raises(PeerDeadError, match="authentication failed"):
         await make_transport(name, secret=WRONG).connect("127.0.0.1", port)
 
-    # Record a real handshake (this test holds the secret), then replay its bytes.
-    rec = await make_transport(name).connect("127.0.0.1", port)
-    hello = auth.MAGIC + os.urandom(auth.NONCE)
-    await rec._write_bytes(hello)
-    reply = bytes(await rec._read_exactly(auth.LISTENER_PROOF))
-    proof = auth._mac(auth._key(secret), b"dialer", reply[:auth.NONCE], hello[len(auth.MAGIC):])
-    await rec._write_bytes(proof)
-    assert bytes(await rec._read_exactly(1)) == auth.ACCEPT
-    await rec.close()
-    replay = await make_transport(name).connect("127.0.0.1", port)
-    await replay._write_bytes(hello)
-    await replay._read_exactly(auth.LISTENER_PROOF)
-    await replay._write_bytes(proof)
-    with pytest.raises(PeerDeadError):
-        await asyncio.wait_for(replay._read_exactly(1), 30)
-    await replay.close()
+    await replay_handshake(name, port, secret)  # a recorded handshake, replayed
 
 
 async def ask(conn: Connection, msg: Message) -> Message:
@@ -179,7 +164,10 @@ async def control_plane(fabric: Fabric, secret: bytes) -> None:
             await ws.send_bytes(pack(Register(Role.ATTENTION, 4244, "no-such-host.invalid", 9, ready=True)))
             reply = unpack((await asyncio.wait_for(ws.receive(), 30)).data)
             assert isinstance(reply, Registered | Fenced)
-            await asyncio.sleep(1.0)  # routing updates reach the gateways; they dial it
+            # The gateways dial it, fail, and report it; the orchestrator's probe (unanswered here)
+            # confirms: it is declared dead.
+            await asyncio.to_thread(wait_for, fabric, "the unreachable AW declared dead", lambda c: any(
+                w["pid"] == 4244 and w["state"] == "dead" for w in c["workers"]), 60)
             status, _ = await asyncio.to_thread(post_json, f"http://127.0.0.1:{fabric.port}/v1/completions", BODY)
             assert status == 200
     after = next(w for w in workers(fabric, "attention") if w["id"] == aw["id"])

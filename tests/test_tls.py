@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from fabric.errors import ConfigError, PeerDeadError
 from fabric.messages.expert import Ping
-from fabric.tls import Tls
+from fabric.tls import Tls, write_self_signed
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
 from tests.conftest import running_fabric
@@ -23,17 +22,8 @@ from tests.conftest import running_fabric
 SECRET = b"t" * 32
 
 
-def make_cert(out: Path, name: str = "cluster") -> Tls:
-    """A self-signed certificate and key, as deploy/README.md shows (openssl)."""
-    cert, key = out / f"{name}.crt", out / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=moe-fabric",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    key.chmod(0o600)
-    return Tls(str(cert), str(key))
-
-
 def test_tls_links(tmp_path: Path) -> None:
-    tls, other = make_cert(tmp_path), make_cert(tmp_path, "other")
+    tls, other = write_self_signed(tmp_path, days=2), write_self_signed(tmp_path, "other", days=2)
 
     async def main() -> None:
         async def echo(conn: Connection) -> None:
@@ -66,13 +56,13 @@ def test_tls_links(tmp_path: Path) -> None:
 
 
 def test_a_fabric_over_tls(hf_models: dict[str, Path], tmp_path: Path) -> None:
-    tls = make_cert(tmp_path)
+    tls = write_self_signed(tmp_path, days=2)
     with running_fabric(hf_models["mixtral"], tmp_path, aws=1, ews=1, gateways=1, tls_cert=tls.cert,
                         tls_key=tls.key) as fabric:
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
         req = urllib.request.Request(f"https://127.0.0.1:{fabric.port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60, context=tls.client()) as r:
+        with urllib.request.urlopen(req, timeout=60, context=tls.client) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 4
         with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):  # plain http: no answer
             urllib.request.urlopen(f"http://127.0.0.1:{fabric.port}/health", timeout=10)

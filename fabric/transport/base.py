@@ -36,7 +36,6 @@ class Connection(abc.ABC):
         self.limits = limits
         self.send_timeout = send_timeout
         self.closed = False
-        self.channel = ""  # what the peer said this connection is for (a role's own label)
 
     async def send(self, msg: Message) -> None:
         header, frames = encode_message(msg)

@@ -228,9 +228,6 @@ class TcpConnection(Connection):
         return buf
 
     async def _write_bytes(self, data: bytes) -> None:
-        await self.send_raw_bytes(data)
-
-    async def send_raw_bytes(self, data: bytes) -> None:
         lost = self._lost()
         if lost is not None:
             raise self._error(lost)
@@ -278,8 +275,8 @@ class TcpTransport(Transport):
         self.limits = limits
         self.send_timeout = send_timeout
         self.secret = secret
-        self._server_ssl = tls.server() if tls is not None else None
-        self._client_ssl = tls.client() if tls is not None else None
+        self._server_ssl = tls.server if tls is not None else None
+        self._client_ssl = tls.client if tls is not None else None
         self._handlers: set[asyncio.Task[Any]] = set()  # referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:

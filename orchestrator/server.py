@@ -1,0 +1,79 @@
+"""The orchestrator process: its HTTP server (the workers' websocket `/ws`, and the admin
+endpoints `GET /cluster` and `POST /shutdown`, which need the cluster secret as Bearer), the
+provisioner, and the order of start-up and shutdown around `Orchestrator` (orchestrator/main.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from fabric import auth
+from fabric.config import OrchestratorConfig
+from fabric.messages.control import Role
+from fabric.notify import notifier
+from orchestrator.main import Orchestrator
+from orchestrator.provisioner import make_provisioner
+
+log = logging.getLogger("orchestrator")
+
+
+def make_app(orch: Orchestrator) -> web.Application:
+    def admin(request: web.Request) -> None:
+        """Endpoints that reveal or change the cluster need `Authorization: Bearer <cluster secret>`."""
+        if orch.secret is not None and not auth.bearer_ok(request.headers.get("Authorization"), orch.secret):
+            raise web.HTTPUnauthorized(text="this endpoint needs 'Authorization: Bearer <cluster secret>'\n",
+                                       headers={"WWW-Authenticate": "Bearer"})
+
+    async def get_cluster(request: web.Request) -> web.Response:
+        admin(request)
+        body = orch.cluster.to_json()
+        body["recovering"] = not orch.recovered.is_set()
+        body["replacements_started"] = orch.replacements_started
+        return web.json_response(body)
+
+    async def post_shutdown(request: web.Request) -> web.Response:
+        """The whole cluster is being stopped: workers that go away now are not replaced."""
+        admin(request)
+        orch.shutting_down = True
+        log.info("cluster shutdown announced: no more replacements")
+        return web.json_response({"shutting_down": True})
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_get("/cluster", get_cluster)
+    app.router.add_post("/shutdown", post_shutdown)
+    app.router.add_get("/ws", orch.worker_link)
+    return app
+
+
+async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
+    orch = Orchestrator(cfg, stop)
+    auth.check_bind(cfg.host, orch.secret, "the orchestrator")
+    runner = web.AppRunner(make_app(orch), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    tls = cfg.tls
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server if tls is not None else None)
+    await site.start()
+    port = runner.addresses[0][1]
+    orch.cluster.self_record.port = port
+    orch.provisioner = make_provisioner(  # replacements dial the port actually bound
+        cfg.provisioner, {Role.ATTENTION: cfg.spawn_attention_args, Role.EXPERT: cfg.spawn_expert_args,
+                          Role.STORE: cfg.spawn_store_args},
+        f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
+    tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
+    log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
+             orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
+    notifier().send("READY=1")
+    try:
+        await stop.wait()
+    finally:
+        orch.shutting_down = True
+        for handle in orch._delayed:
+            handle.cancel()
+        for t in tasks:
+            t.cancel()
+        await orch.provisioner.close()
+        await asyncio.gather(*(link.close() for link in list(orch.links.values())), return_exceptions=True)
+        await runner.cleanup()
