@@ -119,6 +119,16 @@ def resumable_stream(url: str, body: dict[str, Any], timeout: float = 120, deadl
             time.sleep(0.05)
 
 
+def poll_until(cond: Callable[[], bool], timeout: float = 60, interval: float = 0.02) -> bool:
+    """Whether `cond()` became true within `timeout` (polled; not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def wait_for(fabric: Any, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 90) -> dict[str, Any]:
     """Polls the cluster view until `pred` holds (an orchestrator that is restarting is waited for)."""
     deadline = time.monotonic() + timeout

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from fabric.model.demo import write_demo_model
 from launch.config import ServeConfig
 from launch.local import Fabric
-from tests.helpers import free_port, iter_events
+from tests.helpers import free_port, iter_events, poll_until, wait_for
 
 KEY = "test-key-123"
 GRACE = 2.0
@@ -160,15 +159,6 @@ def metric(f: Fabric, name: str) -> float:
     return total
 
 
-def wait_for(cond, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
     """A stream whose client vanished keeps running detached for its resume grace (its KV held),
     then is aborted and every KV block freed."""
@@ -189,11 +179,11 @@ def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
         while seen.count(b"data: ") < 3:
             seen += s.recv(65536)
         assert metric(fabric, "moe_fabric_requests_running") == 1
-        assert wait_for(lambda: kv_used() > 0)  # the AW holds its KV blocks while it streams
-    assert wait_for(lambda: metric(fabric, "moe_fabric_requests_running") == 0)
-    assert wait_for(lambda: sum(s.get("detached", 0) for s in stats()) == 1)  # kept for a resume
+        assert poll_until(lambda: kv_used() > 0)  # the AW holds its KV blocks while it streams
+    assert poll_until(lambda: metric(fabric, "moe_fabric_requests_running") == 0)
+    assert poll_until(lambda: sum(s.get("detached", 0) for s in stats()) == 1)  # kept for a resume
     assert kv_used() > 0
-    assert wait_for(lambda: kv_used() == 0)  # past its grace the AW dropped it
+    assert poll_until(lambda: kv_used() == 0)  # past its grace the AW dropped it
     assert sum(s.get("expired", 0) for s in stats()) == expired + 1
     assert metric(fabric, "moe_fabric_kv_blocks_free") > 0
 
@@ -233,8 +223,12 @@ def test_a_broken_stream_resumes_exactly_with_last_event_id(fabric: Fabric, wait
                 if len(got) == 15:
                     break  # the client goes away mid-stream
     assert last is not None and last.startswith(got[0]["id"] + ":7:")
-    if wait_out_grace:
-        time.sleep(GRACE + 1.5)  # the AW aborts it: the resume generates it again (same seed, same tokens)
+    if wait_out_grace:  # the AW drops it after its grace: the resume generates it again (same seed, same tokens)
+        def kept(c: dict) -> int:
+            return sum(w["stats"].get("parked", 0) + w["stats"].get("detached", 0) for w in c["workers"]
+                       if w["role"] == "attention" and w["state"] == "alive")
+        wait_for(fabric, "the AW keeping the stream", lambda c: kept(c) > 0)
+        wait_for(fabric, "the AW dropping it past its grace", lambda c: kept(c) == 0)
     rest = [p for _, p in iter_events(url, body, headers={**auth, "Last-Event-ID": last})]
     assert _per_choice(got + rest) == _per_choice(full) and len(got + rest) == len(full)
     assert {p["id"] for p in got + rest} == {got[0]["id"]}  # the same request, resumed

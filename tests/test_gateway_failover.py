@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 from tests.conftest import running_fabric
-from tests.helpers import post_json, resumable_stream, wait_for
+from tests.helpers import poll_until, post_json, resumable_stream, wait_for
 from tests.load import BODY, PROMPTS, wait_gone
 
-LONG = {**BODY, "max_tokens": 400}  # still decoding well after the kill, however fast the machine
+LONG = {**BODY, "max_tokens": 400}
+  # still decoding well after the kill, however fast the machine
 
 
 def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tmp_path: Path) -> None:
@@ -55,7 +56,7 @@ def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tm
         feeder = threading.Thread(target=newcomer)
         feeder.start()
         gateways = {w["id"]: w["pid"] for w in fabric.cluster()["workers"] if w["role"] == "gateway"}
-        time.sleep(1.0)  # the streams are decoding
+        assert poll_until(lambda: all(served))  # every stream admitted, and decoding: 400 tokens to go
         first = [s[0] for s in served if s]
         victim = max(gateways, key=first.count)  # the gateway that serves the most streams
         old_pid = gateways[victim]
@@ -66,7 +67,8 @@ def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tm
             t.join(120)
         wait_for(fabric, "the dead gateway started again", lambda c: sum(
             w["role"] == "gateway" and w["state"] == "alive" for w in c["workers"]) == 2)
-        time.sleep(1.0)  # new requests also reach the restarted gateway
+        back = time.time()
+        assert poll_until(lambda: sum(t0 > back for t0, _, _ in new) >= 5)  # new requests after the restart
         stop.set()
         feeder.join(60)
 

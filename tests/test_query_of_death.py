@@ -6,7 +6,6 @@ token-identical to the failure-free run."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -67,9 +66,7 @@ def test_a_poisoned_request_fails_alone(hf_models: dict[str, Path], tmp_path: Pa
         assert sum(w["role"] == "attention" and w["state"] == "dead" for w in cluster["workers"]) == 2  # no third
         status, again = post_json(url, {**BODY, "prompt": PROMPTS[0], "stream": False})
         assert status == 200 and again["choices"][0]["finish_reason"] == "length"
-        time.sleep(1.5)  # AW stats come once a second
-        stats = [w["stats"] for w in fabric.cluster()["workers"]
-                 if w["role"] == "attention" and w["state"] == "alive"]
-        assert stats and all(s.get("running", 0) == 0 for s in stats)
+        wait_for(fabric, "nothing left running on the AWs", lambda c: all(  # (AW stats come once a second)
+            w["stats"].get("running", 1) == 0 for w in c["workers"] if w["role"] == "attention" and w["state"] == "alive"))
     gateway_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("gateway-*.log"))
     assert "not retried" in gateway_logs  # logged where it was decided
