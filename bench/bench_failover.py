@@ -7,7 +7,8 @@ over ucx), an EW gets SIGSTOP (a hung process: found by probes; the detection ti
 orchestrator's verdict), an EW gets SIGINT with every process restarted (restart-all, the
 MegaScale-Infer-like baseline), and the control plane's processes die: the orchestrator (SIGKILL,
 SIGINT, SIGSTOP: its supervisor's watchdog), a gateway (SIGKILL, SIGSTOP; the client resumes its
-streams with Last-Event-ID) and the checkpoint store.
+streams with Last-Event-ID) and the checkpoint store; a whole node of a three-node Ray cluster on
+loopback (`--cluster ray --role node`) beside one AW's SIGKILL on one machine.
 
     python bench/bench_failover.py --repeats 3
 """
@@ -45,6 +46,10 @@ SCENARIOS: dict[str, list[str]] = {
     "gateway SIGKILL / fabric": ["--role", "gateway", "--signal", "KILL", "--mode", "fabric"],
     "gateway SIGSTOP / fabric": ["--role", "gateway", "--signal", "STOP", "--mode", "fabric"],
     "store SIGKILL / fabric": ["--role", "store", "--signal", "KILL", "--mode", "fabric"],
+    # A whole node dies (its raylet and every process on it: an AW, an EW, a gateway) on a Ray
+    # cluster of three nodes on loopback; side by side with the same fabric on one machine losing one AW.
+    "node death / ray (3 nodes)": ["--role", "node", "--cluster", "ray", "--mode", "fabric"],
+    "AW SIGKILL / fabric": ["--role", "attention", "--signal", "KILL", "--mode", "fabric"],
 }
 FIELDS = ["stall_s", "stall_without_failure_s", "victim_gone_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s",
           "normal_gap_s", "degraded_gap_s"]

@@ -31,7 +31,7 @@ from launch.config import ServeConfig
 from launch.local import Fabric, free_port
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "resilient": {"shadows_per_expert": 1, "probe_interval_ms": 10.0, "provisioner": "local"},
+    "resilient": {"shadows_per_expert": 1, "probe_interval_ms": 10.0, "provisioner": "auto"},
     "bare": {"shadows_per_expert": 0, "probe_interval_ms": 0.0, "provisioner": "none"},
 }
 

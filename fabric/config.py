@@ -6,9 +6,11 @@ defaults (`launch.flags.to_argv`). Validation lives in `__post_init__`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from fabric.auth import load_secret
@@ -84,6 +86,10 @@ class RoleConfig:
 
     model: str = req("Hugging Face checkpoint directory")
     orchestrator: str = req("the orchestrator's address", metavar="HOST:PORT")
+    orchestrator_file: str | None = opt(None, "a file holding the orchestrator's HOST:PORT, read again before every "
+                                              "connection to it (a cluster manager rewrites it when the orchestrator "
+                                              "moves to another machine); --orchestrator until it exists",
+                                        metavar="PATH")
     host: str = opt("127.0.0.1", "address to listen on and to advertise")
     port: int = opt(0, "port to listen on (0: any free port)")
     transport: str = opt("auto", "the AW/EW/store/gateway transport (auto: ucx where UCX finds RDMA, else tcp)",
@@ -124,6 +130,14 @@ class RoleConfig:
 
     @property
     def orchestrator_addr(self) -> tuple[str, int]:
+        """Where the orchestrator is now: the `orchestrator_file`'s address, else `orchestrator`."""
+        if self.orchestrator_file is not None:
+            try:
+                text = Path(self.orchestrator_file).read_text().strip()
+            except OSError:
+                text = ""
+            with contextlib.suppress(ConfigError):  # (half written: the next read has it)
+                return parse_hostport(text)
         return parse_hostport(self.orchestrator)
 
     @property

@@ -69,11 +69,12 @@ class _Stale(Exception):
 
 
 class ControlLink:
-    def __init__(self, host: str, port: int, make_register: Callable[[], Register], secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self.url = f"{'https' if tls else 'http'}://{host}:{port}/ws"
+    def __init__(self, address: Callable[[], tuple[str, int]], make_register: Callable[[], Register],
+                 secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
+        self.address = address  # asked again before every connection: the orchestrator may move
         self.secret = secret
         self.tls = tls
+        self.url = self._url()
         self.make_register = make_register
         self.worker_id = ""
         self.generation = 0  # the newest orchestrator generation this worker followed
@@ -84,6 +85,10 @@ class ControlLink:
         self.leaving = False  # this worker is shutting down: a closed link is no news
         self._ws: aiohttp.ClientWebSocketResponse | None = None
 
+    def _url(self) -> str:
+        host, port = self.address()
+        return f"{'https' if self.tls else 'http'}://{host}:{port}/ws"
+
     async def run(self) -> None:
         """Connects, registers and reads, again and again, until fenced (returns) or cancelled."""
         delay = MIN_BACKOFF
@@ -92,6 +97,7 @@ class ControlLink:
         async with aiohttp.ClientSession() as session:
             while True:
                 try:
+                    self.url = self._url()
                     ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20,
                                                   ssl=self.tls if self.tls is not None else True,
                                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0))

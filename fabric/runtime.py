@@ -88,7 +88,7 @@ class Runtime:
         self.port = 0
         self.secret = cfg.secret
         tls = cfg.tls
-        self.link = ControlLink(*cfg.orchestrator_addr, self._register, self.secret,
+        self.link = ControlLink(lambda: cfg.orchestrator_addr, self._register, self.secret,
                                 tls.client if tls is not None else None)
         self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()

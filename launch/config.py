@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,11 @@ from fabric.config import (
     opt,
 )
 from fabric.errors import ConfigError
+from fabric.messages.control import Role
+
+# a role -> the ServeConfig field with its Ray resources
+RESOURCE_FIELDS = {Role.ORCHESTRATOR: "orchestrator_resources", Role.GATEWAY: "gateway_resources",
+                   Role.ATTENTION: "aw_resources", Role.EXPERT: "ew_resources", Role.STORE: "store_resources"}
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,20 @@ class ServeConfig:
     resume: str = like(GatewayConfig, "resume")
     stream_resume_grace_s: float = like(GatewayConfig, "stream_resume_grace_s")
     public_metrics: bool = like(GatewayConfig, "public_metrics")
-    provisioner: str = opt("local", "replace every worker that dies with a new process (none: don't)",
-                           choices=("local", "none"))
+    provisioner: str = opt("auto", "replace every worker that dies with a new process, started by this command "
+                                   "(local: on this machine; ray: on a healthy node with free resources); none: don't",
+                           choices=("auto", "none"))
+    cluster: str = opt("local", "where the processes run: local = children of this command on this machine; ray = "
+                                "each its own process on a node of a Ray cluster, placed by failure domain (pip "
+                                "install 'moe-fabric[ray]')", choices=("local", "ray"))
+    ray_address: str | None = opt(None, "the Ray cluster to run on (default: $RAY_ADDRESS, else a Ray started on this "
+                                        "machine for this run)", metavar="ADDR")
+    orchestrator_resources: str = opt("{}", "Ray resources the orchestrator takes on its node (JSON)", metavar="JSON")
+    gateway_resources: str = opt("{}", "Ray resources each gateway takes (JSON)", metavar="JSON")
+    aw_resources: str = opt("{}", "Ray resources each attention worker takes (JSON; e.g. '{\"GPU\": 1}')",
+                            metavar="JSON")
+    ew_resources: str = opt("{}", "Ray resources each expert worker takes (JSON; e.g. '{\"GPU\": 1}')", metavar="JSON")
+    store_resources: str = opt("{}", "Ray resources each checkpoint store takes (JSON)", metavar="JSON")
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
@@ -75,8 +93,14 @@ class ServeConfig:
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.attention_workers < 1 or self.expert_workers < 1 or self.gateways < 1:
             raise ConfigError("serve needs at least one attention worker, one expert worker and one gateway")
-        if self.provisioner not in ("none", "local"):
-            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none or local")
+        if self.provisioner not in ("none", "auto"):
+            raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose auto or none")
+        if self.cluster not in ("local", "ray"):
+            raise ConfigError(f"unknown cluster {self.cluster!r}; choose local or ray")
+        if self.ray_address is not None and self.cluster != "ray":
+            raise ConfigError("--ray-address is for --cluster ray")
+        for role in RESOURCE_FIELDS.values():
+            self.resources(role)  # (checks the JSON)
         check_probes(self.probe_interval_ms, self.probe_misses)
         if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
             raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
@@ -88,6 +112,20 @@ class ServeConfig:
             raise ConfigError("restart_boot_nice must be in 0..20")
         if self.restart_delay_s < 0 or self.watchdog_s < 0 or self.recovery_grace_s < 0 or self.send_timeout_ms <= 0:
             raise ConfigError("restart_delay_s, watchdog_s and recovery_grace_s must be >= 0, send_timeout_ms > 0")
+
+    def resources(self, field_name: str) -> dict[str, float]:
+        """A role's Ray resources (`field_name`: one of RESOURCE_FIELDS' values), checked."""
+        text = getattr(self, field_name)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--{field_name.replace('_', '-')}: not JSON ({exc.msg}): {text!r}") from None
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9
+                for k, v in value.items()):
+            raise ConfigError(f"--{field_name.replace('_', '-')}: expected an object of resource name to amount >= 0, "
+                              f"e.g. '{{\"GPU\": 1}}', got {text!r}")
+        return {k: float(v) for k, v in value.items()}
 
     def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,
                      secret_file: str | None) -> RoleConfigs:
@@ -101,8 +139,8 @@ class ServeConfig:
             orchestrator=OrchestratorConfig(
                 model=model, expert_workers=self.expert_workers, host=self.host, port=orchestrator_port,
                 shadows_per_expert=self.shadows_per_expert,
-                provisioner="supervisor" if self.provisioner == "local" else "none",
-                supervisor_fd=0 if self.provisioner == "local" else None,  # the real fd is known at spawn time
+                provisioner="supervisor" if self.provisioner == "auto" else "none",
+                supervisor_fd=0 if self.provisioner == "auto" else None,  # the real fd is known at spawn time
                 recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
             expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather),

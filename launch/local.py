@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from fabric.errors import FabricError
 from launch.config import ServeConfig
-from launch.supervisor import Supervisor, free_port, wait_ready
+from launch.launcher import Launcher, Proc, free_port, wait_ready
 
 __all__ = ["Fabric", "default_model_dir", "ensure_demo_model", "free_port", "serve"]
 
@@ -37,14 +36,28 @@ def ensure_demo_model() -> Path:
     return path
 
 
+def make_launcher(cfg: ServeConfig, model: str, log_dir: str | None = None,
+                  extra_args: dict[str, list[str]] | None = None,
+                  extra_env: dict[str, dict[str, str]] | None = None) -> Launcher:
+    """The supervisor of `--cluster local`, or the Ray driver of `--cluster ray`."""
+    if cfg.cluster == "ray":
+        from launch.ray_cluster import RaySupervisor
+
+        return RaySupervisor(cfg, model, log_dir, extra_args, extra_env)
+    from launch.supervisor import Supervisor
+
+    return Supervisor(cfg, model, log_dir, extra_args, extra_env)
+
+
 class Fabric:
-    """The processes of one local fabric, supervised from a background thread."""
+    """The processes of one fabric, supervised from a background thread (`cfg.cluster`: on this
+    machine, or on a Ray cluster)."""
 
     def __init__(self, cfg: ServeConfig, extra_args: dict[str, list[str]] | None = None, log_dir: str | None = None,
                  extra_env: dict[str, dict[str, str]] | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.model or str(ensure_demo_model())
-        self.supervisor = Supervisor(cfg, self.model, log_dir, extra_args, extra_env)
+        self.supervisor = make_launcher(cfg, self.model, log_dir, extra_args, extra_env)
         self.log_dir = log_dir
         self.port = cfg.port
         self.orchestrator_port = self.supervisor.orchestrator_port
@@ -52,7 +65,7 @@ class Fabric:
         self._thread: threading.Thread | None = None
 
     @property
-    def procs(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    def procs(self) -> list[tuple[str, Proc]]:
         """(name, process) of every child now (a restarted one: its newest process)."""
         return self.supervisor.snapshot()
 
@@ -99,7 +112,7 @@ class Fabric:
 
 def serve(cfg: ServeConfig) -> int:
     model = cfg.model or str(ensure_demo_model())
-    sup = Supervisor(cfg, model)
+    sup = make_launcher(cfg, model)
 
     def on_signal(signum: int, frame: object) -> None:
         sup.stop_requested.set()
@@ -117,8 +130,8 @@ def serve(cfg: ServeConfig) -> int:
         if sup.stop_requested.is_set():
             return
         print(f"moe-fabric ready: {sup.scheme}://{cfg.host}:{cfg.port}/v1 (model {model}, {cfg.attention_workers} AW + "
-              f"{cfg.expert_workers} EW + {cfg.gateways} gateways over {sup.transport}; cluster view at "
-              f"{sup.scheme}://{cfg.host}:{sup.orchestrator_port}/cluster"
+              f"{cfg.expert_workers} EW + {cfg.gateways} gateways over {sup.transport} on {sup.where()}; "
+              f"cluster view at {sup.scheme}://{sup.orchestrator_host}:{sup.orchestrator_port}/cluster"
               f"{f' with the secret in {sup.secret_file} as Bearer' if sup.secret_file else ''})", flush=True)
 
     threading.Thread(target=announce, name="announce", daemon=True).start()

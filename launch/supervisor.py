@@ -19,51 +19,30 @@ Children also watch this process (`--watch-pid`), so none outlives it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-from fabric.auth import create_secret_file, load_secret
-from fabric.errors import FabricError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
 from fabric.process import die_with_parent
-from fabric.tls import Tls
-from fabric.transport import resolve_transport_name
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig
 from launch.flags import to_argv
+from launch.launcher import COMMAND, MAX_BACKOFF, STOP_ORDER, YOUNG, Launcher, Proc, say
 
 log = logging.getLogger("moe-fabric")
-
-COMMAND = {Role.ORCHESTRATOR: "orchestrator", Role.GATEWAY: "gateway", Role.ATTENTION: "attention-worker",
-           Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store"}
-STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR]]
-YOUNG = 30.0  # seconds: a restartable child that dies younger than this backs off further
-MAX_BACKOFF = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on `host`."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -85,32 +64,12 @@ class Child:
     killed: bool = False  # the watchdog killed it (it may take a moment to go)
 
 
-class Supervisor:
+class Supervisor(Launcher):
     def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
                  extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
-        self.cfg = cfg
-        self.model = model
-        self.log_dir = log_dir
-        self.extra = extra_args or {}  # role command -> flags added to its processes
-        self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
-        self.transport = resolve_transport_name(cfg.transport)
-        self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)
-        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")  # mode 0700: notify sockets, this run's secret
-        self.secret_file: str | None = None
-        if cfg.auth:
-            self.secret_file = cfg.cluster_secret_file or os.path.join(self._sockdir, "cluster-secret")
-            if create_secret_file(self.secret_file) and cfg.cluster_secret_file:
-                _say(f"wrote a new cluster secret to {self.secret_file}")
-        self.secret = load_secret(self.secret_file) if self.secret_file else None
-        self.tls = Tls.of(cfg.tls_cert, cfg.tls_key)
-        self.scheme = "https" if self.tls else "http"
-        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid(), self.secret_file)
+        super().__init__(cfg, model, log_dir, extra_args, extra_env)
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
-        self.stop_requested = threading.Event()
-        self.ready = threading.Event()
-        self.failure: str | None = None  # why start-up failed
-        self.was_ready = False
         self._replacements = 0
 
     # -- the processes ------------------------------------------------------------------------
@@ -151,7 +110,7 @@ class Supervisor:
             env["MOE_FABRIC_API_KEY"] = self.cfg.api_key  # not on the command line: `ps` shows flags
         pass_fds: tuple[int, ...] = ()
         theirs = None
-        if child.role is Role.ORCHESTRATOR and self.cfg.provisioner == "local":
+        if child.role is Role.ORCHESTRATOR and self.cfg.provisioner == "auto":
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             ours.setblocking(False)
             child.provision = ours
@@ -253,7 +212,7 @@ class Supervisor:
         with self.lock:
             self.children.append(child)
         assert child.proc is not None
-        _say(f"started {child.name} (pid {child.proc.pid}) to replace {msg.replaces}")
+        say(f"started {child.name} (pid {child.proc.pid}) to replace {msg.replaces}")
         self._tell_orchestrator(WorkerStarted(msg.replaces, child.proc.pid))
 
     def _tell_orchestrator(self, msg: Message) -> None:
@@ -274,7 +233,7 @@ class Supervisor:
             if code is None:
                 if (child.restart and child.ready and not child.killed and self.cfg.watchdog_s > 0
                         and now - child.pinged > self.cfg.watchdog_s):
-                    _say(f"{child.name} (pid {proc.pid}) is hung: no watchdog ping for {now - child.pinged:.1f} s; "
+                    say(f"{child.name} (pid {proc.pid}) is hung: no watchdog ping for {now - child.pinged:.1f} s; "
                          "killing it")
                     child.killed = True
                     with contextlib.suppress(ProcessLookupError):
@@ -293,7 +252,7 @@ class Supervisor:
             self.failure = f"{child.name} exited with code {code} during start-up"
             return
         if child.replaces or child.role in (Role.ATTENTION, Role.EXPERT, Role.STORE):
-            _say(f"{child.name} (pid {pid}) exited with code {code}; the fabric takes over its work")
+            say(f"{child.name} (pid {pid}) exited with code {code}; the fabric takes over its work")
             self._tell_orchestrator(WorkerExited(pid, code))
             with self.lock:
                 self.children.remove(child)
@@ -302,7 +261,7 @@ class Supervisor:
         child.backoff = min(MAX_BACKOFF, child.backoff * 2 if young and child.backoff else self.cfg.restart_delay_s)
         child.due = now + child.backoff
         child.ready = False
-        _say(f"{child.name} (pid {pid}) exited with code {code}; starting it again in {child.backoff:.1f} s")
+        say(f"{child.name} (pid {pid}) exited with code {code}; starting it again in {child.backoff:.1f} s")
 
     def _act(self) -> None:
         now = time.monotonic()
@@ -311,26 +270,12 @@ class Supervisor:
                 child.incarnation += 1
                 self._spawn(child)
                 assert child.proc is not None
-                _say(f"{child.name} started again (pid {child.proc.pid})")
+                say(f"{child.name} started again (pid {child.proc.pid})")
 
     # -- stopping -----------------------------------------------------------------------------
-    def ssl(self) -> ssl.SSLContext | None:
-        return self.tls.client if self.tls is not None else None
-
-    def admin_request(self, path: str, method: str = "GET") -> urllib.request.Request:
-        """A request to the orchestrator's admin endpoint `path`, with the cluster secret."""
-        return urllib.request.Request(f"{self.scheme}://{self.cfg.host}:{self.orchestrator_port}{path}",
-                                      data=b"" if method == "POST" else None, method=method,
-                                      headers={"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {})
-
-    def _announce_shutdown(self) -> None:
-        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
-            urllib.request.urlopen(self.admin_request("/shutdown", "POST"), timeout=2, context=self.ssl()).close()
-
     def _shutdown(self) -> None:
         if any(c.role is Role.ORCHESTRATOR and c.proc is not None and c.proc.poll() is None for c in self.children):
-            self._announce_shutdown()
+            self.announce_shutdown()
         for roles in STOP_ORDER:
             group = [c for c in self.children if c.role in roles and c.proc is not None]
             grace = self.cfg.drain_timeout + 10.0 if roles == [Role.GATEWAY] else 10.0
@@ -340,13 +285,9 @@ class Supervisor:
         shutil.rmtree(self._sockdir, ignore_errors=True)
 
     # -- for callers in other threads -----------------------------------------------------------
-    def snapshot(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    def snapshot(self) -> list[tuple[str, Proc]]:
         with self.lock:
             return [(c.name, c.proc) for c in self.children if c.proc is not None]
-
-    def cluster(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.admin_request("/cluster"), timeout=5, context=self.ssl()) as r:
-            return dict(json.loads(r.read()))
 
 
 def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
@@ -362,15 +303,3 @@ def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _say(msg: str) -> None:
-    print(f"moe-fabric: {msg}", file=sys.stderr, flush=True)
-
-
-def wait_ready(sup: Supervisor, timeout: float) -> None:
-    """Returns once every process of the fabric serves; raises FabricError if start-up failed."""
-    if not sup.ready.wait(timeout):
-        raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
-    if sup.failure is not None:
-        raise FabricError(sup.failure)

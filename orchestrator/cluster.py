@@ -24,6 +24,7 @@ from typing import Any
 from fabric.messages.control import ClusterView, Register, Role, WorkerInfo, WorkerState
 from fabric.model.config import ModelConfig
 from fabric.routing import EwAddress, RoutingTable, Unit, placement_tensor
+from fabric.runtime import node_name
 from orchestrator.placement import PlacementPlanner, single_node_units
 
 log = logging.getLogger("orchestrator")
@@ -85,7 +86,7 @@ class Cluster:
         self.replacements = 0
         self._counters: dict[str, int] = {}
         self.self_record = WorkerRecord(f"orch-{generation}", Role.ORCHESTRATOR, os.getpid(), host, port,
-                                        WorkerState.ALIVE, info={"generation": generation})
+                                        WorkerState.ALIVE, info={"generation": generation, "node": node_name()})
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, reg: Register) -> WorkerRecord | None:
@@ -137,6 +138,17 @@ class Cluster:
         assert self.placement is not None
         return [u for u, slots in sorted(self.placement.items()) if slot in slots]
 
+    def nodes_with_copies(self, worker_id: str) -> list[str]:
+        """The nodes of the live EWs that hold a copy of an expert of `worker_id`'s slot: where
+        its replacement should not go, so that no expert has every copy on one node."""
+        rec = self.workers.get(worker_id)
+        if rec is None or not rec.slot or self.placement is None:
+            return []
+        others = {s for slots in self.placement.values() if rec.slot in slots for s in slots} - {rec.slot}
+        nodes = {self.workers[o].info.get("node", "") for s in others
+                 if (o := self.occupant.get(s, "")) in self.workers and self.workers[o].serving}
+        return sorted(n for n in nodes if n)
+
     def _vacant(self, slot: str) -> bool:
         """No occupant, or a dead one."""
         occ = self.occupant.get(slot, "")
@@ -169,6 +181,9 @@ class Cluster:
                     self.workers[ew].info["replaces"] = self.occupant[slot]
                 self.workers[ew].slot = slot
                 assignment[ew] = self.slot_units(slot)
+            if assignment:  # the replacements' nodes may put both copies of an expert on one node
+                holder = {**{s: o for s, o in self.occupant.items() if not self._vacant(s)}, **self.filling}
+                _say_spread(self.placement, {s: str(self.workers[w].info.get("node") or w) for s, w in holder.items()})
         for ew, units in assignment.items():
             self.workers[ew].experts = units
         return assignment
@@ -300,7 +315,8 @@ class Cluster:
 
 
 def _say_spread(placement: dict[Unit, list[str]], nodes: dict[str, str]) -> None:
-    """Which failure-domain guarantee the placement does not give (logged once, at placement)."""
+    """Which failure-domain guarantee the placement does not give (logged at placement, and when
+    replacements fill slots)."""
     if len(set(nodes.values())) == 1:
         log.info("every expert worker is on node %s: a copy of each expert survives one expert worker's death, "
                  "not the node's", next(iter(nodes.values())))

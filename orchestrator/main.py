@@ -261,7 +261,8 @@ class Orchestrator:
             log.error("not replacing %s: %d replacements already started (--max-replacements)", replaces,
                       self.replacements_started)
             return
-        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice):
+        avoid = self.cluster.nodes_with_copies(replaces) if role is Role.EXPERT else []
+        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice, avoid):
             self.replacements_started += 1
 
     async def watch_replacements(self) -> None:

@@ -50,8 +50,9 @@ class Provisioner(abc.ABC):
     """Starts replacement workers. `start` returns at once; the new process registers itself."""
 
     @abc.abstractmethod
-    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
-        """Asks for a worker of `role` in place of `replaces`; False if none can be started."""
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+        """Asks for a worker of `role` in place of `replaces`, if possible on none of the nodes
+        `avoid`; False if none can be started."""
 
     @abc.abstractmethod
     def exited_early(self) -> list[Spawned]:
@@ -66,7 +67,7 @@ class Provisioner(abc.ABC):
 
 
 class NoProvisioner(Provisioner):
-    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
         return False
 
     def exited_early(self) -> list[Spawned]:
@@ -93,9 +94,9 @@ class SupervisorProvisioner(Provisioner):
         except OSError as exc:
             raise FabricError(f"the supervisor is gone: {exc}") from exc
 
-    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
         try:
-            self._send(StartWorker(role, replaces, boot_nice))
+            self._send(StartWorker(role, replaces, boot_nice, avoid))
         except FabricError as exc:
             log.error("cannot replace %s: %s", replaces, exc)
             return False
@@ -146,7 +147,7 @@ class LocalProvisioner(Provisioner):
         self._registered: set[int] = set()
         self._n = 0
 
-    def start(self, role: Role, replaces: str, boot_nice: int) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
         if role not in ROLE_COMMAND or not self.args.get(role):
             log.error("no spawn arguments for role %s; cannot replace %s", role.value, replaces)
             return False

@@ -94,7 +94,8 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 120) -> l
 
 
 def resumable_stream(url: str, body: dict[str, Any], timeout: float = 120, deadline: float = 120,
-                     served_by: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
+                     served_by: list[str] | None = None,
+                     on_event: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], int]:
     """A streaming client that does what a robust one should: when its stream breaks (its gateway
     died), it sends the same request again with `Last-Event-ID`. Returns (every payload, in order,
     once; how many times it resumed); `served_by` gets the gateway of every attempt."""
@@ -108,6 +109,8 @@ def resumable_stream(url: str, body: dict[str, Any], timeout: float = 120, deadl
                                                  served_by):
                 events.append(payload)
                 last = event_id or last
+                if on_event is not None:
+                    on_event(payload)
             return events, resumes
         except (OSError, AssertionError, http.client.HTTPException) as exc:
             if isinstance(exc, urllib.error.HTTPError) and exc.code not in (502, 503):

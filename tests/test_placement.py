@@ -68,3 +68,15 @@ def test_the_orchestrator_places_by_the_nodes_workers_report(hf_models: dict) ->
     nodes = {w.id: w.info["node"] for w in cluster.workers.values()}
     assert cluster.placement is not None and spread(cluster.placement, nodes)
     assert {w["info"]["node"] for w in cluster.to_json()["workers"] if w["role"] == "expert"} == {"a", "b"}
+    # A dead EW's replacement should avoid the nodes holding the other copies of its experts.
+    for w in list(cluster.workers.values()):
+        if w.role is Role.EXPERT:
+            cluster.mark_ready(w.id)
+    dead = next(w for w in cluster.workers.values() if w.role is Role.EXPERT and w.info["node"] == "a")
+    cluster.mark_dead(dead.id)
+    avoid = cluster.nodes_with_copies(dead.id)
+    assert "b" in avoid
+    slot_units = set(cluster.slot_units(dead.slot))
+    holders = {cluster.workers[o].info["node"] for s, o in cluster.occupant.items()
+               if s != dead.slot and o != dead.id and slot_units & set(cluster.slot_units(s))}
+    assert set(avoid) == holders

@@ -17,6 +17,7 @@ class StartWorker(Message):
     role: Role
     replaces: str
     boot_nice: int
+    avoid: list[str]  # nodes to start it on only if no other can take it (they hold copies of its experts)
 
 
 @register

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,14 +39,20 @@ from launch.experiments.logs import scan_logs
 from launch.experiments.workload import Run, say
 
 if TYPE_CHECKING:
+    from launch.launcher import Proc
     from launch.local import Fabric
 
 VICTIMS = {"expert": "expert-worker-1", "attention": "attention-worker-0", "store": "checkpoint-store-0",
-           "orchestrator": "orchestrator", "gateway": "gateway-0"}
+           "orchestrator": "orchestrator", "gateway": "gateway-0",
+           "node": "attention-worker-0"}  # (--cluster ray: the node of this one dies, with all it hosts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=list(VICTIMS), default="expert", help="which process dies")
+    p.add_argument("--role", choices=list(VICTIMS), default="expert",
+                   help="which process dies (node, with --cluster ray: the whole node of attention-worker-0)")
+    p.add_argument("--cluster", choices=["local", "ray"], default="local",
+                   help="ray: the fabric on a Ray cluster (--ray-address; default: three nodes on loopback)")
+    p.add_argument("--ray-address", default=None, help="a Ray cluster to run on (default: a loopback one of 3 nodes)")
     p.add_argument("--at", type=float, default=5.0, help="seconds into the failure run to send the signal")
     p.add_argument("--duration", type=float, default=15.0, help="seconds during which requests are issued")
     load = p.add_mutually_exclusive_group()
@@ -82,12 +87,23 @@ class Experiment:
         self.vocab = ModelConfig.from_dir(self.model).vocab_size
         self.out = Path(args.out or f"results/failover-{args.role}-{args.mode}")
         port = free_port()
+        self.loopback = None
+        ray: dict[str, Any] = {}
+        if args.cluster == "ray":
+            ray = {"cluster": "ray", "ray_address": args.ray_address}
+            if args.ray_address is None:
+                from launch.loopback_ray import LoopbackRay
+
+                say("failover", "starting a Ray cluster of 3 nodes on loopback ...")
+                self.loopback = LoopbackRay(3)
+                ray |= {"ray_address": self.loopback.address,
+                        **{f"{r}_resources": '{"fabric": 1}' for r in ("orchestrator", "gateway", "aw", "ew", "store")}}
         # drain_timeout 0: a full restart does not wait for running requests.
-        self.cfg = ServeConfig(model=self.model, attention_workers=args.attention_workers, transport=args.transport,
+        self.cfg = ServeConfig(**ray, model=self.model, attention_workers=args.attention_workers, transport=args.transport,
                                expert_workers=args.expert_workers, gateways=args.gateways, port=port,
                                drain_timeout=0.0, ready_timeout=180, checkpoint_stores=args.checkpoint_stores,
                                checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
-                               provisioner="none" if args.mode == "restart-all" else "local")
+                               provisioner="none" if args.mode == "restart-all" else "auto")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
         # Not the default executor: asyncio.run would wait for a fabric start before a Ctrl-C.
@@ -132,6 +148,12 @@ class Experiment:
         for fabric in list(self.fabrics):
             fabric.stop()
 
+    def close(self) -> None:
+        self.stop_all()
+        if self.loopback is not None:
+            self.loopback.shutdown()
+            self.loopback = None
+
     def prompt(self, i: int) -> list[int]:
         rng = random.Random(self.args.seed * 1_000_003 + i)
         return [rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]  # ids 0-2 are special
@@ -167,9 +189,21 @@ class Injection:
         name = VICTIMS[args.role]
         victim = next(p for n, p in self.exp.fabric.procs if n == name)
         sig = signal.Signals[f"SIG{args.signal}"]
-        victim.send_signal(sig)
+        what = f"{sig.name} {name}"
+        if args.role == "node":
+            sig = signal.SIGKILL
+            sup: Any = self.exp.fabric.supervisor
+            node = sup.node_of(name)
+            on_node = sorted(n for n, p in self.exp.fabric.procs if getattr(p, "node_id", None) == node)
+            what = f"node {node[:8]} ({', '.join(on_node)})"
+            if self.exp.loopback is not None:
+                self.exp.loopback.remove_node(node)
+            else:
+                sup.kill_node(node)
+        else:
+            victim.send_signal(sig)
         self.kill, self.victim_pid, self.kill_wall = run.now(), victim.pid, time.time()
-        say("failover", f"{run.name}: t={self.kill:.2f} s {sig.name} {name} (pid {victim.pid}), "
+        say("failover", f"{run.name}: t={self.kill:.2f} s {what} (pid {victim.pid}), "
                         f"{sum(len(s.tokens) for s in run.streams)} tokens so far")
         watch = asyncio.create_task(self.watch_exit(victim)) if sig != signal.SIGSTOP else None
         if args.mode == "restart-all":
@@ -183,7 +217,7 @@ class Injection:
         if watch is not None:
             await watch
 
-    async def watch_exit(self, victim: subprocess.Popen[bytes]) -> None:
+    async def watch_exit(self, victim: Proc) -> None:
         """Records when the victim's process is gone (for at most 10 s)."""
         try:
             await asyncio.wait_for(asyncio.to_thread(victim.wait), 10.0)
@@ -208,6 +242,12 @@ def detection(inj: Injection, cluster: dict[str, Any] | None) -> dict[str, float
         out["suspected_s"] = min(found) - inj.kill_wall if found else None
     role = inj.exp.args.role
     new = None
+    if role == "node":  # every replacement of what the node hosted: the last one ready
+        fresh = [w for w in workers if w["role"] in ("attention", "expert", "checkpoint_store")
+                 and w["state"] == "alive" and w["registered_at"] > inj.kill_wall]
+        if fresh:
+            out["replacement_ready_s"] = max(max(w["state_since"], w["registered_at"]) for w in fresh) - inj.kill_wall
+        return out
     if victim is not None:
         new = next((w for w in workers if w["info"].get("replaces") == victim["id"] and w["state"] == "alive"), None)
     if new is None:  # AWs, stores and gateways take no slot; the orchestrator is new: whoever came after the kill
@@ -285,7 +325,15 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--at must be inside (0, --duration)")
     if args.tokens < 1 or args.prompt_len < 1:
         raise ConfigError("--tokens and --prompt-len must be >= 1")
-    need = {"expert": args.expert_workers, "attention": args.attention_workers, "gateway": args.gateways,
+    if args.role == "node" and args.cluster != "ray":
+        raise ConfigError("--role node is for --cluster ray (a whole machine: on one machine, kill a process)")
+    if args.ray_address is not None and args.cluster != "ray":
+        raise ConfigError("--ray-address is for --cluster ray")
+    if args.cluster == "ray" and (args.mode != "fabric" or args.signal == "STOP"):
+        raise ConfigError("--cluster ray runs --mode fabric with --signal INT or KILL")
+    if args.role == "node":
+        args.signal = "KILL"  # (what a node's death is to its processes)
+    need = {"node": 2, "expert": args.expert_workers, "attention": args.attention_workers, "gateway": args.gateways,
             "store": 2 if args.checkpoint_stores else 0, "orchestrator": 2}[args.role]
     if need < 2 and args.mode == "fabric" and args.role != "store":
         raise ConfigError(f"--mode fabric needs at least 2 {args.role} processes to survive losing one")
@@ -302,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, on_term)
     exp = Experiment(args)
     try:
-        say("failover", f"role={args.role} mode={args.mode} model={exp.model} out={exp.out}")
+        say("failover", f"role={args.role} mode={args.mode} cluster={args.cluster} model={exp.model} out={exp.out}")
         exp.start()
         ref = exp.workload("reference run")
         say("failover", "reference run (no failure) ...")
@@ -331,13 +379,13 @@ def run(args: argparse.Namespace) -> int:
         exp.aborted = True
         exp.stop_all()
         exp.spawner.shutdown(wait=True, cancel_futures=True)  # a restart in progress gives up within ~1 s
-        exp.stop_all()  # whatever it spawned meanwhile
+        exp.close()  # whatever it spawned meanwhile, and a loopback Ray cluster
         signal.signal(signal.SIGTERM, previous)
 
 
 def _settled_cluster(exp: Experiment, role: str) -> dict[str, Any] | None:
     """The cluster view once the victim is replaced or back (bounded), for the detection times."""
-    deadline = time.monotonic() + 15.0
+    deadline = time.monotonic() + (60.0 if role == "node" else 15.0)
     cluster = None
     while time.monotonic() < deadline:
         try:
@@ -345,8 +393,13 @@ def _settled_cluster(exp: Experiment, role: str) -> dict[str, Any] | None:
         except OSError:  # the orchestrator itself is restarting
             time.sleep(0.2)
             continue
-        if not cluster.get("recovering") and (role != "gateway" or sum(
-                w["role"] == "gateway" and w["state"] == "alive" for w in cluster["workers"]) >= exp.cfg.gateways):
+        alive = [w["role"] for w in cluster["workers"] if w["state"] == "alive"]
+        if role == "node":  # every replacement up: the AWs back to their number, every slot filled
+            settled = (alive.count("attention") >= exp.cfg.attention_workers
+                       and not cluster.get("redundancy", {}).get("slots_vacant"))
+        else:
+            settled = role != "gateway" or alive.count("gateway") >= exp.cfg.gateways
+        if not cluster.get("recovering") and settled:
             return cluster
         time.sleep(0.2)
     return cluster

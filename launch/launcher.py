@@ -1,0 +1,125 @@
+"""What every launcher of a whole fabric shares: the local supervisor (launch/supervisor.py) and
+the Ray driver (launch/ray_cluster.py) both hold a `ServeConfig`, the cluster secret and TLS, the
+role configs they start processes with, and the orchestrator's admin endpoint."""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import socket
+import ssl
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Protocol
+
+from fabric.auth import create_secret_file, load_secret
+from fabric.errors import FabricError
+from fabric.messages.control import Role
+from fabric.tls import Tls
+from fabric.transport import resolve_transport_name
+from launch.config import ServeConfig
+
+COMMAND = {Role.ORCHESTRATOR: "orchestrator", Role.GATEWAY: "gateway", Role.ATTENTION: "attention-worker",
+           Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store"}
+STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR]]
+YOUNG = 30.0  # seconds: a restartable process that dies younger than this backs off further
+MAX_BACKOFF = 10.0
+
+
+class Proc(Protocol):
+    """A fabric process as tests and experiments see it, wherever it runs."""
+
+    pid: int
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on `host`."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def say(msg: str) -> None:
+    print(f"moe-fabric: {msg}", file=sys.stderr, flush=True)
+
+
+class Launcher(abc.ABC):
+    def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
+                 extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.log_dir = log_dir
+        self.extra = extra_args or {}  # role command -> flags added to its processes
+        self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
+        self.transport = resolve_transport_name(cfg.transport)
+        self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)
+        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")  # mode 0700: notify sockets, this run's secret
+        self.secret_file: str | None = None
+        if cfg.auth:
+            self.secret_file = cfg.cluster_secret_file or os.path.join(self._sockdir, "cluster-secret")
+            if create_secret_file(self.secret_file) and cfg.cluster_secret_file:
+                say(f"wrote a new cluster secret to {self.secret_file}")
+        self.secret = load_secret(self.secret_file) if self.secret_file else None
+        self.tls = Tls.of(cfg.tls_cert, cfg.tls_key)
+        self.scheme = "https" if self.tls else "http"
+        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid(), self.secret_file)
+        self.stop_requested = threading.Event()
+        self.ready = threading.Event()
+        self.failure: str | None = None  # why start-up failed
+        self.was_ready = False
+
+    @abc.abstractmethod
+    def run(self) -> None:
+        """Starts the fabric and supervises it until `stop_requested` is set; then stops it."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> list[tuple[str, Proc]]:
+        """(name, process) of every process now (a restarted one: its newest)."""
+
+    @property
+    def orchestrator_host(self) -> str:
+        """Where the orchestrator listens now."""
+        return self.cfg.host
+
+    def where(self) -> str:
+        """Where the fabric runs, for the ready line."""
+        return "this machine"
+
+    # -- the orchestrator's admin endpoint ----------------------------------------------------
+    def ssl(self) -> ssl.SSLContext | None:
+        return self.tls.client if self.tls is not None else None
+
+    def admin_request(self, path: str, method: str = "GET") -> urllib.request.Request:
+        """A request to the orchestrator's admin endpoint `path`, with the cluster secret."""
+        return urllib.request.Request(f"{self.scheme}://{self.orchestrator_host}:{self.orchestrator_port}{path}",
+                                      data=b"" if method == "POST" else None, method=method,
+                                      headers={"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {})
+
+    def announce_shutdown(self) -> None:
+        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
+        try:
+            urllib.request.urlopen(self.admin_request("/shutdown", "POST"), timeout=2, context=self.ssl()).close()
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+
+    def cluster(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.admin_request("/cluster"), timeout=5, context=self.ssl()) as r:
+            return dict(json.loads(r.read()))
+
+
+def wait_ready(launcher: Launcher, timeout: float) -> None:
+    """Returns once every process of the fabric serves; raises FabricError if start-up failed."""
+    if not launcher.ready.wait(timeout):
+        raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
+    if launcher.failure is not None:
+        raise FabricError(launcher.failure)

@@ -1,0 +1,554 @@
+"""`moe-fabric serve --cluster ray`: the fabric on a Ray cluster, placed by failure domain.
+
+The driver (this module, in the `serve` process) is the Ray counterpart of the local supervisor:
+every fabric process runs as the child of a `RoleHost` actor (launch/ray_host.py) on a Ray node,
+with the role's Ray resources (`--aw-resources '{"GPU": 1}'`, ...). The driver owns every actor,
+so they all end with it.
+
+Placement (`choose_node`): attention workers over as many nodes as can take them, the checkpoint
+store away from the attention workers it protects, expert workers over the nodes (the orchestrator
+puts each expert's shadows on other nodes than its primary), gateways apart. `serve` says which
+of these does not hold when the cluster is too small.
+
+Main loop (one thread): `ray.wait` on every host's exit, readiness and the orchestrator's requests
+for replacement workers. A worker whose process exits, or whose node dies (its actor fails), is
+reported to the orchestrator, which reroutes and asks for a replacement; the driver starts it on a
+healthy node with free resources (never a node that lost a process, and if possible none that
+holds a copy of the dead EW's experts). The orchestrator and the gateways are restarted by their
+host when their process dies, and by Ray (`max_restarts`) on another node when their node dies;
+the driver then starts them there, and tells every host where the orchestrator is now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fabric.errors import ConfigError, FabricError
+from fabric.messages.base import decode_message, encode_message
+from fabric.messages.control import Role
+from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
+from fabric.wire import decode_bytes, encode_bytes
+from launch.config import RESOURCE_FIELDS, ServeConfig
+from launch.flags import to_argv
+from launch.launcher import COMMAND, STOP_ORDER, Launcher, Proc, say
+from launch.ray_host import RoleHost, node_label
+from launch.sealing import seal
+
+log = logging.getLogger("moe-fabric")
+
+START_TIMEOUT = 120.0  # seconds for a host actor to come up (Ray starts a worker process for it)
+
+
+@dataclass
+class NodeState:
+    """A Ray node as placement sees it: its resources, what the fabric placed there."""
+
+    node_id: str
+    total: dict[str, float]
+    used: dict[str, float] = field(default_factory=dict)
+    roles: Counter[Role] = field(default_factory=Counter)
+
+    def fits(self, res: dict[str, float]) -> bool:
+        return all(self.total.get(k, 0.0) - self.used.get(k, 0.0) >= v - 1e-9 for k, v in res.items())
+
+    def take(self, role: Role, res: dict[str, float], sign: int = 1) -> None:
+        for k, v in res.items():
+            self.used[k] = self.used.get(k, 0.0) + sign * v
+        self.roles[role] += sign
+
+
+def choose_node(role: Role, res: dict[str, float], nodes: list[NodeState], avoid: set[str] = frozenset()  # type: ignore[assignment]
+                ) -> NodeState | None:
+    """The node for a new process of `role`: one that fits `res` and is not in `avoid` if
+    possible; among those the one that keeps failure domains apart (see the module doc)."""
+    fit = [n for n in nodes if n.fits(res)]
+    preferred = [n for n in fit if n.node_id not in avoid] or fit
+    if not preferred:
+        return None
+
+    def key(n: NodeState) -> tuple[int, ...]:
+        if role in (Role.ATTENTION, Role.STORE):  # AWs apart, and the store away from them
+            return n.roles[Role.ATTENTION], n.roles[Role.STORE], sum(n.roles.values())
+        return n.roles[role], 0, sum(n.roles.values())
+
+    return min(preferred, key=key)
+
+
+def spread_notes(nodes: list[NodeState], expert_workers: int) -> list[str]:
+    """The failure-domain guarantees this placement does not give."""
+    notes = []
+    aws = [n for n in nodes if n.roles[Role.ATTENTION]]
+    stores = [n for n in nodes if n.roles[Role.STORE]]
+    ews = [n for n in nodes if n.roles[Role.EXPERT]]
+    if sum(n.roles[Role.ATTENTION] for n in nodes) > 1 and len(aws) == 1:
+        notes.append("every attention worker is on one node: its death pauses serving until replacements load")
+    if stores and all(n.roles[Role.ATTENTION] for n in stores):
+        notes.append("every checkpoint store shares a node with attention workers: that node's death loses those "
+                     "AWs' checkpoints (their streams resume by replay)")
+    if expert_workers > 1 and len(ews) == 1:
+        notes.append("every expert worker is on one node: its death loses every copy of every expert until "
+                     "replacements load")
+    return notes
+
+
+@dataclass
+class Host:
+    """One fabric process and the actor that hosts it."""
+
+    name: str
+    role: Role
+    restart: bool
+    resources: dict[str, float]
+    actor: Any
+    node_id: str = ""
+    node_ip: str = ""
+    public_key: bytes = b""
+    pid: int = 0
+    replaces: str = ""
+    boot_nice: int = 0  # a replacement boots this much nicer
+    ready: bool = False
+    initial: bool = True  # one of the processes `serve` starts (readiness waits for these)
+    exit_ref: Any = None
+    ready_ref: Any = None
+    gone: bool = False
+    code: int | None = None
+
+
+class RemoteProc:
+    """`Proc` over a host actor: signals go to the process wherever it runs."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.pid = host.pid
+        self.node_id = host.node_id
+
+    def send_signal(self, sig: int) -> None:
+        import ray
+
+        ray.get(self.host.actor.signal.remote(int(sig)), timeout=10)
+
+    def poll(self) -> int | None:
+        return (self.host.code if self.host.code is not None else -9) if self.host.gone else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.host.name} still runs")
+            time.sleep(0.05)
+        return code
+
+
+class RaySupervisor(Launcher):
+    def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
+                 extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
+        super().__init__(cfg, model, log_dir, extra_args, extra_env)
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+        loopback = address.startswith("127.") if address else cfg.host.startswith("127.")
+        if loopback:  # every node on loopback: Ray must not advertise this machine's other addresses
+            from launch.loopback_ray import keep_ray_on_loopback
+
+            keep_ray_on_loopback()
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--cluster ray needs Ray: pip install 'moe-fabric[ray]'") from None
+        self.resources = {role: cfg.resources(f) for role, f in RESOURCE_FIELDS.items()}
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:  # here, in the caller's thread (Ray wants the main thread for its set-up)
+            kwargs: dict[str, Any] = {} if address else {"include_dashboard": False}
+            if loopback:
+                kwargs["_node_ip_address"] = "127.0.0.1"
+            ray.init(address=address, namespace=f"moe-fabric-{uuid.uuid4().hex[:8]}", log_to_driver=False,
+                     logging_level=logging.WARNING, **kwargs)
+        self.remote_host = ray.remote(RoleHost)
+        self.hosts: list[Host] = []
+        self.actors: list[Any] = []  # every actor this driver made (killed at the end, whatever happened)
+        self.lock = threading.Lock()  # guards hosts, actors, nodes
+        self.nodes: dict[str, NodeState] = {}
+        self.lost_nodes: set[str] = set()  # nodes where an actor died: never chosen again
+        self.orchestrator_ip = cfg.host
+        self.events: queue.Queue[Callable[[], None]] = queue.Queue()  # from helper threads, run by the main loop
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ray-driver")
+        self.req_ref: Any = None
+        self._replacements = 0
+
+    @property
+    def orchestrator_host(self) -> str:
+        return self.orchestrator_ip
+
+    def where(self) -> str:
+        return f"{len(self.nodes)} Ray nodes"
+
+    # -- nodes and placement ------------------------------------------------------------------
+    def _refresh_nodes(self) -> list[NodeState]:
+        """The alive nodes (keeping what the fabric placed on each), minus the lost ones."""
+        import ray
+
+        alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        with self.lock:
+            for node_id in list(self.nodes):
+                if node_id not in alive:
+                    del self.nodes[node_id]
+            for node_id, n in alive.items():
+                if node_id not in self.nodes:
+                    self.nodes[node_id] = NodeState(node_id, dict(n.get("Resources", {})))
+            return [s for i, s in self.nodes.items() if i not in self.lost_nodes]
+
+    def _new_host(self, name: str, role: Role, avoid: set[str] = frozenset(), replaces: str = "",  # type: ignore[assignment]
+                  initial: bool = True) -> Host:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        res = self.resources[role]
+        nodes = self._refresh_nodes()
+        with self.lock:
+            node = choose_node(role, res, nodes, avoid)
+            if node is None:
+                raise FabricError(f"no Ray node has the resources {json.dumps(res)} free for {name} (nodes: "
+                                  f"{', '.join(f'{node_label(n.node_id)} {n.total}' for n in nodes) or 'none'}); "
+                                  f"see --{RESOURCE_FIELDS[role].replace('_', '-')}")
+            node.take(role, res)
+            restart = role in (Role.ORCHESTRATOR, Role.GATEWAY)
+            # A restartable process's host follows it to another node when its node dies (soft
+            # affinity); a worker's stays put: a new worker replaces it.
+            rest = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+            actor = self.remote_host.options(
+                name=None, num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0), resources=rest,
+                max_restarts=-1 if restart else 0, max_concurrency=16,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=restart)).remote()
+            self.actors.append(actor)
+        return Host(name, role, restart, res, actor, node_id=node.node_id, replaces=replaces, initial=initial)
+
+    def _release(self, host: Host) -> None:
+        with self.lock:
+            node = self.nodes.get(host.node_id)
+            if node is not None:
+                node.take(host.role, host.resources, -1)
+
+    # -- what a host runs ---------------------------------------------------------------------
+    def _spec(self, host: Host) -> dict[str, Any]:
+        c, cfg = self.configs, self.cfg
+        role_cfg: Any = {Role.ORCHESTRATOR: c.orchestrator, Role.GATEWAY: c.gateway, Role.ATTENTION: c.attention,
+                         Role.EXPERT: c.expert, Role.STORE: c.store}[host.role]
+        command = COMMAND[host.role]
+        extra = self.extra.get(command, [])
+        again = replace(role_cfg, boot_nice=cfg.restart_boot_nice) if host.restart else role_cfg
+        if host.role is Role.ORCHESTRATOR:
+            # The first orchestrator has no one to wait for; a restarted one waits for the workers.
+            role_cfg = replace(role_cfg, recovery_grace_s=0.0)
+        if host.boot_nice:
+            role_cfg = replace(role_cfg, boot_nice=host.boot_nice)
+        return {"name": host.name, "role": host.role.value, "command": command, "restart": host.restart,
+                "argv": [*to_argv(role_cfg), *extra], "argv_again": [*to_argv(again), *extra],
+                "env": self.extra_env.get(host.name, {}), "watchdog_s": cfg.watchdog_s,
+                "restart_delay_s": cfg.restart_delay_s, "log_dir": self.log_dir,
+                "provision": host.role is Role.ORCHESTRATOR and cfg.provisioner == "auto"}
+
+    def _box(self, host: Host) -> bytes | None:
+        secrets = {}
+        if self.secret is not None:
+            secrets["cluster_secret"] = self.secret.decode()
+        if host.role is Role.GATEWAY and self.cfg.api_key:
+            secrets["api_key"] = self.cfg.api_key
+        return seal(host.public_key, json.dumps(secrets).encode()) if secrets else None
+
+    def _hello(self, host: Host, timeout: float) -> None:
+        import ray
+
+        info = ray.get(host.actor.hello.remote(), timeout=timeout)
+        node = info["node_id"]
+        if node != host.node_id:  # (Ray restarted it elsewhere)
+            self._release(host)
+            with self.lock:
+                if node not in self.nodes:
+                    self.nodes[node] = NodeState(node, {})
+                self.nodes[node].take(host.role, host.resources)
+        host.node_id, host.node_ip, host.public_key = node, info["node_ip"], info["public_key"]
+
+    def _start(self, host: Host) -> None:
+        import ray
+
+        orchestrator = f"{self.orchestrator_ip}:{self.orchestrator_port}"
+        info = ray.get(host.actor.start.remote(self._spec(host), self._box(host), orchestrator), timeout=60)
+        host.pid = info["pid"]
+
+    def _arm(self, host: Host) -> None:
+        host.exit_ref = host.actor.exited.remote()
+        host.ready_ref = None if host.ready else host.actor.until_ready.remote(5.0)
+        if host.role is Role.ORCHESTRATOR:
+            self.req_ref = host.actor.requests.remote(1.0)
+
+    # -- the main loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._start_all()
+            while not self.stop_requested.is_set() and self.failure is None:
+                self._step(0.1)
+        except Exception as exc:  # the driver itself failed: stop what it started
+            log.exception("the Ray driver failed")
+            self.failure = self.failure or f"the Ray driver failed: {exc}"
+        finally:
+            self._shutdown()
+            self.ready.set()
+
+    def _start_all(self) -> None:
+        import ray
+
+        cfg = self.cfg
+        plan = ([(f"attention-worker-{i}", Role.ATTENTION) for i in range(cfg.attention_workers)]
+                + [(f"checkpoint-store-{i}", Role.STORE) for i in range(cfg.checkpoint_stores)]
+                + [(f"expert-worker-{i}", Role.EXPERT) for i in range(cfg.expert_workers)]
+                + [(f"gateway-{i}", Role.GATEWAY) for i in range(cfg.gateways)] + [("orchestrator", Role.ORCHESTRATOR)])
+        hosts = [self._new_host(name, role) for name, role in plan]
+        with self.lock:
+            self.hosts = hosts
+        for note in spread_notes(list(self.nodes.values()), cfg.expert_workers):
+            say(f"placement: {note}")
+        say("placement: " + "; ".join(f"{node_label(n)}: " + ", ".join(h.name for h in hosts if h.node_id == n)
+                                      for n in dict.fromkeys(h.node_id for h in hosts)))
+        infos = ray.get([h.actor.hello.remote() for h in hosts], timeout=START_TIMEOUT)
+        for h, info in zip(hosts, infos):
+            h.node_ip, h.public_key = info["node_ip"], info["public_key"]
+        orch = next(h for h in hosts if h.role is Role.ORCHESTRATOR)
+        self.orchestrator_ip = orch.node_ip
+        self._start(orch)
+        refs = [h.actor.start.remote(self._spec(h), self._box(h), f"{orch.node_ip}:{self.orchestrator_port}")
+                for h in hosts if h is not orch]
+        for h, info in zip([h for h in hosts if h is not orch], ray.get(refs, timeout=START_TIMEOUT)):
+            h.pid = info["pid"]
+        for h in hosts:
+            self._arm(h)
+
+    def _step(self, timeout: float) -> None:
+        import ray
+
+        refs: dict[Any, tuple[str, Host | None]] = {}
+        for h in self.hosts:
+            if h.exit_ref is not None:
+                refs[h.exit_ref] = ("exit", h)
+            if h.ready_ref is not None:
+                refs[h.ready_ref] = ("ready", h)
+        if self.req_ref is not None:
+            refs[self.req_ref] = ("requests", None)
+        done = ray.wait(list(refs), num_returns=1, timeout=timeout, fetch_local=True)[0] if refs else []
+        if not refs:
+            time.sleep(timeout)
+        for ref in done:
+            what, host = refs[ref]
+            if what == "requests":
+                self._requests(ref)
+            elif host is not None and what == "ready":
+                self._readied(host, ref)
+            elif host is not None:
+                self._exited(host, ref)
+        while True:
+            try:
+                self.events.get_nowait()()
+            except queue.Empty:
+                break
+        if not self.was_ready and all(h.ready for h in self.hosts if h.initial):
+            self.was_ready = True
+            self.ready.set()
+
+    def _readied(self, host: Host, ref: Any) -> None:
+        import ray
+
+        host.ready_ref = None
+        try:
+            host.ready = bool(ray.get(ref))
+        except ray.exceptions.RayError:
+            return  # (its exit says what happened)
+        if not host.ready and not host.gone:
+            host.ready_ref = host.actor.until_ready.remote(5.0)
+
+    def _exited(self, host: Host, ref: Any) -> None:
+        import ray
+
+        host.exit_ref = None
+        try:
+            code: int | None = ray.get(ref)
+            why = f"exited with code {code}"
+        except ray.exceptions.RayError as exc:
+            code, why = None, f"is gone with its node ({type(exc).__name__})"
+            with self.lock:
+                self.lost_nodes.add(host.node_id)
+        if self.stop_requested.is_set():
+            return
+        if not self.was_ready and host.initial:
+            self.failure = f"{host.name} {why} during start-up"
+            return
+        if host.restart and code is None:
+            say(f"{host.name} (pid {host.pid}) {why}; Ray starts it again on another node")
+            host.ready = False
+            if host.role is Role.ORCHESTRATOR:
+                self.req_ref = None
+            self.pool.submit(self._revive, host)
+            return
+        say(f"{host.name} (pid {host.pid}) {why}; the fabric takes over its work")
+        host.gone, host.code = True, code
+        self._release(host)
+        with self.lock:
+            self.hosts.remove(host)
+        with contextlib.suppress(Exception):
+            ray.kill(host.actor, no_restart=True)
+        self._tell_orchestrator(encode_bytes(*encode_message(WorkerExited(host.pid, -9 if code is None else code))))
+
+    def _revive(self, host: Host) -> None:
+        """In a helper thread: waits for Ray to restart `host`'s actor, then starts its process."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.stop_requested.is_set():
+            try:
+                self._hello(host, 5.0)
+                if not self.stop_requested.is_set():
+                    self._start(host)
+                break
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    say(f"cannot start {host.name} again: {exc}")
+                    return
+                time.sleep(0.2)
+        self.events.put(lambda: self._revived(host))
+
+    def _revived(self, host: Host) -> None:
+        if self.stop_requested.is_set():
+            return
+        say(f"{host.name} started again on {node_label(host.node_id)} (pid {host.pid})")
+        self._arm(host)
+        if host.role is Role.ORCHESTRATOR:
+            self.orchestrator_ip = host.node_ip
+            address = f"{host.node_ip}:{self.orchestrator_port}"
+            for h in self.hosts:
+                if h is not host:
+                    h.actor.set_orchestrator.remote(address)
+
+    def _requests(self, ref: Any) -> None:
+        import ray
+
+        self.req_ref = None
+        orch = next((h for h in self.hosts if h.role is Role.ORCHESTRATOR), None)
+        try:
+            data = ray.get(ref)
+        except ray.exceptions.RayError:
+            return  # (the orchestrator's exit says what happened; its revival asks again)
+        if orch is not None and orch.exit_ref is not None:
+            self.req_ref = orch.actor.requests.remote(1.0)
+        for raw in data:
+            msg = decode_message(*decode_bytes(raw))
+            if not isinstance(msg, StartWorker) or msg.role not in (Role.ATTENTION, Role.EXPERT, Role.STORE):
+                log.error("moe-fabric: the orchestrator asked for something unexpected: %s", msg)
+                continue
+            self._replacements += 1
+            self.pool.submit(self._replace, msg, f"{COMMAND[msg.role]}-r{self._replacements}")
+
+    def _replace(self, msg: StartWorker, name: str) -> None:
+        """In a helper thread: a replacement on a healthy node with free resources."""
+        if self.stop_requested.is_set():
+            return
+        with self.lock:
+            labels = {node_label(n): n for n in self.nodes}
+        avoid = {labels[a] for a in msg.avoid if a in labels}
+        for _ in range(4):  # a node may be dead before Ray says so: the next try is on another one
+            if self.stop_requested.is_set():
+                return
+            try:
+                host = self._new_host(name, msg.role, avoid, replaces=msg.replaces, initial=False)
+            except FabricError as exc:
+                say(f"cannot replace {msg.replaces}: {exc}")
+                return
+            host.boot_nice = msg.boot_nice
+            try:
+                self._hello(host, START_TIMEOUT)
+                self._start(host)
+                break
+            except Exception as exc:
+                say(f"{name} did not start on {node_label(host.node_id)} ({type(exc).__name__}); trying another node")
+                self._release(host)
+                with self.lock:
+                    self.lost_nodes.add(host.node_id)
+        else:
+            say(f"cannot replace {msg.replaces}: no node started {name}")
+            return
+
+        def started() -> None:
+            with self.lock:
+                self.hosts.append(host)
+            self._arm(host)
+            say(f"started {name} (pid {host.pid}) on {node_label(host.node_id)} to replace {msg.replaces}")
+            self._tell_orchestrator(encode_bytes(*encode_message(WorkerStarted(msg.replaces, host.pid))))
+
+        self.events.put(started)
+
+    def _tell_orchestrator(self, data: bytes) -> None:
+        orch = next((h for h in self.hosts if h.role is Role.ORCHESTRATOR), None)
+        if orch is not None:
+            orch.actor.tell.remote(data)
+
+    # -- stopping -----------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        import ray
+
+        self.stop_requested.set()
+        if any(h.role is Role.ORCHESTRATOR and h.pid for h in self.hosts):
+            self.announce_shutdown()
+        for roles in STOP_ORDER:
+            group = [h for h in self.hosts if h.role in roles and h.pid]
+            grace = self.cfg.drain_timeout + 10.0 if roles == [Role.GATEWAY] else 10.0
+            refs = [h.actor.stop.remote(grace) for h in group]
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=grace + 5)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            actors = list(self.actors)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+        shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    # -- for callers in other threads -----------------------------------------------------------
+    def snapshot(self) -> list[tuple[str, Proc]]:
+        with self.lock:
+            return [(h.name, RemoteProc(h)) for h in self.hosts if h.pid]
+
+    def kill_node(self, node_id: str) -> None:
+        """Kills a whole node of a Ray cluster: its raylet (SIGKILL), and with it every worker
+        process there and every fabric process they host. (On a loopback cluster the test or the
+        experiment removes the node through `LoopbackRay` instead.)"""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ref = ray.remote(_kill_own_raylet).options(
+            num_cpus=0, max_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(ref, timeout=30)
+
+    def node_of(self, name: str) -> str:
+        """The Ray node id where the process `name` runs now."""
+        with self.lock:
+            return next(h.node_id for h in self.hosts if h.name == name)
+
+
+def _kill_own_raylet() -> None:
+    """(A Ray task.) Its worker process's parent is the node's raylet."""
+    import signal
+
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        if b"raylet" not in f.read():
+            raise FabricError(f"the parent of this Ray worker (pid {parent}) is not a raylet")
+    os.kill(parent, signal.SIGKILL)
