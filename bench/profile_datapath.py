@@ -1,0 +1,115 @@
+"""Where the data path's time goes: a fabric (2 AWs + 2 EWs) under a closed loop of C streams;
+CPU seconds per 1000 output tokens of every process (from /proc), and, with `--py-spy`, the
+functions that take an attention worker's and an expert worker's CPU (py-spy samples, by own
+time and by total time).
+
+    python bench/profile_datapath.py --concurrency 16 --seconds 20 --py-spy
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench_datapath import cpu_seconds, fabric_round, make_prompts  # bench/ is on sys.path as a script
+
+from fabric.model.config import ModelConfig
+from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
+
+
+def top_functions(raw: Path, n: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+    """py-spy's raw (collapsed) stacks -> (by own samples, by total samples, all samples)."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        k = int(count)
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f
+                  for f in stack.split(";")]
+        samples += k
+        own[frames[-1]] += k
+        for f in set(frames):
+            total[f] += k
+    return own.most_common(n), total.most_common(n), samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/profile"))
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--py-spy", action="store_true", help="also sample attention-worker-0 and expert-worker-0")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    if not (args.model_dir / "config.json").exists():
+        write_demo_model(args.model_dir, arch="mixtral", size="bench")
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    vocab = ModelConfig.from_dir(args.model_dir).vocab_size
+    prompts = make_prompts(args.concurrency, 16, vocab, 0)
+    cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
+                      port=free_port(), ready_timeout=300)
+    url = f"http://127.0.0.1:{cfg.port}/v1/completions"
+    with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
+        asyncio.run(fabric_round(url, prompts, 16))  # warm
+        procs = dict(fabric.procs)
+        spies = []
+        if args.py_spy:
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            for name in ("attention-worker-0", "expert-worker-0"):
+                out = args.out / f"{name}.txt"
+                spies.append((name, out, subprocess.Popen(
+                    [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),
+                     "-o", str(out), "-p", str(procs[name].pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        before = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
+        tokens = [0]
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                tokens[0] += int(asyncio.run(fabric_round(url, prompts, 64))["tokens"])
+
+        t = time.perf_counter()
+        runner = threading.Thread(target=load)
+        runner.start()
+        time.sleep(args.seconds)
+        stop.set()
+        runner.join()
+        wall = time.perf_counter() - t
+        after = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
+        for _, _, p in spies:
+            p.wait(60)
+    n = tokens[0]
+    print(f"\n{n} tokens in {wall:.1f} s ({n / wall:.0f} tok/s) at C={args.concurrency}, {args.transport}\n")
+    print("| process | CPU s | CPU s / 1k tokens | share of the fabric's CPU |")
+    print("|---|---:|---:|---:|")
+    used = {name: after[name] - before[name] for name in procs}
+    total = sum(used.values())
+    for name, s in sorted(used.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {s:.2f} | {s / n * 1000:.2f} | {s / total:.0%} |")
+    print(f"| all | {total:.2f} | {total / n * 1000:.2f} | 100% |")
+    for name, out, _ in spies:
+        if not out.exists():
+            print(f"\n(no py-spy samples for {name})")
+            continue
+        own, tot, samples = top_functions(out, args.top)
+        print(f"\n{name}: {samples} samples; by own time / by total time")
+        for (f1, c1), (f2, c2) in zip(own, tot):
+            print(f"  {c1 / samples:6.1%} {f1[:70]:70s} | {c2 / samples:6.1%} {f2[:70]}")
+
+
+if __name__ == "__main__":
+    main()
