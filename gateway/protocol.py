@@ -178,6 +178,31 @@ def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
                      **_common(body, vocab_size, context, 16 if max_tokens is None else max_tokens, -1 if lp is None else lp))
 
 
+def parse_tokenize(body: Any) -> tuple[str | None, Any, bool]:
+    """vLLM's `POST /tokenize`: (prompt text, or None with chat messages; the messages; add
+    special tokens: default true for a prompt, false for messages, as vLLM does)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if "messages" in body:
+        return None, body["messages"], _bool(body, "add_special_tokens", False)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+    return prompt, None, _bool(body, "add_special_tokens", True)
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
+    """vLLM's `POST /detokenize`: the token ids."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise ApiError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+    return tokens
+
+
 def parse_chat(body: Any, vocab_size: int, context: int) -> tuple[Any, dict[str, Any]]:
     """Returns (raw messages, GenParams fields other than the prompt)."""
     if not isinstance(body, dict):

@@ -30,7 +30,16 @@ from gateway.aw_pool import AwPool
 from gateway.chat_template import ChatTemplate, validate_messages
 from gateway.generation import Choice, GenerationError, attach_choice, run_choice, start_choice
 from gateway.metrics import Metrics
-from gateway.protocol import MAX_N, ApiError, GenParams, parse_chat, parse_completion, parse_json
+from gateway.protocol import (
+    MAX_N,
+    ApiError,
+    GenParams,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_json,
+    parse_tokenize,
+)
 from gateway.responses import Formatter
 from gateway.streaming import Position, stream
 
@@ -85,14 +94,17 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """API key, draining, body cap, and OpenAI-shaped errors for everything under /v1."""
-        if not request.path.startswith("/v1/"):
+        """API key, draining, body cap, and OpenAI-shaped errors for everything under /v1 (and
+        vLLM's /tokenize and /detokenize)."""
+        if not request.path.startswith("/v1/") and request.path not in ("/tokenize", "/detokenize"):
             return await handler(request)
         try:
             if self.cfg.api_key is not None:
@@ -205,6 +217,37 @@ class Gateway:
         text = await _off_loop(lambda: template.render(messages), sum(len(str(m)) for m in messages))
         params = GenParams(prompt_ids=None, prompt_text=text, **fields)
         return await self._generate(request, params, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize` (a prompt, or chat messages through the chat template)."""
+        body = await self._body(request)
+        self._check_model(body)
+        text, messages, special = parse_tokenize(body)
+        tok = self._tokenizer()
+        if text is None:
+            checked = validate_messages(messages)
+            if self.chat_template is None:
+                raise ApiError(400, "this model has no chat template", "messages")
+            template = self.chat_template
+            text = await _off_loop(lambda: template.render(checked), sum(len(str(m)) for m in checked))
+        prompt = text
+        ids = await _off_loop(lambda: list(tok.encode_batch([prompt], add_special_tokens=special)[0].ids), len(prompt))
+        return web.json_response({"count": len(ids), "max_model_len": self.model.max_position, "tokens": ids,
+                                  "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /detokenize`."""
+        body = await self._body(request)
+        self._check_model(body)
+        ids = parse_detokenize(body, self.model.vocab_size)
+        tok = self._tokenizer()
+        text = await _off_loop(lambda: tok.decode(ids, skip_special_tokens=False), len(ids))
+        return web.json_response({"prompt": text})
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        return self.tokenizer
 
     async def _prompt_ids(self, params: GenParams) -> list[int]:
         if params.prompt_ids is not None:

@@ -292,3 +292,32 @@ def test_health_and_metrics_names(fabric: Fabric) -> None:
                  "moe_fabric_generated_tokens_total", "moe_fabric_kv_blocks_used", "moe_fabric_kv_blocks_free",
                  "moe_fabric_expert_tokens_processed"]:
         assert name in text, name
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(fabric: Fabric) -> None:
+    """vLLM's /tokenize and /detokenize (lm-eval and other clients call them when present): the
+    model's own tokenizer, the API key, OpenAI-shaped errors; the ids serve as a prompt."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{fabric.cfg.model}/tokenizer.json")
+    text = "The quick brown fox"
+    status, _, body = raw(fabric, "/tokenize", json.dumps({"prompt": text, "add_special_tokens": False}))
+    assert status == 200, body
+    assert body["tokens"] == tok.encode(text, add_special_tokens=False).ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    status, _, default = raw(fabric, "/tokenize", json.dumps({"prompt": text}))
+    assert status == 200 and default["tokens"] == tok.encode(text, add_special_tokens=True).ids
+    status, _, chat = raw(fabric, "/tokenize", json.dumps({"messages": [{"role": "user", "content": text}]}))
+    assert status == 200 and chat["count"] > len(body["tokens"])  # the chat template's tokens around it
+    status, _, back = raw(fabric, "/detokenize", json.dumps({"tokens": body["tokens"]}))
+    assert status == 200 and back["prompt"] == tok.decode(body["tokens"], skip_special_tokens=False)
+    # The ids are what the gateway generates from: the same completion either way.
+    same = [raw(fabric, "/v1/completions", json.dumps({"model": "demo", "prompt": p, "max_tokens": 4,
+                                                       "temperature": 0}))[2]["choices"][0]["text"]
+            for p in (text, body["tokens"])]
+    assert same[0] == same[1]
+    for path, bad, code in (("/tokenize", {"prompt": 5}, 400), ("/detokenize", {"tokens": [10**9]}, 400),
+                            ("/detokenize", {"tokens": "abc"}, 400), ("/tokenize", {"prompt": "x", "model": "no"}, 404)):
+        status, _, err = raw(fabric, path, json.dumps(bad))
+        assert status == code and "error" in err, (path, bad, err)
+    assert raw(fabric, "/tokenize", json.dumps({"prompt": text}), key=None)[0] == 401
