@@ -28,7 +28,8 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (lm-eval batches them)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_DEPTH = 32  # JSON nesting
@@ -68,10 +69,10 @@ def parse_json(raw: bytes) -> Any:
 
 @dataclass(frozen=True)
 class GenParams:
-    """What both endpoints ask of the fabric; `prompt_ids` or `prompt_text` is set."""
+    """What both endpoints ask of the fabric: one or more prompts (token ids, or text to tokenize),
+    `n` choices each."""
 
-    prompt_ids: list[int] | None
-    prompt_text: str | None
+    prompts: tuple[tuple[list[int] | None, str | None], ...]  # (ids, None) or (None, text)
     max_tokens: int | None  # None: up to the context
     temperature: float
     top_p: float
@@ -85,6 +86,11 @@ class GenParams:
     ignore_eos: bool
     return_token_ids: bool
     logprobs: int  # -1: none; 0: sampled token only; k: top k too
+
+    @property
+    def choices(self) -> int:
+        """Choices in the response: `n` per prompt, prompt by prompt (index = prompt * n + j)."""
+        return len(self.prompts) * self.n
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -127,10 +133,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _prompt(body: dict[str, Any], vocab_size: int, context: int) -> tuple[list[int] | None, str | None]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _one_prompt(prompt: Any, vocab_size: int, context: int) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, str) and prompt:
         return None, prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -140,7 +143,18 @@ def _prompt(body: dict[str, Any], vocab_size: int, context: int) -> tuple[list[i
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) does not fit the context of {context} tokens",
                            "prompt")
         return list(prompt), None
-    raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise ApiError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of up to "
+                        f"{MAX_PROMPTS} of either", "prompt")
+
+
+def _prompts(body: dict[str, Any], vocab_size: int, context: int) -> tuple[tuple[list[int] | None, str | None], ...]:
+    """A prompt, or a batch of them (strings or token-id lists), as OpenAI and vLLM take them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"a batch of {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        return tuple(_one_prompt(p, vocab_size, context) for p in prompt)
+    return (_one_prompt(prompt, vocab_size, context),)
 
 
 def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int | None, logprobs: int) -> dict[str, Any]:
@@ -171,10 +185,10 @@ def _common(body: dict[str, Any], vocab_size: int, context: int, max_tokens: int
 def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    ids, text = _prompt(body, vocab_size, context)
+    prompts = _prompts(body, vocab_size, context)
     max_tokens = _int(body, "max_tokens", 1, context)
     lp = _int(body, "logprobs", 0, 20)
-    return GenParams(prompt_ids=ids, prompt_text=text,
+    return GenParams(prompts=prompts,
                      **_common(body, vocab_size, context, 16 if max_tokens is None else max_tokens, -1 if lp is None else lp))
 
 

@@ -46,7 +46,7 @@ class Formatter:
         completion = sum(len(c.token_ids) for c in choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
-    def whole(self, prompt_ids: list[int], choices: list[Choice], texts: list[str],
+    def whole(self, prompts: list[list[int]], choices: list[Choice], texts: list[str],
               logprobs: list[list[tuple[int, float, list[list[float]] | None]]]) -> dict[str, Any]:
         out = []
         for c, text, lps in zip(choices, texts, logprobs):
@@ -57,12 +57,14 @@ class Formatter:
                 item = {"index": c.index, "text": text, "logprobs": self.logprobs(lps), "finish_reason": c.finish_reason}
             if self.params.return_token_ids:
                 item["token_ids"] = c.token_ids
+                if len(prompts) > 1:  # each choice's own prompt, as vLLM returns a batch's
+                    item["prompt_token_ids"] = prompts[c.index // self.params.n]
             out.append(item)
         body: dict[str, Any] = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                                 "created": self.created, "model": self.model, "choices": out,
-                                "usage": self.usage(len(prompt_ids), choices)}
-        if self.params.return_token_ids:
-            body["prompt_token_ids"] = prompt_ids
+                                "usage": self.usage(sum(len(ids) for ids in prompts), choices)}
+        if self.params.return_token_ids and len(prompts) == 1:
+            body["prompt_token_ids"] = prompts[0]
         return body
 
     def chunk(self, index: int, delta: Delta | None, first: bool = False) -> dict[str, Any]:

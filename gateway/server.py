@@ -215,7 +215,7 @@ class Gateway:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         template = self.chat_template
         text = await _off_loop(lambda: template.render(messages), sum(len(str(m)) for m in messages))
-        params = GenParams(prompt_ids=None, prompt_text=text, **fields)
+        params = GenParams(prompts=((None, text),), **fields)
         return await self._generate(request, params, chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -249,18 +249,23 @@ class Gateway:
             raise ApiError(400, "this model has no tokenizer")
         return self.tokenizer
 
-    async def _prompt_ids(self, params: GenParams) -> list[int]:
-        if params.prompt_ids is not None:
-            return params.prompt_ids
-        if self.tokenizer is None or params.prompt_text is None:
+    async def _prompt_ids(self, params: GenParams) -> list[list[int]]:
+        """Every prompt's token ids (the texts tokenized together, off the loop when large)."""
+        texts = [text for ids, text in params.prompts if ids is None and text is not None]
+        if texts and self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
-        tok, text = self.tokenizer, params.prompt_text
-        # encode_batch, not encode: only the batch call lets go of the GIL while it works (a 6 MiB
-        # prompt held the event loop for 5 s through `encode`, even from another thread).
-        ids = await _off_loop(lambda: list(tok.encode_batch([text], add_special_tokens=False)[0].ids), len(text))
-        if not ids:
+        encoded: list[list[int]] = []
+        if texts:
+            tok = self.tokenizer
+            # encode_batch, not encode: only the batch call lets go of the GIL while it works (a 6 MiB
+            # prompt held the event loop for 5 s through `encode`, even from another thread).
+            encoded = await _off_loop(lambda: [list(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)],
+                                      sum(len(t) for t in texts))
+        it = iter(encoded)
+        out = [ids if ids is not None else next(it) for ids, _ in params.prompts]
+        if any(not ids for ids in out):
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
-        return ids
+        return out
 
     def _position(self, request: web.Request, params: GenParams, chat: bool) -> Position | None:
         """The stream position a resuming client sent (`Last-Event-ID`), or None for a new request."""
@@ -269,7 +274,7 @@ class Gateway:
             return None
         if not params.stream:
             raise ApiError(400, "Last-Event-ID resumes a stream: send 'stream': true", "Last-Event-ID")
-        pos = Position.parse(raw, chat, params.n)
+        pos = Position.parse(raw, chat, params.choices)
         if params.seed_given and params.seed % (1 << 64) != pos.seed:
             raise ApiError(400, "Last-Event-ID belongs to a request with another seed", "Last-Event-ID")
         return pos
@@ -277,35 +282,37 @@ class Gateway:
     async def _generate(self, request: web.Request, params: GenParams, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         pos = self._position(request, params, chat)
-        prompt_ids = await self._prompt_ids(params)
+        prompts = await self._prompt_ids(params)
         context = self.model.max_position
-        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
-        if max_tokens < 1 or len(prompt_ids) + max_tokens > context:
-            raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+        longest = max(len(ids) for ids in prompts)
+        max_tokens = params.max_tokens if params.max_tokens is not None else context - longest
+        if max_tokens < 1 or longest + max_tokens > context:
+            raise ApiError(400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds "
                            f"the context of {context} tokens", "max_tokens")
-        if self.metrics.n_waiting + params.n > self.cfg.max_waiting:
+        total = params.choices
+        if self.metrics.n_waiting + total > self.cfg.max_waiting:
             raise ApiError(429, f"more than {self.cfg.max_waiting} requests are waiting", type_="rate_limit_error",
                            headers={"Retry-After": "1"})
         origin = request.remote or "?"
         share = max(MAX_N, self.cfg.max_waiting // 2)  # one client never holds more than half the queue
-        if self.metrics.waiting_by_origin.get(origin, 0) + params.n > share:
+        if self.metrics.waiting_by_origin.get(origin, 0) + total > share:
             raise ApiError(429, f"this client has {self.metrics.waiting_by_origin[origin]} choices waiting; one client "
                            f"may have at most {share}", type_="rate_limit_error", headers={"Retry-After": "1"})
         if pos is None:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            pos = Position(rid, params.seed % (1 << 64), [0] * params.n)
+            pos = Position(rid, params.seed % (1 << 64), [0] * total)
         grace = self.cfg.stream_resume_grace_s if params.stream else 0.0
         choices = [Choice(i, f"{pos.rid}-{i}", Submit(
-            f"{pos.rid}-{i}", prompt_ids, max_tokens, params.temperature, params.top_p, params.top_k,
+            f"{pos.rid}-{i}", prompts[i // params.n], max_tokens, params.temperature, params.top_p, params.top_k,
             (pos.seed + i) % (1 << 64), list(self.model.eos_token_ids), params.ignore_eos, [], params.logprobs,
-            resume_grace_s=grace), resumable=grace > 0, origin=origin) for i in range(params.n)]
+            resume_grace_s=grace), resumable=grace > 0, origin=origin) for i in range(total)]
         skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
         resumed = any(pos.counts)
         fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer)
         headers = {GATEWAY_HEADER: self.worker_id}
         if pos.usage_sent:  # the client has everything but [DONE]
-            return await stream(request, fmt, prompt_ids, [], [], pos, self.metrics, headers)
-        self.metrics.prompt.inc(len(prompt_ids) * params.n)
+            return await stream(request, fmt, prompts, [], [], pos, self.metrics, headers)
+        self.metrics.prompt.inc(sum(len(ids) for ids in prompts) * params.n)
         gens: list[Any] = []
         try:
             for c in choices:
@@ -316,8 +323,8 @@ class Gateway:
             gens = [run_choice(self.pool, c, params, self.tokenizer, self.metrics, arrived, skip,
                                self.cfg.resume_wait_s) for c, skip in zip(choices, skips)]
             if params.stream:
-                return await stream(request, fmt, prompt_ids, choices, gens, pos, self.metrics, headers)
-            return await self._whole(fmt, prompt_ids, choices, gens, headers)
+                return await stream(request, fmt, prompts, choices, gens, pos, self.metrics, headers)
+            return await self._whole(fmt, prompts, choices, gens, headers)
         finally:
             for g in gens:
                 await g.aclose()  # detaches (a stream's client left) or aborts unfinished choices
@@ -326,7 +333,7 @@ class Gateway:
                     await self.pool.abort(c.client, c.request_id)
             self.metrics.e2e.observe(time.monotonic() - arrived)
 
-    async def _whole(self, fmt: Formatter, prompt_ids: list[int], choices: list[Choice], gens: list[Any],
+    async def _whole(self, fmt: Formatter, prompts: list[list[int]], choices: list[Choice], gens: list[Any],
                      headers: dict[str, str]) -> web.Response:
         async def collect(gen: Any) -> tuple[str, list[Any]]:
             text, lps = [], []
@@ -344,7 +351,7 @@ class Gateway:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        body = fmt.whole(prompt_ids, choices, [t for t, _ in results], [lp for _, lp in results])
+        body = fmt.whole(prompts, choices, [t for t, _ in results], [lp for _, lp in results])
         return web.json_response(body, headers=headers)
 
     async def drain(self) -> None:

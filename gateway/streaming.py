@@ -63,7 +63,7 @@ class Position:
         return cls(parts[0], seed, counts, usage)
 
 
-async def stream(request: web.Request, fmt: Formatter, prompt_ids: list[int], choices: list[Choice],
+async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]], choices: list[Choice],
                  gens: list[AsyncIterator[Delta]], pos: Position, metrics: Metrics,
                  headers: dict[str, str]) -> web.StreamResponse:
     """Streams every choice's deltas (merged as they come), then usage and [DONE], each event with
@@ -109,7 +109,7 @@ async def stream(request: web.Request, fmt: Formatter, prompt_ids: list[int], ch
         else:
             if fmt.params.include_usage and not pos.usage_sent:
                 pos.usage_sent = True
-                await send(fmt.usage_chunk(len(prompt_ids), choices), pos.event_id())
+                await send(fmt.usage_chunk(sum(len(ids) for ids in prompts), choices), pos.event_id())
         await send("[DONE]")
         await resp.write_eof()
     finally:

@@ -9,6 +9,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -321,3 +322,41 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(fabric: Fabric) -> None:
         status, _, err = raw(fabric, path, json.dumps(bad))
         assert status == code and "error" in err, (path, bad, err)
     assert raw(fabric, "/tokenize", json.dumps({"prompt": text}), key=None)[0] == 401
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_in_one_completion_request(fabric: Fabric, stream: bool) -> None:
+    """`prompt` as a list of prompts (strings and token-id lists mixed, as lm-eval and vLLM's
+    clients send them): `n` choices per prompt, index = prompt * n + j, each what the prompt alone
+    gives (greedy), usage over every prompt."""
+    prompts: list[Any] = ["Once upon a time", [5, 9, 23, 47], "The sky is", [100, 3, 7]]
+    single = [raw(fabric, "/v1/completions", json.dumps({"model": "demo", "prompt": p, "max_tokens": 6,
+                                                         "temperature": 0, "return_token_ids": True}))[2]
+              for p in prompts]
+    body = {"model": "demo", "prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2, "return_token_ids": True}
+    if stream:
+        got: dict[int, list[int]] = {}
+        usage = None
+        for _, ev in iter_events(f"http://127.0.0.1:{fabric.port}/v1/completions",
+                                 {**body, "stream": True, "stream_options": {"include_usage": True}},
+                                 headers={"Authorization": f"Bearer {KEY}"}):
+            for ch in ev.get("choices", []):
+                got.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+            usage = ev.get("usage") or usage
+        by_index = got
+    else:
+        status, _, out = raw(fabric, "/v1/completions", json.dumps(body))
+        assert status == 200, out
+        assert [c["index"] for c in out["choices"]] == list(range(8))
+        by_index = {c["index"]: c["token_ids"] for c in out["choices"]}
+        assert [c["prompt_token_ids"] for c in out["choices"][::2]] == [s["prompt_token_ids"] for s in single]
+        usage = out["usage"]
+    assert sorted(by_index) == list(range(8))
+    for i, s in enumerate(single):
+        assert by_index[2 * i] == by_index[2 * i + 1] == s["choices"][0]["token_ids"]
+    assert usage is not None and usage["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in single)
+    assert usage["completion_tokens"] == 8 * 6
+    status, _, err = raw(fabric, "/v1/completions", json.dumps({"model": "demo", "prompt": ["a"] * 65}))
+    assert status == 400 and err["error"]["param"] == "prompt"
+    status, _, err = raw(fabric, "/v1/completions", json.dumps({"model": "demo", "prompt": ["a", [], "b"]}))
+    assert status == 400
