@@ -186,6 +186,11 @@ def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     prompts = _prompts(body, vocab_size, context)
+    # Not yet served: refused, never ignored (a scorer that sends them would read the wrong numbers).
+    if _bool(body, "echo"):
+        raise ApiError(400, "'echo' (the prompt back, with its logprobs) is not supported yet", "echo")
+    if body.get("prompt_logprobs") is not None:
+        raise ApiError(400, "'prompt_logprobs' is not supported yet", "prompt_logprobs")
     max_tokens = _int(body, "max_tokens", 1, context)
     lp = _int(body, "logprobs", 0, 20)
     return GenParams(prompts=prompts,

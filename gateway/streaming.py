@@ -1,6 +1,9 @@
 """Server-sent event streams that a client can resume, on any gateway.
 
-Every event carries an `id:` that says where the stream stands:
+Every event carries an `id:` that says where the stream stands (for clients that speak SSE: the
+request says `Accept: text/event-stream`, as SSE clients do, or resumes with `Last-Event-ID`;
+others, which read each line as `data: <JSON>` and fail on any other line (vLLM's benchmark
+client does), get the same events without ids):
 
     <request id>:<seed>:<c0>,<c1>,...[:u]
 
@@ -71,9 +74,10 @@ async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]],
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     chat = fmt.chat
+    ids = "text/event-stream" in request.headers.get("Accept", "") or "Last-Event-ID" in request.headers
 
     async def send(obj: dict[str, Any] | str, event_id: str | None = None) -> None:
-        head = f"id: {event_id}\n" if event_id is not None else ""
+        head = f"id: {event_id}\n" if event_id is not None and ids else ""
         await resp.write(f"{head}data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
     queue: asyncio.Queue[tuple[int, Delta | GenerationError | None]] = asyncio.Queue()

@@ -59,7 +59,8 @@ def iter_events(url: str, body: dict[str, Any], timeout: float = 120, headers: d
     """Raw SSE client yielding (event id, decoded `data:` payload) as each event arrives; asserts
     the stream ends with [DONE]. `served_by` gets the id of the gateway that answered."""
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                                          **(headers or {})})
     done = False
     event_id: str | None = None
     with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -126,6 +126,9 @@ def test_text_completion_n_stop_and_logprobs(fabric: Fabric) -> None:
         ("/v1/completions", json.dumps({"prompt": [1, 2, -5]}), 400, "prompt"),
         ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}), 400, "stream"),
         ("/v1/completions", json.dumps([1, 2, 3]), 400, None),
+        # lm-eval's loglikelihood request: refused until prompt logprobs are served, never half-answered
+        ("/v1/completions", json.dumps({"prompt": [[1, 2, 3]], "echo": True, "logprobs": 1, "max_tokens": 1}), 400, "echo"),
+        ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 1}), 400, "prompt_logprobs"),
     ],
 )
 def test_bad_requests_get_openai_errors(fabric: Fabric, path: str, body: str, status: int, param: str | None) -> None:
@@ -212,7 +215,7 @@ def test_a_broken_stream_resumes_exactly_with_last_event_id(fabric: Fabric, wait
     full = [p for _, p in iter_events(url, body, headers=auth)]
     assert len(full) == 2 + 2 * 24 + 1  # two role events, a chunk per token, usage
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **auth})
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream", **auth})
     got, last = [], None
     with urllib.request.urlopen(req, timeout=60) as r:
         for raw in r:
@@ -360,3 +363,19 @@ def test_a_batch_of_prompts_in_one_completion_request(fabric: Fabric, stream: bo
     assert status == 400 and err["error"]["param"] == "prompt"
     status, _, err = raw(fabric, "/v1/completions", json.dumps({"model": "demo", "prompt": ["a", [], "b"]}))
     assert status == 400
+
+
+def test_a_client_that_does_not_speak_sse_gets_only_data_lines(fabric: Fabric) -> None:
+    """Event ids go to clients that ask for SSE (`Accept: text/event-stream`, as SSE clients and
+    resuming ones do); a client that reads every line as `data: <JSON>` (vLLM's benchmark) gets
+    nothing else."""
+    body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5, "stream": True}).encode()
+    lines = {}
+    for accept in ("", "text/event-stream"):
+        h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **({"Accept": accept} if accept else {})}
+        req = urllib.request.Request(f"http://127.0.0.1:{fabric.port}/v1/completions", data=body, headers=h)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            lines[accept] = [x.decode().strip() for x in r if x.strip()]
+    assert lines[""] and all(x.startswith("data: ") for x in lines[""])
+    assert lines[""][-1] == "data: [DONE]" and all(json.loads(x[6:]) for x in lines[""][:-1])
+    assert any(x.startswith("id: ") for x in lines["text/event-stream"])

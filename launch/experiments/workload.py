@@ -67,7 +67,9 @@ class Client:
 
     async def attempt(self, session: aiohttp.ClientSession, s: Stream, body: dict[str, object]) -> None:
         """One HTTP request; returns when the stream is complete, raises Broken to resume it."""
-        headers = {"Last-Event-ID": s.last_event_id} if self.resume and s.last_event_id else {}
+        headers = {"Accept": "text/event-stream"}  # (an SSE client: it gets event ids, to resume with)
+        if self.resume and s.last_event_id:
+            headers["Last-Event-ID"] = s.last_event_id
         try:
             async with session.post(self.url, json=body, headers=headers,
                                     timeout=aiohttp.ClientTimeout(sock_connect=5, sock_read=self.read_timeout)) as resp:
