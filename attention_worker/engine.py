@@ -25,13 +25,13 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence
-from attention_worker.sampler import sample, token_logprobs
+from attention_worker.sampler import sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
 from fabric import faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
-from fabric.messages.client import Abort, Attach, Detach, RequestFailed, StepOutput, Submit
+from fabric.messages.client import Abort, Attach, Detach, PromptLogprobs, RequestFailed, StepOutput, Submit
 from fabric.messages.expert import Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection
@@ -110,13 +110,14 @@ class AttentionWorker:
             if not 0 <= msg.resume_grace_s <= MAX_RESUME_GRACE_S or msg.deaths < 0 or msg.replay_chunk < 0:
                 raise RequestError(f"resume_grace_s must be in [0, {MAX_RESUME_GRACE_S}], deaths and replay_chunk >= 0")
             if not (0.0 <= msg.temperature <= 2.0 and 0.0 < msg.top_p <= 1.0 and -1 <= msg.top_k <= self.model.vocab_size
-                    and -1 <= msg.logprobs <= 20 and len(msg.stop_token_ids) <= 64):
+                    and -1 <= msg.logprobs <= 20 and -1 <= msg.prompt_logprobs <= 20 and len(msg.stop_token_ids) <= 64):
                 raise RequestError("sampling parameters out of range (temperature 0..2, top_p (0, 1], top_k -1..vocab, "
-                                   "logprobs -1..20, at most 64 stop token ids)")
+                                   "logprobs and prompt_logprobs -1..20, at most 64 stop token ids)")
             if self._find(msg.request_id) is not None:
                 raise RequestError(f"request {msg.request_id} is already running here")
             seq = Sequence.from_submit(msg, conn)
-            if msg.restore_from and self.ckpt is not None:
+            # A request that has yet to score its prompt prefills it whole (no KV restore skips it).
+            if msg.restore_from and self.ckpt is not None and not seq.scores(0, seq.num_tokens):
                 # Each restore waits for the store; they run side by side, not one after another.
                 task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
                 self.restoring[msg.request_id] = (task, seq)
@@ -193,10 +194,11 @@ class AttentionWorker:
             if self.crash_seed is not None:
                 faults.maybe_crash(self.crash_seed, [c.seq.seed for c in chunks])
             try:
-                logits = await self.runner.forward(chunks)
+                logits, scored = await self.runner.forward(chunks)
             except FabricError as exc:
                 self._fail_all(chunks, f"expert datapath failed: {exc}")
                 continue
+            self._score(chunks, scored)
             self._emit(chunks, logits)
             if self.ckpt is not None:
                 self.ckpt.step_done(self.scheduler.running)
@@ -218,6 +220,18 @@ class AttentionWorker:
             await asyncio.wait([t for t, _ in self.restoring.values()], timeout=self.cfg.restore_join_ms / 1e3)
             self.restore_join_s += time.perf_counter() - t0
 
+    def _score(self, chunks: list[Chunk], scored: torch.Tensor) -> None:
+        """Prompt scores of the chunks that asked for them; `scored` [R, V] holds their rows in order."""
+        row = 0
+        for c in chunks:
+            positions = c.seq.scores(c.start, c.n)
+            if not positions:
+                continue
+            seq, n = c.seq, len(positions)
+            targets = torch.tensor(seq.prompt_ids[positions.start + 1 : positions.stop + 1], dtype=torch.long)
+            seq.add_scores(c.start, score_tokens(scored[row : row + n], targets, seq.prompt_logprobs))
+            row += n
+
     def _emit(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
         per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
         done: list[Sequence] = []
@@ -238,6 +252,12 @@ class AttentionWorker:
                 self._tell(seq, RequestFailed(seq.request_id, f"sampling failed: {exc}", 500))
                 self._remove(seq.request_id)
                 continue
+            scores = seq.take_scores()
+            if scores is not None and seq.client is not None:  # ahead of the token, on the same connection
+                try:
+                    seq.client.send_nowait(PromptLogprobs(seq.request_id, scores))
+                except PeerDeadError:
+                    pass
             reason = seq.append(token)
             out = [seq.request_id, token, reason, logprob, top]
             seq.outputs.append(out)

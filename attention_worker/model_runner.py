@@ -54,6 +54,7 @@ class StepMeta:
     dec_mask: torch.Tensor  # [Bd, 1, 1, L] bool
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
     sample_rows: torch.Tensor  # [S]
+    score_rows: torch.Tensor  # [R] rows whose logits score the prompt token after them (prompt_logprobs)
     spans: list[tuple[str, int, int]]  # (request, first token, tokens) per chunk, in row order
 
 
@@ -89,6 +90,7 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         prefills = []
         sample_rows = []
+        score_rows: list[int] = []
         for c in chunks:
             row = len(ids)
             ids.extend(c.seq.token_at(p) for p in range(c.start, c.start + c.n))
@@ -104,6 +106,7 @@ class ModelRunner:
                 prefills.append((row, c.n, kv_slots, self._mask(torch.arange(c.start, end), end)))
             if c.samples:
                 sample_rows.append(row + c.n - 1)
+            score_rows.extend(row + p - c.start for p in c.seq.scores(c.start, c.n))
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype)
         lmax = max(dec_lens, default=0)
@@ -115,11 +118,13 @@ class ModelRunner:
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
             torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills,
-            torch.tensor(sample_rows, dtype=torch.long), [(c.seq.request_id, c.start, c.n) for c in chunks],
+            torch.tensor(sample_rows, dtype=torch.long), torch.tensor(score_rows, dtype=torch.long),
+            [(c.seq.request_id, c.start, c.n) for c in chunks],
         )
 
-    async def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Runs the step; returns logits [S, V] (float32) for the chunks that sample, in order."""
+    async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the step; returns logits (float32) for the chunks that sample [S, V] and for the
+        rows that score prompt tokens [R, V], each in chunk order."""
         t0 = time.perf_counter()
         meta = self.prepare(chunks)
         h = self.w.embed[meta.ids]  # [T, D]
@@ -134,10 +139,12 @@ class ModelRunner:
                 t1 = time.perf_counter()
                 h = h + await self.refe.dispatch_layer(i, x, experts, weights)
                 self.expert_wait_s += time.perf_counter() - t1
-        last = rms_norm(h[meta.sample_rows], self.w.norm, self.cfg.rms_norm_eps)  # [S, D]
-        logits = F.linear(last, self.w.lm_head).float()  # [S, V]
+        s = meta.sample_rows.numel()
+        rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
+        last = rms_norm(h[rows], self.w.norm, self.cfg.rms_norm_eps)  # [S + R, D]
+        logits = F.linear(last, self.w.lm_head).float()  # [S + R, V]
         self.forward_s += time.perf_counter() - t0
-        return logits
+        return logits[:s], logits[s:]
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         cfg = self.cfg

@@ -6,7 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from fabric.messages.client import Submit
+import torch
+
+from fabric.messages.client import PromptScores, Submit
 
 
 class Status(enum.Enum):
@@ -39,6 +41,9 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: int = -1  # -1: none; k >= 0: score the prompt in its prefill (see PromptScores)
+    score_parts: list[PromptScores] = field(default_factory=list)  # the prefill's chunks so far, in order
+    prompt_scores: PromptScores | None = None  # all of them, once the prefill is done
 
     @classmethod
     def from_submit(cls, msg: Submit, client: Any) -> Sequence:
@@ -49,7 +54,33 @@ class Sequence:
         )
         # Tokens made before a resume (on an AW that died): their logprobs stayed with the gateway.
         seq.outputs = [[msg.request_id, t, None, None, None] for t in msg.output_ids]
+        seq.prompt_logprobs = msg.prompt_logprobs
         return seq
+
+    def scores(self, start: int, n: int) -> range:
+        """The positions of a chunk [start, start + n) whose logits score a prompt token (the
+        one after each): only in a fresh request's first prefill, never in a resumed one's, whose
+        gateway has them."""
+        if self.prompt_logprobs < 0 or self.output_ids:
+            return range(0)
+        return range(start, min(start + n, len(self.prompt_ids) - 1))
+
+    def add_scores(self, start: int, part: PromptScores) -> None:
+        if start == 0:  # (a prefill that starts over, after a preemption, scores again)
+            self.score_parts.clear()
+        self.score_parts.append(part)
+
+    def take_scores(self) -> PromptScores | None:
+        """Every prompt token's scores, joined, when its first token is sampled."""
+        if self.prompt_logprobs < 0 or self.prompt_scores is not None or self.output_ids:
+            return None
+        k = self.prompt_logprobs  # (a one-token prompt has nothing to score)
+        parts = self.score_parts or [PromptScores(torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                                                  torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))]
+        self.prompt_scores = PromptScores(*(torch.cat([getattr(p, f) for p in parts])
+                                            for f in ("logprobs", "ranks", "top_ids", "top_logprobs")))
+        self.score_parts = []
+        return self.prompt_scores
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from fabric.logprobs import finite
+from fabric.messages.client import PromptScores
+
 _MIX = 0x9E3779B97F4A7C15
 GREEDY_BELOW = 1e-5
 
@@ -47,20 +50,24 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> list[object]:
     """[logprob of `token`, top-k [[id, logprob], ...]] under the raw distribution, or [None, None]
-    when the request asked for none (k < 0). A non-finite value becomes `FLOOR_LOGPROB` (JSON has
-    neither NaN nor infinities)."""
+    when the request asked for none (k < 0). A non-finite value becomes `FLOOR_LOGPROB`
+    (fabric/logprobs.py)."""
     if k < 0:
         return [None, None]
     logp = torch.log_softmax(logits.float(), dim=-1)
     top: list[list[float]] | None = None
     if k > 0:
         values, ids = torch.topk(logp, min(k, logp.shape[0]))
-        top = [[int(i), _finite(float(v))] for i, v in zip(ids.tolist(), values.tolist())]
-    return [_finite(float(logp[token])), top]
+        top = [[int(i), finite(float(v))] for i, v in zip(ids.tolist(), values.tolist())]
+    return [finite(float(logp[token])), top]
 
 
-FLOOR_LOGPROB = -9999.0
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:
+    """logits [R, V] and the token that followed each row [R] -> each token's logprob and rank
+    under the raw distribution, and the k most likely tokens (the gateway floors non-finite values)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    lp = logp.gather(1, targets[:, None])  # [R, 1]
+    ranks = (logp > lp).sum(dim=1) + 1  # [R]
+    values, ids = torch.topk(logp, min(k, logp.shape[1]), dim=1)  # [R, k]
+    return PromptScores(lp[:, 0].contiguous(), ranks.long(), ids.long(), values.contiguous())
 
-
-def _finite(x: float) -> float:
-    return x if x == x and abs(x) != float("inf") else FLOOR_LOGPROB

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention_worker.request import Sequence
-from fabric.messages.client import Attach, Attached, Submit
+from fabric.messages.client import Attach, Attached, PromptScores, Submit
 from fabric.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,14 @@ class Parked:
     finish: str | None
     logprobs: list[list[Any]] | None  # [logprob, top] per token
     until: float  # monotonic
+    prompt: PromptScores | None = None
 
     @classmethod
     def of(cls, seq: Sequence, until: float) -> Parked:
         assert seq.submit is not None
         lps = [row[3:] for row in seq.outputs] if seq.logprobs >= 0 else None
         return cls(seq.submit, [row[1] for row in seq.outputs], seq.outputs[-1][2] if seq.outputs else None, lps,
-                   until)
+                   until, seq.prompt_scores)
 
     def outputs(self) -> list[list[Any]]:
         rid, last = self.submit.request_id, len(self.tokens) - 1
@@ -108,12 +109,12 @@ class Sessions:
         if seq is not None and seq.submit is not None and seq.submit.same_request(msg.submit):
             seq.client, seq.detached_until = conn, None
             self.attaches += 1
-            return Attached(rid, True, list(seq.outputs), seq.submit.deaths)
+            return Attached(rid, True, list(seq.outputs), seq.submit.deaths, seq.prompt_scores)
         parked = self.parked.get(rid)
         if parked is not None and parked.submit.same_request(msg.submit):
             del self.parked[rid]
             self.attaches += 1
-            return Attached(rid, True, parked.outputs(), 0)
+            return Attached(rid, True, parked.outputs(), 0, parked.prompt)
         return Attached(rid, False, [])
 
     def expire(self, running: list[Sequence], now: float | None = None) -> None:

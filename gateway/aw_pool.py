@@ -20,7 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fabric.errors import PeerDeadError, ProtocolError
-from fabric.messages.client import Abort, Attach, Attached, Detach, RequestFailed, StepOutput, Submit
+from fabric.messages.client import (
+    Abort,
+    Attach,
+    Attached,
+    Detach,
+    PromptLogprobs,
+    PromptScores,
+    RequestFailed,
+    StepOutput,
+    Submit,
+)
 from fabric.messages.control import WorkerInfo
 from fabric.messages.expert import Ping, Pong
 from fabric.transport.base import Connection, Transport
@@ -45,6 +55,7 @@ class Event:
     error: str | None = None
     status: int = 0
     retryable: bool = False  # the AW was lost: the request can resume on another AW
+    prompt: PromptScores | None = None  # with the first token, if the request scores its prompt
 
 
 def token_event(row: list[object]) -> Event:
@@ -58,6 +69,7 @@ class Pending:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     work: int = 0
     attach: asyncio.Future[Attached] | None = None  # an Attach waiting for its answer
+    prompt: PromptScores | None = None  # arrived ahead of the first token, which takes it along
 
 
 class AwClient:
@@ -134,6 +146,10 @@ class AwClient:
                         p = self.requests.get(row[0])
                         if p is not None:
                             self._deliver(row[0], p, row)
+                elif isinstance(msg, PromptLogprobs):
+                    p = self.requests.get(msg.request_id)
+                    if p is not None:
+                        p.prompt = msg.scores
                 elif isinstance(msg, Attached):
                     self._attached(msg)
                 elif isinstance(msg, RequestFailed):
@@ -155,7 +171,9 @@ class AwClient:
         p.work = max(0, p.work - 1)
         if row[2] is not None:  # finished
             del self.requests[rid]
-        p.queue.put_nowait(token_event(row))
+        ev = token_event(row)
+        ev.prompt, p.prompt = p.prompt, None
+        p.queue.put_nowait(ev)
 
     def _attached(self, msg: Attached) -> None:
         p = self.requests.get(msg.request_id)
@@ -164,6 +182,7 @@ class AwClient:
         if not msg.found:
             del self.requests[msg.request_id]
         p.attach.set_result(msg)
+        p.prompt = msg.prompt
         for row in msg.outputs:  # everything so far, then StepOutputs as usual
             self._deliver(msg.request_id, p, row)
 

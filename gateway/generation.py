@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.errors import PeerDeadError
-from fabric.messages.client import Submit
+from fabric.messages.client import PromptScores, Submit
 from gateway.aw_pool import AwClient, AwPool, Pending
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
@@ -32,15 +32,19 @@ log = logging.getLogger(__name__)
 MAX_DEATHS = 2  # AW deaths a request may see before it produces a token; the next is not tried
 
 
+Entry = tuple[int, float | None, list[list[float]] | None]  # (token, its logprob, top [[token, logprob], ...])
+
+
 @dataclass
 class Delta:
     """What a choice produced since the last delta; `index` is the token's position in the choice."""
 
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[int, float, list[list[float]] | None]]  # (token, logprob, top)
+    logprobs: list[Entry]
     index: int
     finish_reason: str | None = None
+    prompt: PromptScores | None = None  # with the first delta, when the request scores its prompt
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Choice:
     since_submit: int = 0  # tokens since it was last submitted (or attached)
     resumes: int = 0
     origin: str = ""  # the HTTP client's address (its fair share of the waiting queue)
+    prompt: PromptScores | None = None  # its prompt's scores (echo with logprobs, prompt_logprobs)
 
 
 class GenerationError(Exception):
@@ -124,6 +129,15 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 pool.cleared(choice.client, choice.request_id)  # it made a token here: not a suspect
             choice.since_submit += 1
             choice.deaths = 0
+            if ev.prompt is not None:
+                choice.prompt = ev.prompt
+            if params.max_tokens == 0:  # scoring only: the token that ended the prefill is not the client's
+                choice.aw_done = choice.done = True
+                choice.finish_reason = "length"
+                if skip == 0:
+                    metrics.finished.labels("length").inc()
+                    yield Delta("", [], [], 0, "length", choice.prompt)
+                return
             index = len(choice.token_ids)
             choice.token_ids.append(ev.token)
             text = detok.add(ev.token) if detok is not None else ""
@@ -146,14 +160,15 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 metrics.tbt.observe(now - last)
             last = now
             metrics.generated.inc()
-            lp = [(ev.token, ev.logprob, ev.top)] if ev.logprob is not None else []
+            lp: list[Entry] = [(ev.token, ev.logprob, ev.top)] if ev.logprob is not None else []
+            prompt = choice.prompt if index == 0 else None
             if finish is not None:
                 choice.finish_reason = finish
                 choice.done = True
                 metrics.finished.labels(finish).inc()
-                yield Delta(text, [ev.token], lp, index, finish)
+                yield Delta(text, [ev.token], lp, index, finish, prompt)
                 return
-            yield Delta(text, [ev.token], lp, index)
+            yield Delta(text, [ev.token], lp, index, prompt=prompt)
     finally:
         if waiting:
             metrics.leave_waiting(choice.origin, running=False)

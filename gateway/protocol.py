@@ -86,11 +86,18 @@ class GenParams:
     ignore_eos: bool
     return_token_ids: bool
     logprobs: int  # -1: none; 0: sampled token only; k: top k too
+    echo: bool = False  # the prompt back in front of the completion (with its logprobs, if `logprobs`)
+    prompt_logprobs: int = -1  # vLLM's `prompt_logprobs`: -1 none; k: each prompt token's, and the top k
 
     @property
     def choices(self) -> int:
         """Choices in the response: `n` per prompt, prompt by prompt (index = prompt * n + j)."""
         return len(self.prompts) * self.n
+
+    @property
+    def scores(self) -> int:
+        """What the fabric scores in the prompt's prefill: -1 nothing, else the top k to keep."""
+        return max(self.prompt_logprobs, self.logprobs if self.echo else -1)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -186,14 +193,13 @@ def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     prompts = _prompts(body, vocab_size, context)
-    # Not yet served: refused, never ignored (a scorer that sends them would read the wrong numbers).
-    if _bool(body, "echo"):
-        raise ApiError(400, "'echo' (the prompt back, with its logprobs) is not supported yet", "echo")
-    if body.get("prompt_logprobs") is not None:
-        raise ApiError(400, "'prompt_logprobs' is not supported yet", "prompt_logprobs")
-    max_tokens = _int(body, "max_tokens", 1, context)
+    echo = _bool(body, "echo")
+    max_tokens = _int(body, "max_tokens", 0, context)
+    if max_tokens == 0 and not echo:
+        raise ApiError(400, "'max_tokens' may be 0 only with 'echo': true (scoring the prompt)", "max_tokens")
     lp = _int(body, "logprobs", 0, 20)
-    return GenParams(prompts=prompts,
+    plp = _int(body, "prompt_logprobs", 0, 20)
+    return GenParams(prompts=prompts, echo=echo, prompt_logprobs=-1 if plp is None else plp,
                      **_common(body, vocab_size, context, 16 if max_tokens is None else max_tokens, -1 if lp is None else lp))
 
 

@@ -4,25 +4,89 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.generation import Choice, Delta
+from fabric.logprobs import finite
+from fabric.messages.client import PromptScores
+from gateway.generation import Choice, Delta, Entry
 from gateway.protocol import GenParams
 
 
 class Formatter:
-    """Builds the JSON of one request's responses; `chat` picks the chat shapes."""
+    """Builds the JSON of one request's responses; `chat` picks the chat shapes. `prompts` are the
+    token ids of each prompt (a choice's is prompts[index // n])."""
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, params: GenParams, tokenizer: Any) -> None:
+    def __init__(self, chat: bool, rid: str, created: int, model: str, params: GenParams, tokenizer: Any,
+                 prompts: list[list[int]]) -> None:
         self.chat = chat
         self.rid = rid
         self.created = created
         self.model = model
         self.params = params
         self.tok = tokenizer
+        self.prompts = prompts
+        self._texts: dict[int, str] = {}
 
     def _token_text(self, token: int) -> str:
-        return str(self.tok.decode([token], skip_special_tokens=False)) if self.tok is not None else f"<{token}>"
+        text = self._texts.get(token)
+        if text is None:
+            text = str(self.tok.decode([token], skip_special_tokens=False)) if self.tok is not None else f"<{token}>"
+            self._texts[token] = text
+        return text
 
-    def logprobs(self, entries: list[tuple[int, float, list[list[float]] | None]]) -> dict[str, Any] | None:
+    # -- the prompt (echo, prompt logprobs) ---------------------------------------------------
+    def _prompt_text(self, k: int) -> str:
+        """Prompt k as the client sent it (text), or its token ids decoded."""
+        text = self.params.prompts[k][1]
+        if text is not None:
+            return text
+        ids = self.prompts[k]
+        return str(self.tok.decode(ids, skip_special_tokens=False)) if self.tok is not None else \
+            "".join(self._token_text(t) for t in ids)
+
+    def _prompt_entries(self, k: int, scores: PromptScores | None) -> list[Entry]:
+        """The logprobs entries of prompt k's tokens, as OpenAI echoes them: the first has none."""
+        ids = self.prompts[k]
+        out: list[Entry] = [(ids[0], None, None)]
+        top_k = max(self.params.logprobs, 0)
+        for i, t in enumerate(ids[1:]):
+            if scores is None or i >= scores.logprobs.shape[0]:
+                out.append((t, None, None))
+                continue
+            top = [[int(a), finite(float(b))] for a, b in
+                   zip(scores.top_ids[i, :top_k].tolist(), scores.top_logprobs[i, :top_k].tolist())]
+            out.append((t, finite(float(scores.logprobs[i])), top))
+        return out
+
+    def _prompt_logprobs(self, k: int, scores: PromptScores | None) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first: null), the token itself and the
+        top `prompt_logprobs`, keyed by token id, each with its logprob, rank and text."""
+        ids = self.prompts[k]
+        out: list[dict[str, Any] | None] = [None]
+        top_k = self.params.prompt_logprobs
+        for i, t in enumerate(ids[1:]):
+            if scores is None or i >= scores.logprobs.shape[0]:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": finite(float(scores.logprobs[i])), "rank": int(scores.ranks[i]),
+                          "decoded_token": self._token_text(t)}}
+            for r, (a, b) in enumerate(zip(scores.top_ids[i, :top_k].tolist(), scores.top_logprobs[i, :top_k].tolist())):
+                d.setdefault(str(a), {"logprob": finite(float(b)), "rank": r + 1, "decoded_token": self._token_text(a)})
+            out.append(d)
+        return out
+
+    def _completion_item(self, index: int, text: str, entries: list[Entry], scores: PromptScores | None,
+                         first: bool, offsets: bool) -> dict[str, Any]:
+        """A text-completion choice (whole or a chunk); `first`: it starts the choice (echo goes there)."""
+        k = index // self.params.n
+        if first and self.params.echo:
+            text = self._prompt_text(k) + text
+            entries = self._prompt_entries(k, scores) + entries
+        item: dict[str, Any] = {"index": index, "text": text,
+                                "logprobs": self.logprobs(entries, offsets) if entries else None}
+        if first and self.params.prompt_logprobs >= 0:
+            item["prompt_logprobs"] = self._prompt_logprobs(k, scores)
+        return item
+
+    def logprobs(self, entries: list[Entry], offsets: bool = False) -> dict[str, Any] | None:
         if self.params.logprobs < 0:
             return None
         if self.chat:
@@ -35,26 +99,35 @@ class Formatter:
                                       "bytes": list(self._token_text(int(t)).encode())} for t, v in (top or [])],
                 })
             return {"content": content}
-        return {
-            "tokens": [self._token_text(t) for t, _, _ in entries],
+        tokens = [self._token_text(t) for t, _, _ in entries]
+        body: dict[str, Any] = {
+            "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{self._token_text(int(t)): v for t, v in (top or [])} for _, _, top in entries]
-            if self.params.logprobs > 0 else None,
+            "top_logprobs": [None if lp is None else {self._token_text(int(t)): v for t, v in (top or [])}
+                             for _, lp, top in entries] if self.params.logprobs > 0 else None,
         }
+        if offsets:  # where each token starts in the choice's text
+            starts, at = [], 0
+            for t in tokens:
+                starts.append(at)
+                at += len(t)
+            body["text_offset"] = starts
+        return body
 
     def usage(self, prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
         completion = sum(len(c.token_ids) for c in choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
-    def whole(self, prompts: list[list[int]], choices: list[Choice], texts: list[str],
-              logprobs: list[list[tuple[int, float, list[list[float]] | None]]]) -> dict[str, Any]:
+    def whole(self, choices: list[Choice], texts: list[str], logprobs: list[list[Entry]]) -> dict[str, Any]:
+        prompts = self.prompts
         out = []
         for c, text, lps in zip(choices, texts, logprobs):
             if self.chat:
                 item: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": text},
                                         "logprobs": self.logprobs(lps), "finish_reason": c.finish_reason}
             else:
-                item = {"index": c.index, "text": text, "logprobs": self.logprobs(lps), "finish_reason": c.finish_reason}
+                item = self._completion_item(c.index, text, lps, c.prompt, True, True)
+                item["finish_reason"] = c.finish_reason
             if self.params.return_token_ids:
                 item["token_ids"] = c.token_ids
                 if len(prompts) > 1:  # each choice's own prompt, as vLLM returns a batch's
@@ -72,11 +145,14 @@ class Formatter:
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": delta.text if delta else ""}
             item: dict[str, Any] = {"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+        elif delta is not None:
+            item = self._completion_item(index, delta.text, delta.logprobs, delta.prompt, delta.index == 0, False)
         else:
-            item = {"index": index, "text": delta.text if delta else "", "logprobs": None, "finish_reason": None}
+            item = {"index": index, "text": "", "logprobs": None}
+        item["finish_reason"] = None
         if delta is not None:
             item["finish_reason"] = delta.finish_reason
-            if delta.logprobs:
+            if self.chat and delta.logprobs:
                 item["logprobs"] = self.logprobs(delta.logprobs)
             if self.params.return_token_ids:
                 item["token_ids"] = delta.token_ids

@@ -286,6 +286,8 @@ class Gateway:
         context = self.model.max_position
         longest = max(len(ids) for ids in prompts)
         max_tokens = params.max_tokens if params.max_tokens is not None else context - longest
+        if params.max_tokens == 0:  # pure scoring (echo): the prefill runs, its one token is dropped
+            max_tokens = 1
         if max_tokens < 1 or longest + max_tokens > context:
             raise ApiError(400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds "
                            f"the context of {context} tokens", "max_tokens")
@@ -305,10 +307,11 @@ class Gateway:
         choices = [Choice(i, f"{pos.rid}-{i}", Submit(
             f"{pos.rid}-{i}", prompts[i // params.n], max_tokens, params.temperature, params.top_p, params.top_k,
             (pos.seed + i) % (1 << 64), list(self.model.eos_token_ids), params.ignore_eos, [], params.logprobs,
-            resume_grace_s=grace), resumable=grace > 0, origin=origin) for i in range(total)]
+            resume_grace_s=grace, prompt_logprobs=params.scores), resumable=grace > 0, origin=origin)
+            for i in range(total)]
         skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
         resumed = any(pos.counts)
-        fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer)
+        fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer, prompts)
         headers = {GATEWAY_HEADER: self.worker_id}
         if pos.usage_sent:  # the client has everything but [DONE]
             return await stream(request, fmt, prompts, [], [], pos, self.metrics, headers)
@@ -351,7 +354,7 @@ class Gateway:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        body = fmt.whole(prompts, choices, [t for t, _ in results], [lp for _, lp in results])
+        body = fmt.whole(choices, [t for t, _ in results], [lp for _, lp in results])
         return web.json_response(body, headers=headers)
 
     async def drain(self) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fabric.messages.base import Message, register
 
 
@@ -35,13 +37,41 @@ class Submit(Message):
     replay_chunk: int = 0  # >0: recompute output_ids at most this many per step (1: sequential replay)
     resume_grace_s: float = 0.0  # >0: kept this long for an Attach if its gateway or client goes away
     deaths: int = 0  # workers that died under it before it produced a token (see gateway/generation.py)
+    prompt_logprobs: int = -1  # -1: none; k >= 0: each prompt token's logprob and rank, and the k most likely
 
     def same_request(self, other: Submit) -> bool:
         """Whether `other` asks for the same generation (a resumed stream must match what runs)."""
         return (self.prompt_ids, self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
-                sorted(self.stop_token_ids), self.ignore_eos, self.logprobs) == (
+                sorted(self.stop_token_ids), self.ignore_eos, self.logprobs, self.prompt_logprobs) == (
             other.prompt_ids, other.max_tokens, other.temperature, other.top_p, other.top_k, other.seed,
-            sorted(other.stop_token_ids), other.ignore_eos, other.logprobs)
+            sorted(other.stop_token_ids), other.ignore_eos, other.logprobs, other.prompt_logprobs)
+
+
+@dataclass
+class PromptScores:
+    """How likely the model found each prompt token given the ones before it: positions 1..P-1 of a
+    P-token prompt (the first token has no context), computed in the request's own prefill."""
+
+    logprobs: torch.Tensor  # [P-1] float32
+    ranks: torch.Tensor  # [P-1] int64: 1 + how many tokens were more likely
+    top_ids: torch.Tensor  # [P-1, k] int64, most likely first
+    top_logprobs: torch.Tensor  # [P-1, k] float32
+
+    def __post_init__(self) -> None:
+        n = self.logprobs.shape[0]
+        if self.logprobs.dim() != 1 or tuple(self.ranks.shape) != (n,) or self.top_ids.dim() != 2 or \
+                self.top_ids.shape[0] != n or self.top_logprobs.shape != self.top_ids.shape or self.top_ids.shape[1] > 20:
+            raise ValueError("prompt scores: logprobs [P], ranks [P], top ids and logprobs [P, k <= 20]")
+
+
+@register
+@dataclass
+class PromptLogprobs(Message):
+    """A request's prompt scores (Submit.prompt_logprobs >= 0), sent once, before its first token."""
+
+    kind = "prompt_logprobs"
+    request_id: str
+    scores: PromptScores
 
 
 @register
@@ -82,6 +112,7 @@ class Attached(Message):
     found: bool
     outputs: list[list[Any]]
     deaths: int = 0
+    prompt: PromptScores | None = None  # its prompt scores, if it asked for them and has them
 
 
 @register

@@ -1,0 +1,10 @@
+"""Logprobs as the API carries them: JSON has neither NaN nor infinities, so a non-finite value
+(a model's NaN or -inf logit) becomes `FLOOR_LOGPROB`."""
+
+from __future__ import annotations
+
+FLOOR_LOGPROB = -9999.0
+
+
+def finite(x: float) -> float:
+    return x if x == x and abs(x) != float("inf") else FLOOR_LOGPROB
