@@ -73,7 +73,7 @@ def test_lm_eval_local_completions_scores_as_transformers_does(tmp_path: Path, m
             model_args={"model": "demo", "base_url": f"http://127.0.0.1:{f.port}/v1/completions",
                         "tokenizer": str(model), "tokenizer_backend": "huggingface", "num_concurrent": 2,
                         "max_retries": 1, "batch_size": 4})
-    local = lm_eval.simple_evaluate(model="hf", tasks=["fabric_choice", "fabric_gen"], task_manager=tasks,
+    local = lm_eval.simple_evaluate(model="hf", tasks=["fabric_choice", "fabric_gen"], task_manager=tasks, device="cpu",
                                     log_samples=True, model_args={"pretrained": str(model), "dtype": "float32"})
     assert served is not None and local is not None
     got = served["samples"]["fabric_choice"]

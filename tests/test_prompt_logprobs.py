@@ -6,6 +6,7 @@ the prefill that computes them runs through the expert workers like any other.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from pathlib import Path
@@ -14,6 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from attention_worker.request import Sequence
+from fabric.errors import ProtocolError
+from fabric.messages.base import decode_message, encode_message
+from fabric.messages.client import PromptLogprobs, PromptScores, Submit
+from fabric.wire import decode_bytes, encode_bytes
 from tests.conftest import running_fabric
 from tests.helpers import post_json, stream_completion
 
@@ -115,3 +121,38 @@ def test_prompt_logprobs_equal_transformers(arch: str, hf_models: dict[str, Path
         assert abs(logprobs[index][len(prompt)] - float(r[-1].max())) < TOL, label  # the greedy first token
         assert tokens[index][0] == int(r[-1].argmax()) or float(r[-1].topk(2).values.diff().abs()) < TOL, label
     assert bad_status == 400 and bad["error"]["param"] == "max_tokens"
+
+
+def scores(n: int, k: int = 2) -> PromptScores:
+    return PromptScores(torch.full((n,), -1.5), torch.ones(n, dtype=torch.long), torch.zeros(n, k, dtype=torch.long),
+                        torch.zeros(n, k))
+
+
+def test_only_a_fresh_requests_first_prefill_scores_its_prompt() -> None:
+    sub = Submit("r", [5, 6, 7, 8, 9], 4, 0.0, 1.0, -1, 0, [], True, [], prompt_logprobs=2)
+    seq = Sequence.from_submit(sub, None)
+    assert list(seq.scores(0, 3)) == [0, 1, 2] and list(seq.scores(3, 2)) == [3]  # the last row samples
+    seq.add_scores(0, scores(3))
+    seq.add_scores(0, scores(3))  # preempted and prefilled again: starts over
+    seq.add_scores(3, scores(1))
+    joined = seq.take_scores()
+    assert joined is not None and joined.logprobs.shape == (4,) and joined.top_ids.shape == (4, 2)
+    assert seq.take_scores() is None  # sent once; kept for an Attach
+    assert seq.prompt_scores is joined
+    resumed = Sequence.from_submit(dataclasses.replace(sub, output_ids=[3]), None)  # its gateway has them
+    assert not resumed.scores(0, 6) and resumed.take_scores() is None
+    one = Sequence.from_submit(dataclasses.replace(sub, prompt_ids=[5]), None)
+    empty = one.take_scores()
+    assert empty is not None and empty.logprobs.shape == (0,) and empty.top_ids.shape == (0, 2)
+    plain = Sequence.from_submit(dataclasses.replace(sub, prompt_logprobs=-1), None)
+    assert not plain.scores(0, 5) and plain.take_scores() is None
+
+
+def test_prompt_scores_on_the_wire() -> None:
+    msg = PromptLogprobs("r", scores(6, 3))
+    header, frames = encode_message(msg)
+    out = decode_message(*decode_bytes(encode_bytes(header, frames)))
+    assert isinstance(out, PromptLogprobs) and torch.equal(out.scores.top_ids, msg.scores.top_ids)
+    header["scores"]["top_logprobs"] = header["scores"]["logprobs"]  # well-formed tensors, wrong shapes: refused
+    with pytest.raises(ProtocolError, match="prompt scores"):
+        decode_message(*decode_bytes(encode_bytes(header, frames)))
