@@ -137,28 +137,6 @@ def test_bad_requests_get_openai_errors(fabric: Fabric, path: str, body: str, st
     assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
 
 
-def test_echo_and_prompt_scores_through_the_openai_client(fabric: Fabric) -> None:
-    """`echo` gives the prompt's text back before the completion, and with `logprobs` its tokens'
-    logprobs (the first null), all parsed by the official client; `max_tokens: 0` scores only."""
-    c = client(fabric)
-    prompt = "Serving language models"
-    plain = c.completions.create(model="demo", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
-    echoed = c.completions.create(model="demo", prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True)
-    scored = c.completions.create(model="demo", prompt=prompt, max_tokens=0, temperature=0, logprobs=2, echo=True)
-    assert echoed.choices[0].text == prompt + plain.choices[0].text
-    assert scored.choices[0].text == prompt and scored.usage is not None and scored.usage.completion_tokens == 0
-    lp, prompt_lp, plain_lp = echoed.choices[0].logprobs, scored.choices[0].logprobs, plain.choices[0].logprobs
-    assert lp is not None and prompt_lp is not None and plain_lp is not None
-    n = len(prompt_lp.tokens or [])
-    assert n == scored.usage.prompt_tokens and "".join(prompt_lp.tokens or []) == prompt
-    assert (lp.token_logprobs or [])[:n] == prompt_lp.token_logprobs and (lp.token_logprobs or [])[n:] == plain_lp.token_logprobs
-    assert (prompt_lp.token_logprobs or [])[0] is None and all(x < 0 for x in (prompt_lp.token_logprobs or [])[1:])
-    assert all(len(t) == 2 for t in (prompt_lp.top_logprobs or [])[1:])
-    tokens = [t for ch in c.completions.create(model="demo", prompt=prompt, max_tokens=5, temperature=0, echo=True,
-                                                stream=True) for t in ch.choices[0].text]
-    assert "".join(tokens) == echoed.choices[0].text
-
-
 def test_auth_body_cap_and_the_server_still_serves(fabric: Fabric) -> None:
     ok = json.dumps({"prompt": "hi", "max_tokens": 2})
     assert raw(fabric, "/v1/completions", ok, key=None)[0] == 401

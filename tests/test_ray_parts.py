@@ -12,7 +12,7 @@ from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, ConfigError
 from fabric.messages.control import Role
 from launch.config import ServeConfig
-from launch.ray_cluster import NodeState, choose_node, spread_notes
+from launch.ray_placement import NodeState, choose_node, spread_notes
 from launch.sealing import Opener, seal
 
 
