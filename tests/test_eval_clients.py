@@ -119,7 +119,9 @@ def test_echo_and_prompt_scores_through_the_openai_client(demo: tuple[Fabric, Pa
     assert n == scored.usage.prompt_tokens and "".join(prompt_lp.tokens or []) == prompt
     assert (lp.token_logprobs or [])[:n] == prompt_lp.token_logprobs and (lp.token_logprobs or [])[n:] == plain_lp.token_logprobs
     assert (prompt_lp.token_logprobs or [])[0] is None and all(x <= 0 for x in (prompt_lp.token_logprobs or [])[1:])
-    assert all(len(t) == 2 for t in (prompt_lp.top_logprobs or [])[1:])
+    for top, own in zip((prompt_lp.top_logprobs or [])[1:], (prompt_lp.token_logprobs or [])[1:]):
+        # (two top tokens whose texts are the same, e.g. byte fragments, share a key: as in OpenAI's and vLLM's)
+        assert 1 <= len(top) <= 2 and max(top.values()) >= own
     tokens = [t for ch in c.completions.create(model="demo", prompt=prompt, max_tokens=5, temperature=0, echo=True,
                                                 stream=True) for t in ch.choices[0].text]
     assert "".join(tokens) == echoed.choices[0].text
