@@ -14,6 +14,9 @@ TLS on every TCP link and HTTP server (a self-signed cluster certificate) beside
 (authenticated, not encrypted):
 
     python bench/bench_datapath.py --transports tcp --concurrency 1,16 --security none,tls --repeats 5
+
+`--torch-experts` adds a fabric whose expert workers run torch's matmul instead of the skinny GEMM
+kernel (fabric/kernels/skinny.py); `--vllm` adds vLLM's CPU build as the baseline.
 """
 
 from __future__ import annotations
@@ -108,19 +111,19 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls
 @contextlib.contextmanager
 def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
                    warm: list[list[list[int]]] | None = None,
-                   security: str = "secret") -> Iterator[tuple[str, Tls | None, Fabric]]:
+                   security: str = "secret", kernel: str = "auto") -> Iterator[tuple[str, Tls | None, Fabric]]:
     """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
     of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
     its completions URL and TLS (`security`: secret = authenticated, the default; none =
-    `--no-auth`; tls = authenticated inside TLS)."""
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-", dir=log_root)
+    `--no-auth`; tls = authenticated inside TLS; `kernel`: the expert workers' --kernel)."""
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-{kernel}-", dir=log_root)
     tls = write_self_signed(Path(log_dir), days=2) if security == "tls" else None
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
                       port=free_port(), ready_timeout=300, sched=sched, auth=security != "none",
                       tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
-    with Fabric(cfg, log_dir=log_dir) as fabric:
+    with Fabric(cfg, log_dir=log_dir, extra_args={"expert-worker": ["--kernel", kernel]}) as fabric:
         print(f"  fabric {transport} (sched {sched}, {security}): ready in {time.perf_counter() - t:.1f}s "
               f"(logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
@@ -378,6 +381,9 @@ def main() -> None:
     ap.add_argument("--security", default="",
                     help="comma-separated extra fabrics over the first transport: none (serve --no-auth), tls "
                          "(TLS on every TCP link and HTTP server); the default fabric is authenticated")
+    ap.add_argument("--torch-experts", action="store_true",
+                    help="add a fabric whose expert workers use torch's matmul (--kernel torch) beside the default "
+                         "(the skinny GEMM kernel where it runs)")
     ap.add_argument("--vllm", action="store_true",
                     help=f"add vLLM's CPU build ({VLLM_VERSION}, installed on first use into bench/.venv-vllm) as the "
                          "baseline: rows and per-round ratios against it")
@@ -412,17 +418,21 @@ def main() -> None:
         hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     counts = [int(g) for g in args.gateways.split(",") if g.strip()]
-    fabrics = {f"fabric {t}": (t, "auto", counts[0], "secret") for t in transports}
+    # name -> (transport, sched, gateways, security, expert kernel)
+    fabrics = {f"fabric {t}": (t, "auto", counts[0], "secret", "auto") for t in transports}
     for g in counts[1:]:
-        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g, "secret")
+        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g, "secret", "auto")
     if args.other_sched:
         for t in transports:
             other = "normal" if auto_sched(t) == "batch" else "batch"
-            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0], "secret")
+            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0], "secret", "auto")
     for sec in [x.strip() for x in args.security.split(",") if x.strip()]:
         if sec not in ("none", "tls"):
             ap.error(f"--security takes none and tls, not {sec!r}")
-        fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec)
+        fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec,
+                                                                                     "auto")
+    if args.torch_experts:
+        fabrics[f"fabric {transports[0]}, --kernel torch"] = (transports[0], "auto", counts[0], "secret", "torch")
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, *([VLLM] if args.vllm else []), HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
@@ -436,9 +446,10 @@ def main() -> None:
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
         tlss: dict[str, Tls | None] = {}
-        for name, (t, sched, gws, sec) in fabrics.items():
+        for name, (t, sched, gws, sec, kernel) in fabrics.items():
             try:
-                urls[name], tlss[name], fab = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec))
+                urls[name], tlss[name], fab = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec,
+                                                                                 kernel))
                 pids[name] = lambda fab=fab: [p.pid for _, p in fab.procs]
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")

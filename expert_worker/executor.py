@@ -10,26 +10,40 @@ from pathlib import Path
 import torch
 
 from expert_worker.gather import PendingCall
+from fabric.kernels import skinny
 from fabric.model.checkpoint import Checkpoint, load_expert
 from fabric.model.config import ModelConfig
 from fabric.model.ops import swiglu_ffn_t
 
 
 class ExpertExecutor:
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
         self.cfg = cfg
         # (layer, expert) -> (gate_up_t [D, 2I], down_t [I, D]): fused and transposed, the fastest
-        # layout for the few rows an expert sees per batch.
+        # layout for torch's matmul on the few rows an expert sees per batch; or both packed for
+        # the skinny GEMM kernel (fabric/kernels/skinny.py), which reads them about twice as fast.
         self.experts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
         self.bytes_loaded = 0
+        self.gemm: skinny.SkinnyGemm | None = None
+        if kernel == "auto" and cfg.torch_dtype == torch.float32 and \
+                skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate):
+            ops = skinny.load()
+            self.gemm = skinny.SkinnyGemm(ops) if ops is not None else None
+
+    @property
+    def kernel(self) -> str:
+        return "skinny" if self.gemm is not None else "torch"
 
     def load(self, model_dir: str | Path, units: list[tuple[int, int]]) -> None:
         """Reads only these experts' tensors (blocking; call from a thread)."""
         ckpt = Checkpoint(model_dir, self.cfg.torch_dtype)
         for layer, expert in units:
             gate, up, down = load_expert(ckpt, self.cfg, layer, expert)
-            self.experts[(layer, expert)] = (torch.cat([gate, up]).t().contiguous(), down.t().contiguous())
+            gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
+            if self.gemm is not None:
+                gate_up_t, down_t = self.gemm.pack(gate_up_t), self.gemm.pack(down_t)
+            self.experts[(layer, expert)] = (gate_up_t, down_t)
             self.tokens_by_expert.setdefault((layer, expert), 0)
         self.bytes_loaded = ckpt.bytes_read
 
@@ -51,7 +65,7 @@ class ExpertExecutor:
             gate_up_t, down_t = self.experts[unit]
             xs = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
             x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [N, D]
-            y = swiglu_ffn_t(x, gate_up_t, down_t)  # [N, D]
+            y = self.gemm.swiglu_ffn(x, gate_up_t, down_t) if self.gemm else swiglu_ffn_t(x, gate_up_t, down_t)  # [N, D]
             self.tokens_by_expert[unit] += x.shape[0]
             offset = 0
             for ci, s, n in parts:

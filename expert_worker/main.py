@@ -40,7 +40,7 @@ class ExpertWorker(Service):
     def __init__(self, cfg: ExpertWorkerConfig) -> None:
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
-        self.executor = ExpertExecutor(self.model)
+        self.executor = ExpertExecutor(self.model, cfg.kernel)
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
@@ -132,7 +132,7 @@ class ExpertWorker(Service):
         tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
         return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
                 "stale_calls": self.stale_calls, "expert_mib": round(self.executor.bytes_loaded / 2**20, 1),
-                "tokens_by_expert": tokens}
+                "tokens_by_expert": tokens, "kernel": self.executor.kernel}
 
     async def close(self) -> None:
         if self.listener is not None:

@@ -1,0 +1,104 @@
+"""The skinny fp32 GEMM of `skinny_gemm.cpp` for expert FFNs: a decode step gives each expert a few
+rows, and torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what reading W once allows on
+CPUs it does not tune for (2.3x slower than this kernel at 4-8 rows on this project's AMD EPYC VM;
+docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
+
+Built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use (about 20 s;
+`scripts/_venv.sh` builds it at install: `python -m fabric.kernels.skinny`), and only where the CPU
+has AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
+
+Legend: M rows, K inner dimension, N output columns (a multiple of 64), NB = N / 64.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("skinny_gemm.cpp")
+COLS = 64  # output columns per packed block
+MAX_ROWS = 48  # more rows than this (a prefill) go through torch's batched matmul over the blocks
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run on this machine, or None if it can."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AMX"):
+        return f"this CPU's vector capability is {capability}, the kernel needs AVX-512"
+    return None
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled module (built first if needed), or None where it cannot run here."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("skinny GEMM kernel off: %s; torch matmul instead", reason)
+        return None
+    from torch.utils.cpp_extension import load as load_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        module = load_extension(name="moe_fabric_skinny", sources=[str(SOURCE)], build_directory=str(out),
+                                extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
+    except Exception as exc:  # no compiler, no headers: serve with torch's matmul instead
+        log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)
+        return None
+    log.debug("skinny GEMM kernel loaded in %.1f s", time.perf_counter() - t0)
+    return module
+
+
+class SkinnyGemm:
+    """Packed fp32 weights and products with them; `ops` is the loaded module."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    @staticmethod
+    def fits(*ns: int) -> bool:
+        return all(n % COLS == 0 for n in ns)
+
+    def pack(self, w_t: torch.Tensor) -> torch.Tensor:
+        """W [K, N] float32 -> [NB, K, 64]."""
+        return self.ops.pack(w_t)
+
+    def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W -> [M, N]."""
+        if x.shape[0] <= MAX_ROWS:
+            return self.ops.mm(x, packed)
+        return torch.matmul(x, packed).transpose(0, 1).reshape(x.shape[0], -1)  # [NB, M, 64] -> [M, N]
+
+    def swiglu_ffn(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """`fabric.model.ops.swiglu_ffn_t` over packed gate_up ([D, 2I]) and down ([I, D]) weights."""
+        gate, up = self.mm(x, gate_up).chunk(2, dim=-1)  # [M, I] each
+        return self.mm(F.silu(gate) * up, down)
+
+
+def main() -> None:
+    """Builds the kernel into the cache (run by scripts/_venv.sh), or says why it cannot be used here."""
+    t0 = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load()
+    if module is None:
+        print(f"skinny GEMM kernel: not used on this machine ({unavailable_reason() or 'build failed'})")
+    else:
+        print(f"skinny GEMM kernel: ready in {build_dir()} ({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

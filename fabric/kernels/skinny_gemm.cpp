@@ -1,0 +1,83 @@
+// Skinny fp32 GEMM for expert FFNs: y [M, N] = x [M, K] @ W [K, N], for the few rows (M) an expert
+// sees per decode step. Such a product is bound by reading W once; MKL (torch's BLAS here) runs
+// it at well under the memory bandwidth on CPUs it does not tune for. W is packed once, at load,
+// into column blocks of 64 ([N/64, K, 64]) so that each block streams contiguously; per block, rows
+// go in groups of up to 6 (24 AVX-512 accumulators), the block staying in L2 across the groups.
+// Every output element is one FMA chain over k = 0..K-1, whatever M is: a row's result does not
+// depend on the rows batched with it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kCols = 64;  // output columns per packed block (4 AVX-512 vectors)
+constexpr int64_t kRows = 6;   // rows per register block
+
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "pack: w must be a [K, N] float32 tensor");
+  const int64_t K = w.size(0), N = w.size(1);
+  TORCH_CHECK(N % kCols == 0, "pack: N must be a multiple of 64");
+  return w.contiguous().view({K, N / kCols, kCols}).permute({1, 0, 2}).contiguous();
+}
+
+template <int MB>
+void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kCols;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kCols * 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kCols * 8 + 32), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xv, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xv, w3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + m * ldy + j * 16, acc[m][j]);
+}
+
+torch::Tensor mm(const torch::Tensor& x_in, const torch::Tensor& w) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "mm: x must be a [M, K] float32 tensor");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(2) == kCols && w.is_contiguous(),
+              "mm: w must be packed by pack()");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0), N = blocks * kCols;
+  TORCH_CHECK(w.size(1) == K, "mm: x has ", K, " columns, the packed weight ", w.size(1), " rows");
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const float* wb = wp + nb * K * kCols;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const float* xb = xp + m0 * K;
+        float* yb = yp + m0 * N + nb * kCols;
+        switch (std::min<int64_t>(kRows, M - m0)) {
+          case 1: block<1>(xb, K, wb, K, yb, N); break;
+          case 2: block<2>(xb, K, wb, K, yb, N); break;
+          case 3: block<3>(xb, K, wb, K, yb, N); break;
+          case 4: block<4>(xb, K, wb, K, yb, N); break;
+          case 5: block<5>(xb, K, wb, K, yb, N); break;
+          default: block<6>(xb, K, wb, K, yb, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
+  m.def("mm", &mm, "x [M, K] @ packed W -> [M, N]");
+}
