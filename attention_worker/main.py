@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.model_runner import ModelRunner
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
+from fabric.kernels import skinny
 from fabric.messages.base import Message
 from fabric.messages.control import ClusterView, PeerAlive, Role, RoutingUpdate, WorkerReady
 from fabric.model.attention_weights import AttentionWeights
@@ -54,7 +54,10 @@ class AttentionService(Service):
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
         t0 = time.perf_counter()
-        self.weights = await run_niced_async(partial(AttentionWeights.load, self.cfg.model, self.model), self.cfg.boot_nice)
+        def load() -> AttentionWeights:  # (off the loop: the kernel may be built on first use)
+            return AttentionWeights.load(self.cfg.model, self.model, skinny.gemm_for(self.cfg.kernel, self.model.torch_dtype))
+
+        self.weights = await run_niced_async(load, self.cfg.boot_nice)
         log.info("loaded attention weights (%.1f MiB) in %.2fs", self.weights.bytes_read / 2**20, time.perf_counter() - t0)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks)", self.cfg.host, self.listener.port,

@@ -142,14 +142,14 @@ class ModelRunner:
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
         last = rms_norm(h[rows], self.w.norm, self.cfg.rms_norm_eps)  # [S + R, D]
-        logits = F.linear(last, self.w.lm_head).float()  # [S + R, V]
+        logits = self.w.lm_head(last).float()  # [S + R, V]
         self.forward_s += time.perf_counter() - t0
         return logits[:s], logits[s:]
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = x @ lw.qkv_t  # [T, (H + 2K) d]
+        qkv = lw.qkv(x)  # [T, (H + 2K) d]
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
         q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
@@ -178,4 +178,4 @@ class ModelRunner:
             vp = _gather(vc, kv_slots).transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
             out[row : row + n] = op[0].transpose(0, 1)
-        return out.reshape(t, -1) @ lw.o_proj_t
+        return lw.o_proj(out.reshape(t, -1))

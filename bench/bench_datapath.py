@@ -15,8 +15,8 @@ TLS on every TCP link and HTTP server (a self-signed cluster certificate) beside
 
     python bench/bench_datapath.py --transports tcp --concurrency 1,16 --security none,tls --repeats 5
 
-`--torch-experts` adds a fabric whose expert workers run torch's matmul instead of the skinny GEMM
-kernel (fabric/kernels/skinny.py); `--vllm` adds vLLM's CPU build as the baseline.
+`--torch-matmul` adds a fabric whose workers run torch's matmul (`--kernel torch`) instead of the
+skinny GEMM kernel (fabric/kernels/skinny.py); `--vllm` adds vLLM's CPU build as the baseline.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_r
     """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
     of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
     its completions URL and TLS (`security`: secret = authenticated, the default; none =
-    `--no-auth`; tls = authenticated inside TLS; `kernel`: the expert workers' --kernel)."""
+    `--no-auth`; tls = authenticated inside TLS; `kernel`: the workers' --kernel)."""
     log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-{kernel}-", dir=log_root)
     tls = write_self_signed(Path(log_dir), days=2) if security == "tls" else None
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
@@ -123,7 +123,8 @@ def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_r
                       tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
-    with Fabric(cfg, log_dir=log_dir, extra_args={"expert-worker": ["--kernel", kernel]}) as fabric:
+    kernels = {role: ["--kernel", kernel] for role in ("attention-worker", "expert-worker")}
+    with Fabric(cfg, log_dir=log_dir, extra_args=kernels) as fabric:
         print(f"  fabric {transport} (sched {sched}, {security}): ready in {time.perf_counter() - t:.1f}s "
               f"(logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
@@ -381,9 +382,9 @@ def main() -> None:
     ap.add_argument("--security", default="",
                     help="comma-separated extra fabrics over the first transport: none (serve --no-auth), tls "
                          "(TLS on every TCP link and HTTP server); the default fabric is authenticated")
-    ap.add_argument("--torch-experts", action="store_true",
-                    help="add a fabric whose expert workers use torch's matmul (--kernel torch) beside the default "
-                         "(the skinny GEMM kernel where it runs)")
+    ap.add_argument("--torch-matmul", action="store_true",
+                    help="add a fabric whose workers use torch's matmul (--kernel torch) beside the default (the "
+                         "skinny GEMM kernel where it runs)")
     ap.add_argument("--vllm", action="store_true",
                     help=f"add vLLM's CPU build ({VLLM_VERSION}, installed on first use into bench/.venv-vllm) as the "
                          "baseline: rows and per-round ratios against it")
@@ -431,7 +432,7 @@ def main() -> None:
             ap.error(f"--security takes none and tls, not {sec!r}")
         fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec,
                                                                                      "auto")
-    if args.torch_experts:
+    if args.torch_matmul:
         fabrics[f"fabric {transports[0]}, --kernel torch"] = (transports[0], "auto", counts[0], "secret", "torch")
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, *([VLLM] if args.vllm else []), HF]

@@ -25,11 +25,8 @@ class ExpertExecutor:
         self.experts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
         self.bytes_loaded = 0
-        self.gemm: skinny.SkinnyGemm | None = None
-        if kernel == "auto" and cfg.torch_dtype == torch.float32 and \
-                skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate):
-            ops = skinny.load()
-            self.gemm = skinny.SkinnyGemm(ops) if ops is not None else None
+        fits = skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate)
+        self.gemm = skinny.gemm_for(kernel, cfg.torch_dtype) if fits else None
 
     @property
     def kernel(self) -> str:

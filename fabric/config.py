@@ -151,11 +151,16 @@ class WorkerConfig(RoleConfig):
 
     dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
     threads: int = opt(1, "torch intra-op threads")
+    kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
+                      "lm_head): auto (the AVX-512 skinny GEMM for fp32 weights where the CPU has AVX-512 and it "
+                      "builds, else torch) or torch", choices=("auto", "torch"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        if self.kernel not in ("auto", "torch"):
+            raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
 
 
 @dataclass(frozen=True)
@@ -164,13 +169,9 @@ class ExpertWorkerConfig(WorkerConfig):
                       choices=("sync", "threshold"))
     min_batch_tokens: int = opt(1, "threshold gather: rows a layer needs before it runs")
     max_wait_ms: float = opt(20.0, "the longest a call waits for the others of its batch")
-    kernel: str = opt("auto", "expert FFN matmuls: auto (the AVX-512 skinny GEMM for fp32 weights where the CPU "
-                      "has AVX-512 and it builds, else torch) or torch", choices=("auto", "torch"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kernel not in ("auto", "torch"):
-            raise ConfigError(f"unknown expert kernel {self.kernel!r}; choose auto or torch")
         if self.gather not in ("sync", "threshold"):
             raise ConfigError(f"unknown gather policy {self.gather!r}; choose sync or threshold")
         if self.max_wait_ms < 0 or self.min_batch_tokens < 1:

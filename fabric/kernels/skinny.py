@@ -89,6 +89,27 @@ class SkinnyGemm:
         return self.mm(F.silu(gate) * up, down)
 
 
+def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:
+    """The kernel a worker with `--kernel kernel` uses for weights of `dtype`, or None (torch)."""
+    if kernel != "auto" or dtype != torch.float32:
+        return None
+    ops = load()
+    return SkinnyGemm(ops) if ops is not None else None
+
+
+class Projection:
+    """x @ W for one weight W [K, N]: packed for the kernel where `gemm` is given, N fits and W is
+    fp32, else W as it is (any layout torch's matmul takes, e.g. a transposed view)."""
+
+    def __init__(self, w: torch.Tensor, gemm: SkinnyGemm | None) -> None:
+        self.gemm = gemm if gemm is not None and w.dtype == torch.float32 and SkinnyGemm.fits(w.shape[1]) else None
+        self.w = self.gemm.pack(w) if self.gemm is not None else w  # [NB, K, 64] or [K, N]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N]."""
+        return self.gemm.mm(x, self.w) if self.gemm is not None else x @ self.w
+
+
 def main() -> None:
     """Builds the kernel into the cache (run by scripts/_venv.sh), or says why it cannot be used here."""
     t0 = time.perf_counter()
