@@ -68,12 +68,12 @@ def summarize(n_tokens: int, wall: float, gaps: list[float], ttfts: list[float] 
             "tokens": n_tokens, "wall_s": wall}
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> tuple[list[float], int]:
-    """One streaming completion; returns the arrival time of every token chunk and the token count."""
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> tuple[list[float], list[int]]:
+    """One streaming completion; returns the arrival time of every token chunk and the token ids."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     times: list[float] = []
-    n = 0
+    out: list[int] = []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
@@ -90,8 +90,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
             ids = chunk["choices"][0].get("token_ids") or []
             if ids:
                 times.append(now)
-                n += len(ids)
-    return times, n
+                out.extend(ids)
+    return times, out
 
 
 async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None) -> Stats:
@@ -100,12 +100,12 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
-    n = sum(k for _, k in results)
+    n = sum(len(ids) for _, ids in results)
     if n != len(prompts) * tokens:
         raise RuntimeError(f"expected {len(prompts) * tokens} tokens, got {n}")
     end = max(times[-1] for times, _ in results)
     gaps = [b - a for times, _ in results for a, b in zip(times, times[1:], strict=False)]
-    return summarize(n, end - t0, gaps, [times[0] - t0 for times, _ in results])
+    return {**summarize(n, end - t0, gaps, [times[0] - t0 for times, _ in results]), "ids": [ids for _, ids in results]}
 
 
 @contextlib.contextmanager
@@ -248,8 +248,8 @@ def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -
     torch.set_num_threads(default_threads)
     n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     assert n == len(prompts) * tokens, f"generate produced {n} tokens, expected {len(prompts) * tokens}"
-    return summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)],
-                     [clock.times[0] - t0] if clock.times else None)
+    return {**summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)],
+                        [clock.times[0] - t0] if clock.times else None), "ids": out[:, ids.shape[1]:].tolist()}
 
 
 def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
@@ -442,6 +442,7 @@ def main() -> None:
     pids: dict[str, Any] = {HF: lambda: [os.getpid()]}  # system -> its processes now (for CPU seconds)
     rates: list[dict[str, float]] = []
     errors: list[str] = []
+    streams: dict[str, dict[int, list[list[int]]]] = {s: {} for s in systems}  # the token ids of each stream
     with contextlib.ExitStack() as stack:
         # Every fabric stays up (idle between its rounds) for the whole run, so the systems'
         # rounds alternate closely and each fabric round has a transformers round next to it.
@@ -489,6 +490,7 @@ def main() -> None:
                         continue
                     if procs:
                         done[name]["cpu_s_per_1k"] = (cpu_seconds(procs) - cpu0) / done[name]["tokens"] * 1000
+                    streams[name].setdefault(c, done[name].pop("ids"))  # (greedy: every round the same)
                     raw[name][c].append(done[name])
                     print(f"  {name} C={c}: {done[name]['tok_s']:.1f} tok/s", flush=True)
                 for name in names:
@@ -527,6 +529,13 @@ def main() -> None:
     print(f"compute limit: best fp32 matmul {best:.1f} GFLOP/s (1024^3) / (2 x {active / 1e6:.1f}M active params)")
     for c in concs:
         print(f"  [{c}, 512] x [512, 4096] matmul: best {max(r[f'{c}x512x4096'] for r in rates):.1f} GFLOP/s")
+    for ref in (HF, VLLM):
+        for s in systems:
+            if s != ref and streams.get(ref) and streams[s]:
+                same = [sum(a == b for a, b in zip(streams[s][c], streams[ref][c])) for c in concs if c in streams[s]
+                        and c in streams[ref]]
+                print(f"token-identical to {ref}: {s}: {sum(same)} of {sum(c for c in concs if c in streams[s])} "
+                      "greedy streams")
     notes = scan_logs(log_root)
     for line in errors + notes:
         print(f"note: {line}")
