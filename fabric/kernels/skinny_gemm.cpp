@@ -27,9 +27,8 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kCols;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kCols * 8), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kCols * 8 + 32), _MM_HINT_T0);
+    const float* wk = w + k * kCols;  // (a contiguous stream: the hardware prefetcher keeps up; software
+                                      // prefetches of half the lines 8 rows ahead made it 1.5x slower)
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
     for (int m = 0; m < MB; ++m) {
