@@ -13,8 +13,10 @@ Legend: M rows, K inner dimension, N output columns (a multiple of 64), NB = N /
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ MAX_ROWS = 48  # more rows than this (a prefill) go through torch's batched matm
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels"
+    """One build per environment: the build files name this Python's torch headers."""
+    env = hashlib.sha1(f"{sys.prefix}:{torch.__version__}".encode()).hexdigest()[:12]
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels" / env
 
 
 def unavailable_reason() -> str | None:
