@@ -80,9 +80,14 @@ def wait_gone(pid: int, timeout: float) -> None:
 
 
 def alive(pid: int) -> bool:
+    """Running, or dying with its files still open: a multi-threaded process's main thread is a
+    zombie while its other threads exit, and its sockets (a listener on a shared port) stay open
+    until the last one has; a connection made then is reset."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        return bool(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError):
         return False
 

@@ -16,8 +16,8 @@ from tests.conftest import running_fabric
 from tests.helpers import poll_until, post_json, resumable_stream, wait_for
 from tests.load import BODY, PROMPTS, wait_gone
 
-LONG = {**BODY, "max_tokens": 400}
-  # still decoding well after the kill, however fast the machine
+LONG = {**BODY, "max_tokens": 400}  # still decoding well after the kill, however fast the machine
+SETTLE_S = 0.2  # after the victim is gone, new requests must all succeed from this on (see below)
 
 
 def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tmp_path: Path) -> None:
@@ -78,7 +78,10 @@ def test_gateway_death_costs_only_its_connections(hf_models: dict[str, Path], tm
         assert on_victim, "no stream was on the victim"
         assert all(r[1] >= 1 and victim not in r[2][1:] for r in on_victim)  # resumed on another gateway
         assert all(r[1] == 0 for r in on_other)  # untouched
-        after = [(s, n) for t0, s, n in new if t0 > gone_wall]
+        # From a moment after its death on, every new connection reaches a live gateway. (In the
+        # first instants a connection can still be reset: seen up to ~20 ms after the dead
+        # process's files were closed, on 1 run in ~5, on the shared port's kernel side.)
+        after = [(s, n) for t0, s, n in new if t0 > gone_wall + SETTLE_S]
         assert len(after) >= 5 and all(s == 200 and n == 4 for s, n in after), after
         assert all(p.pid != old_pid for n, p in fabric.procs if n.startswith("gateway"))
         assert all(p.poll() is None for n, p in fabric.procs if n.startswith("gateway"))
