@@ -25,15 +25,20 @@ class ExpertExecutor:
         self.experts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
         self.bytes_loaded = 0
-        fits = skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate)
-        self.gemm = skinny.gemm_for(kernel, cfg.torch_dtype) if fits else None
+        self.want_kernel = kernel if skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate) else "torch"
+        self.gemm: skinny.SkinnyGemm | None = None  # (chosen by the first load, off the event loop: it may build)
+        self.chosen = False
 
     @property
     def kernel(self) -> str:
+        if not self.chosen:
+            return "not chosen yet (no experts loaded)"
         return "skinny" if self.gemm is not None else "torch"
 
     def load(self, model_dir: str | Path, units: list[tuple[int, int]]) -> None:
         """Reads only these experts' tensors (blocking; call from a thread)."""
+        if not self.chosen:
+            self.gemm, self.chosen = skinny.gemm_for(self.want_kernel, self.cfg.torch_dtype), True
         ckpt = Checkpoint(model_dir, self.cfg.torch_dtype)
         for layer, expert in units:
             gate, up, down = load_expert(ckpt, self.cfg, layer, expert)

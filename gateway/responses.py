@@ -42,34 +42,38 @@ class Formatter:
         return str(self.tok.decode(ids, skip_special_tokens=False)) if self.tok is not None else \
             "".join(self._token_text(t) for t in ids)
 
-    def _prompt_entries(self, k: int, scores: PromptScores | None) -> list[Entry]:
-        """The logprobs entries of prompt k's tokens, as OpenAI echoes them: the first has none."""
-        ids = self.prompts[k]
-        out: list[Entry] = [(ids[0], None, None)]
-        top_k = max(self.params.logprobs, 0)
-        for i, t in enumerate(ids[1:]):
+    def _scored(self, k: int, scores: PromptScores | None, top_k: int) -> list[tuple[int, Any]]:
+        """Prompt k's tokens after the first, each with (logprob, rank, top [[id, logprob], ...]),
+        or None where there are no scores."""
+        out: list[tuple[int, Any]] = []
+        for i, t in enumerate(self.prompts[k][1:]):
             if scores is None or i >= scores.logprobs.shape[0]:
-                out.append((t, None, None))
+                out.append((t, None))
                 continue
             top = [[int(a), finite(float(b))] for a, b in
                    zip(scores.top_ids[i, :top_k].tolist(), scores.top_logprobs[i, :top_k].tolist())]
-            out.append((t, finite(float(scores.logprobs[i])), top))
+            out.append((t, (finite(float(scores.logprobs[i])), int(scores.ranks[i]), top)))
+        return out
+
+    def _prompt_entries(self, k: int, scores: PromptScores | None) -> list[Entry]:
+        """The logprobs entries of prompt k's tokens, as OpenAI echoes them: the first has none."""
+        out: list[Entry] = [(self.prompts[k][0], None, None)]
+        for t, s in self._scored(k, scores, max(self.params.logprobs, 0)):
+            out.append((t, None, None) if s is None else (t, s[0], s[2]))
         return out
 
     def _prompt_logprobs(self, k: int, scores: PromptScores | None) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: per prompt token (the first: null), the token itself and the
         top `prompt_logprobs`, keyed by token id, each with its logprob, rank and text."""
-        ids = self.prompts[k]
         out: list[dict[str, Any] | None] = [None]
-        top_k = self.params.prompt_logprobs
-        for i, t in enumerate(ids[1:]):
-            if scores is None or i >= scores.logprobs.shape[0]:
+        for t, s in self._scored(k, scores, self.params.prompt_logprobs):
+            if s is None:
                 out.append(None)
                 continue
-            d = {str(t): {"logprob": finite(float(scores.logprobs[i])), "rank": int(scores.ranks[i]),
-                          "decoded_token": self._token_text(t)}}
-            for r, (a, b) in enumerate(zip(scores.top_ids[i, :top_k].tolist(), scores.top_logprobs[i, :top_k].tolist())):
-                d.setdefault(str(a), {"logprob": finite(float(b)), "rank": r + 1, "decoded_token": self._token_text(a)})
+            lp, rank, top = s
+            d = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}}
+            for r, (a, b) in enumerate(top):
+                d.setdefault(str(a), {"logprob": b, "rank": r + 1, "decoded_token": self._token_text(int(a))})
             out.append(d)
         return out
 

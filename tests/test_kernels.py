@@ -67,12 +67,11 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
 def test_the_expert_worker_packs_fp32_experts_for_it(hf_models: dict[str, Path]) -> None:
     mixtral = ModelConfig.from_dir(str(hf_models["mixtral"]))  # hidden 64, 2 x 96 intermediate: packable
     qwen = ModelConfig.from_dir(str(hf_models["qwen3_moe"]))  # 2 x 48 intermediate: not a multiple of 64
-    ex = ExpertExecutor(mixtral)
+    ex, ref, other = ExpertExecutor(mixtral), ExpertExecutor(mixtral, "torch"), ExpertExecutor(qwen)
+    for e, model in ((ex, "mixtral"), (ref, "mixtral"), (other, "qwen3_moe")):  # (the first load chooses)
+        e.load(hf_models[model], [(0, 1)])
     assert ex.kernel == ("skinny" if AVAILABLE else "torch")
-    assert ExpertExecutor(mixtral, "torch").kernel == "torch" and ExpertExecutor(qwen).kernel == "torch"
-    ex.load(hf_models["mixtral"], [(0, 1)])
-    ref = ExpertExecutor(mixtral, "torch")
-    ref.load(hf_models["mixtral"], [(0, 1)])
+    assert ref.kernel == "torch" and other.kernel == "torch"
     x = torch.randn(7, mixtral.hidden_size)
     got = (ex.gemm.swiglu_ffn(x, *ex.experts[(0, 1)]) if ex.gemm else swiglu_ffn_t(x, *ex.experts[(0, 1)]))
     gate_up_t, down_t = ref.experts[(0, 1)]
