@@ -35,6 +35,17 @@ class ExpertCallError(FabricError):
     recoverable = True
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`: its `part`-th
+    share when the expert is spread over several replicas."""
+
+    expert: int
+    start: int
+    rows: int
+    part: int
+
+
 @dataclass
 class EwLink:
     addr: EwAddress
@@ -320,32 +331,50 @@ class ForwardingEngine:
         w = weights.reshape(-1)[order].to(x.dtype)  # [R]
         return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
 
-    async def _plan(self, layer: int, experts: list[int]) -> dict[str, list[int]]:
-        """EW -> the experts of `layer` it serves now (first live replica); waits, bounded, for
-        experts that have no live copy."""
+    def _pieces(self, layer: int, spans: dict[int, tuple[int, int]]) -> list[Piece]:
+        """Each expert's rows as one piece, or, for a hot expert the table makes active on k replicas,
+        as k contiguous pieces (near-equal), one per replica: its load spread (expert load
+        balancing). A row's result does not depend on its batch, so the tokens stay the same."""
+        assert self.table is not None
+        out: list[Piece] = []
+        for e, (start, n) in sorted(spans.items()):
+            k = min(n, len(self.table.serving(layer, e, self.dead))) if self.table.active_of(layer, e) > 1 else 1
+            if k <= 1:
+                out.append(Piece(e, start, n, 0))
+                continue
+            base, extra = divmod(n, k)
+            for part in range(k):
+                m = base + (1 if part < extra else 0)
+                out.append(Piece(e, start, m, part))
+                start += m
+        return out
+
+    async def _plan(self, layer: int, pieces: list[Piece]) -> dict[str, list[int]]:
+        """EW -> the pieces (indices into `pieces`) of `layer` it serves now: a piece's part of the
+        expert's live serving replicas; waits, bounded, for experts that have no live copy."""
         assert self.table is not None
         while True:
-            for e in experts:
-                if self.table.primary(layer, e, self.dead) is None:
-                    await self._wait_for_replica(layer, e)
+            for p in pieces:
+                if self.table.primary(layer, p.expert, self.dead) is None:
+                    await self._wait_for_replica(layer, p.expert)
             plan: dict[str, list[int]] = {}
-            for e in experts:
-                ew = self.table.primary(layer, e, self.dead)
-                if ew is None:  # another EW died while we waited: wait again
+            for j, p in enumerate(pieces):
+                ews = self.table.serving(layer, p.expert, self.dead)
+                if not ews:  # another EW died while we waited: wait again
                     break
-                plan.setdefault(ew, []).append(e)
+                plan.setdefault(ews[p.part % len(ews)], []).append(j)
             else:
                 return plan
 
     async def _run_experts(self, layer: int, xs: torch.Tensor, spans: dict[int, tuple[int, int]], pad: bool) -> torch.Tensor:
-        """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the first live replica of each
-        expert. Calls to an EW that dies are replayed at once on the next replica in the table,
+        """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the live serving replicas of
+        each expert. Calls to an EW that dies are replayed at once on the next replica in the table,
         flagged so the destination serves them first (Tarragon §5.1); expert computation is
         deterministic, so the result is the same. With `pad`, every live EW gets a call, empty or
         not, so a sync gather policy never waits for this AW in vain."""
         assert self.table is not None
         y = torch.empty_like(xs)
-        todo = sorted(spans)
+        todo = self._pieces(layer, spans)
         replay = False
         while True:
             plan = await self._plan(layer, todo)
@@ -354,27 +383,28 @@ class ForwardingEngine:
                     if ew not in self.dead:
                         plan.setdefault(ew, [])
             ews = list(plan)
-            idx = [torch.tensor([r for e in plan[ew] for r in range(spans[e][0], spans[e][0] + spans[e][1])],
+            idx = [torch.tensor([r for j in plan[ew] for r in range(todo[j].start, todo[j].start + todo[j].rows)],
                                 dtype=torch.long) for ew in ews]
             results = await asyncio.gather(
-                *(self.call(ew, layer, plan[ew], [spans[e][1] for e in plan[ew]], xs.index_select(0, i), replay)
+                *(self.call(ew, layer, [todo[j].expert for j in plan[ew]], [todo[j].rows for j in plan[ew]],
+                            xs.index_select(0, i), replay)
                   for ew, i in zip(ews, idx)),
                 return_exceptions=True,
             )
-            failed: list[int] = []
+            failed: list[Piece] = []
             for ew, i, res in zip(ews, idx, results):
                 if isinstance(res, PeerDeadError):
                     if ew not in self.dead:
                         log.warning("%s is dead (%s); replaying its calls on the next replicas", ew, res)
                         self._declare_dead(ew, str(res), isinstance(res, PeerStalledError))
-                    failed.extend(plan[ew])
+                    failed.extend(todo[j] for j in plan[ew])
                 elif isinstance(res, BaseException):
                     raise res
                 else:
                     y[i] = res
             if not failed:
                 return y
-            todo, replay = sorted(failed), True
+            todo, replay = failed, True
             self.replays += 1
 
     async def close(self) -> None:

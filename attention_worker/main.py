@@ -1,8 +1,11 @@
 """Attention worker process: the engine (attention_worker/engine.py) plugged into the role runtime.
 
-Start-up: load the attention weights (in a niced thread), listen for gateways, register. The first
-registration gives the worker its id, which its expert links and checkpoints carry; the first
-routing table connects it to every EW, and then its main loop starts. Later tables take effect
+Start-up: load the attention weights (in a niced thread: mapped from the host's weight store, or
+read from the checkpoint), listen for gateways, register. The first registration gives the worker
+its id, which its expert links and checkpoints carry; the first routing table connects it to every
+EW, and then its main loop starts. A standby (`--standby`) does all of that, weights included
+(mapped from the weight store: page tables, the pages are the store's), but serves nothing until the
+orchestrator wakes it to take a dead AW's place. Later tables take effect
 between steps. None of this waits for the orchestrator once serving: the REFE reroutes to shadows
 on its own, and checkpoints go on to the store.
 """
@@ -25,9 +28,10 @@ from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.kernels import skinny
 from fabric.messages.base import Message
-from fabric.messages.control import ClusterView, PeerAlive, Role, RoutingUpdate, WorkerReady
+from fabric.messages.control import ClusterView, PeerAlive, Role, RoutingUpdate, Wake, WorkerReady
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
+from fabric.model.weight_store import open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
@@ -48,39 +52,61 @@ class AttentionService(Service):
         self.weights: AttentionWeights | None = None
         self.listener: Listener | None = None
         self.runtime: Runtime | None = None
+        self.linked = False  # connected to the EWs of a first table
         self.serving = False
+        self.awake = not cfg.standby  # a standby serves only once woken
+        self.woken_for = ""  # a standby: the dead worker it was woken to replace
 
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
+        await self._load_weights()  # (a standby too: when woken it only starts serving)
+        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
+        log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
+                 self.transport.name, self.aw.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
+        return self.listener.port
+
+    async def _load_weights(self) -> None:
+        """Maps the weights from the host's weight store where it has them, else reads the checkpoint
+        (off the loop: the kernel may be built on first use, a store may still be publishing)."""
         t0 = time.perf_counter()
-        def load() -> AttentionWeights:  # (off the loop: the kernel may be built on first use)
-            return AttentionWeights.load(self.cfg.model, self.model, skinny.gemm_for(self.cfg.kernel, self.model.torch_dtype))
+        dtype = self.model.torch_dtype
+
+        def load() -> AttentionWeights:
+            gemm = skinny.gemm_for(self.cfg.kernel, dtype)
+            store = open_store(self.cfg.weight_store, self.cfg.model, dtype, "skinny" if gemm else "torch",
+                               self.cfg.weight_store_wait_s)
+            if store is None:
+                return AttentionWeights.load(self.cfg.model, self.model, gemm)
+            try:
+                w = AttentionWeights.build(lambda n: store.get(n) if store.has(n) else None, self.model, gemm)
+                w.bytes_mapped = store.bytes_mapped
+                return w
+            finally:
+                store.close()
 
         self.weights = await run_niced_async(load, self.cfg.boot_nice)
-        log.info("loaded attention weights (%.1f MiB) in %.2fs", self.weights.bytes_read / 2**20, time.perf_counter() - t0)
-        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
-        log.info("attention worker listening on %s:%d (%s, %d KV blocks)", self.cfg.host, self.listener.port,
-                 self.transport.name, self.aw.kv.blocks.num_blocks)
-        return self.listener.port
+        w = self.weights
+        log.info("%s attention weights (%.1f MiB) in %.3fs", "mapped" if w.bytes_mapped else "read",
+                 (w.bytes_read + w.bytes_mapped) / 2**20, time.perf_counter() - t0)
 
     def registration(self) -> dict[str, Any]:
         return {"ready": self.serving, "info": {"transport": self.transport.name, "kv_blocks": self.aw.kv.blocks.num_blocks,
-                                                "block_size": self.cfg.block_size}}
+                                                "block_size": self.cfg.block_size,
+                                                "standby": not self.awake,
+                                                **({"replaces": self.woken_for} if self.woken_for else {})}}
 
     async def registered(self) -> None:
         """The first registration names this worker: its expert links and checkpoints carry the id."""
         rt = self.runtime
-        assert rt is not None and self.weights is not None
+        assert rt is not None
         if self.aw.refe is not None:
             return
         aw = self.aw
         aw.refe = ForwardingEngine(rt.worker_id, self.transport, self.cfg.probe_interval_ms / 1000, self.cfg.probe_misses,
                                    self.cfg.expert_wait_s, rt.report_dead)
-        aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
         aw.ckpt = Checkpointer(rt.worker_id, self.model, aw.kv, aw.refe, self.transport, self.cfg.checkpoint,
                                self.cfg.checkpoint_pause_every, on_lost=rt.report_dead)
-        aw.runner.kv_sink = aw.ckpt.record_layer
 
     async def handle(self, msg: Message) -> None:
         rt, refe = self.runtime, self.aw.refe
@@ -94,16 +120,32 @@ class AttentionService(Service):
             table = msg.view.table
             if table is None:
                 return
-            if not self.serving:
-                await refe.apply_table(table)  # first table: connect before serving
-                self.serving = True
-                with contextlib.suppress(PeerDeadError):
-                    await rt.link.send(WorkerReady(table.epoch))
-                rt.spawn(self.aw.main_loop(rt.stop), main_loop=True)
-                rt.spawn(self.aw.expire_loop())
-                rt.ready()
+            if not self.linked:
+                await refe.apply_table(table)  # first table: connect before serving (a standby too)
+                self.linked = True
+                await self._serve()
             elif refe.offer_table(table):
                 self.aw.work.set()  # switched at the next step boundary
+        elif isinstance(msg, Wake) and not self.awake:
+            log.info("woken to replace %s", msg.replaces)
+            self.awake, self.woken_for = True, msg.replaces
+            await self._serve()
+
+    async def _serve(self) -> None:
+        """Starts serving once both the weights and the EW links are there."""
+        rt, aw = self.runtime, self.aw
+        assert rt is not None and aw.refe is not None and aw.ckpt is not None
+        if self.serving or not self.linked or not self.awake or self.weights is None:
+            return
+        aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
+        aw.runner.kv_sink = aw.ckpt.record_layer
+        self.serving = True
+        table = aw.refe.next_table or aw.refe.table
+        with contextlib.suppress(PeerDeadError):
+            await rt.link.send(WorkerReady(table.epoch if table is not None else 0))
+        rt.spawn(aw.main_loop(rt.stop), main_loop=True)
+        rt.spawn(aw.expire_loop())
+        rt.ready()
 
     async def _follow_store(self, view: ClusterView) -> None:
         """Checkpoints go to the first live checkpoint store; a new one (a replacement) is connected
@@ -122,7 +164,11 @@ class AttentionService(Service):
                 log.warning("cannot reach checkpoint store %s: %s", w.id, exc)
 
     def stats(self) -> dict[str, Any] | None:
-        return self.aw.stats() if self.aw.refe is not None else None
+        if self.aw.refe is None:
+            return None
+        w = self.weights
+        return {**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
+                "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0}
 
     async def close(self) -> None:
         # The store link goes first: closing the gateways' connections lets their requests go, and

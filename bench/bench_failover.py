@@ -50,6 +50,17 @@ SCENARIOS: dict[str, list[str]] = {
     # cluster of three nodes on loopback; side by side with the same fabric on one machine losing one AW.
     "node death / ray (3 nodes)": ["--role", "node", "--cluster", "ray", "--mode", "fabric"],
     "AW SIGKILL / fabric": ["--role", "attention", "--signal", "KILL", "--mode", "fabric"],
+    # How fast a dead worker's place is taken: a new process that reads the checkpoint (the fabric
+    # before the weight store), one that maps its weights from the host's weight store (the
+    # default), a warm standby woken at once that maps them.
+    "EW SIGINT / fabric (no weight store)": ["--role", "expert", "--signal", "INT", "--mode", "fabric",
+                                            "--no-weight-store"],
+    "EW SIGINT / fabric + standby": ["--role", "expert", "--signal", "INT", "--mode", "fabric",
+                                     "--standby-workers", "1"],
+    "AW SIGINT / fabric (no weight store)": ["--role", "attention", "--signal", "INT", "--mode", "fabric",
+                                            "--no-weight-store"],
+    "AW SIGINT / fabric + standby": ["--role", "attention", "--signal", "INT", "--mode", "fabric",
+                                     "--standby-workers", "1"],
 }
 FIELDS = ["stall_s", "stall_without_failure_s", "victim_gone_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s",
           "normal_gap_s", "degraded_gap_s"]

@@ -94,7 +94,7 @@ def main() -> None:
                 stats = asyncio.run(fabric_round(url, prompts, args.tokens))
                 raw[name].append(stats["tok_s"])
                 print(f"round {r + 1}/{args.rounds} {name}: {stats['tok_s']:.1f} tok/s", flush=True)
-        memory = {name: [w["stats"].get("expert_mib") for w in fab.cluster()["workers"] if w["role"] == "expert"]
+        memory = {name: [w["stats"].get("expert_mib_read", 0) + w["stats"].get("expert_mib_mapped", 0) for w in fab.cluster()["workers"] if w["role"] == "expert"]
                   for name, fab in fabrics.items()}
     finally:
         for fab in fabrics.values():

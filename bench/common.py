@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -22,3 +24,30 @@ def scan_logs(log_root: str) -> list[str]:
         if bad:
             notes.append(f"{p}: {len(bad)} suspicious line(s), first: {bad[0].strip()[:200]}")
     return notes
+
+
+def bench_parser(doc: str | None, out: str) -> argparse.ArgumentParser:
+    """A benchmark's parser with the flags they all have: the model and where results go."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path(out))
+    return ap
+
+
+def ensure_bench_model(model_dir: Path) -> int:
+    """Writes the `bench` demo model if it is not there; returns its vocabulary size."""
+    from fabric.model.config import ModelConfig
+    from fabric.model.demo import write_demo_model
+
+    if not (model_dir / "config.json").exists():
+        print(f"writing the bench demo model to {model_dir} ...", flush=True)
+        write_demo_model(model_dir, arch="mixtral", size="bench")
+    return ModelConfig.from_dir(model_dir).vocab_size
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -11,23 +11,27 @@ import torch
 
 from expert_worker.gather import PendingCall
 from fabric.kernels import skinny
-from fabric.model.checkpoint import Checkpoint, load_expert
+from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
+from fabric.model.expert_weights import ExpertTensors, expert_kernel, expert_names, prepare_expert
 from fabric.model.ops import swiglu_ffn_t
+from fabric.model.weight_store import MappedStore
 
 
 class ExpertExecutor:
     def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
         self.cfg = cfg
-        # (layer, expert) -> (gate_up_t [D, 2I], down_t [I, D]): fused and transposed, the fastest
-        # layout for torch's matmul on the few rows an expert sees per batch; or both packed for
-        # the skinny GEMM kernel (fabric/kernels/skinny.py), which reads them about twice as fast.
-        self.experts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, expert) -> (gate_up_t, down_t) in their serving layout (fabric/model/expert_weights.py)
+        self.experts: dict[tuple[int, int], ExpertTensors] = {}
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
-        self.bytes_loaded = 0
-        self.want_kernel = kernel if skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate) else "torch"
+        self.bytes_read = 0  # from the checkpoint
+        self.bytes_mapped = 0  # from the host's weight store
+        self.want_kernel = expert_kernel(cfg, kernel)
         self.gemm: skinny.SkinnyGemm | None = None  # (chosen by the first load, off the event loop: it may build)
         self.chosen = False
+        # A standby's mappings of every expert in the weight store, made ahead (page tables: the
+        # pages are the store's); the first assignment takes its slot's and drops the rest.
+        self.premapped: dict[tuple[int, int], ExpertTensors] = {}
 
     @property
     def kernel(self) -> str:
@@ -35,19 +39,42 @@ class ExpertExecutor:
             return "not chosen yet (no experts loaded)"
         return "skinny" if self.gemm is not None else "torch"
 
-    def load(self, model_dir: str | Path, units: list[tuple[int, int]]) -> None:
-        """Reads only these experts' tensors (blocking; call from a thread)."""
+    def choose_kernel(self) -> str:
+        """Chooses (and if need be builds) the kernel; returns the layout name the store keys on."""
         if not self.chosen:
             self.gemm, self.chosen = skinny.gemm_for(self.want_kernel, self.cfg.torch_dtype), True
-        ckpt = Checkpoint(model_dir, self.cfg.torch_dtype)
+        return "skinny" if self.gemm is not None else "torch"
+
+    def load(self, model_dir: str | Path, units: list[tuple[int, int]], store: MappedStore | None = None) -> None:
+        """Takes these experts from a standby's mappings made ahead, maps them from the weight store,
+        or reads only their tensors from the checkpoint (blocking; call from a thread)."""
+        self.choose_kernel()
+        ckpt: Checkpoint | None = None
+        mapped_before = store.bytes_mapped if store is not None else 0
         for layer, expert in units:
-            gate, up, down = load_expert(ckpt, self.cfg, layer, expert)
-            gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
-            if self.gemm is not None:
-                gate_up_t, down_t = self.gemm.pack(gate_up_t), self.gemm.pack(down_t)
-            self.experts[(layer, expert)] = (gate_up_t, down_t)
+            ahead = self.premapped.get((layer, expert))
+            if ahead is not None:
+                self.experts[(layer, expert)] = ahead
+                self.bytes_mapped += sum(t.numel() * t.element_size() for t in ahead)
+            elif store is not None:
+                gate_up, down = (store.get(n) for n in expert_names(layer, expert))
+                self.experts[(layer, expert)] = (gate_up, down)
+            else:
+                ckpt = ckpt or Checkpoint(model_dir, self.cfg.torch_dtype)
+                self.experts[(layer, expert)] = prepare_expert(ckpt, self.cfg, self.gemm, layer, expert)
             self.tokens_by_expert.setdefault((layer, expert), 0)
-        self.bytes_loaded = ckpt.bytes_read
+        self.premapped.clear()
+        if store is not None:
+            self.bytes_mapped += store.bytes_mapped - mapped_before
+        if ckpt is not None:
+            self.bytes_read += ckpt.bytes_read
+
+    def premap(self, store: MappedStore, units: list[tuple[int, int]]) -> None:
+        """A standby's: maps every one of `units` ahead (blocking; call from a thread)."""
+        self.choose_kernel()
+        for layer, expert in units:
+            gate_up, down = (store.get(n) for n in expert_names(layer, expert))
+            self.premapped[(layer, expert)] = (gate_up, down)
 
     def missing(self, call_layer: int, experts: list[int]) -> list[int]:
         return [e for e in experts if (call_layer, e) not in self.experts]

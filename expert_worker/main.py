@@ -22,10 +22,12 @@ from expert_worker.gather import PendingCall, make_policy
 from fabric import faults
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
+from fabric.kernels import skinny
 from fabric.messages.base import Message
 from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
+from fabric.model.weight_store import MappedStore, open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
@@ -96,6 +98,8 @@ class ExpertWorker(Service):
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
+        if self.cfg.standby:  # warm: the kernel loaded now and every expert of the store mapped ahead
+            await run_niced_async(self._premap, self.cfg.boot_nice)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
         faults.stall_on_signal(self.stalled)
         runtime.spawn(self.main_loop(runtime.stop), main_loop=True)
@@ -104,7 +108,8 @@ class ExpertWorker(Service):
 
     def registration(self) -> dict[str, Any]:
         return {"slot": self.slot, "experts": [list(u) for u in sorted(self.executor.experts)], "ready": self.loaded,
-                "info": {"transport": self.transport.name, "gather": self.cfg.gather}}
+                "info": {"transport": self.transport.name, "gather": self.cfg.gather,
+                         "standby": self.cfg.standby and not self.slot}}
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, AssignExperts):
@@ -118,9 +123,12 @@ class ExpertWorker(Service):
         todo = [u for u in units if u not in self.executor.experts]
         if todo:
             t0 = time.perf_counter()
-            await run_niced_async(partial(self.executor.load, self.cfg.model, todo), self.cfg.boot_nice)
-            log.info("%s loaded %d experts of slot %s (%.1f MiB) in %.2fs", self.runtime.worker_id, len(todo), msg.slot,
-                     self.executor.bytes_loaded / 2**20, time.perf_counter() - t0)
+            read, mapped = self.executor.bytes_read, self.executor.bytes_mapped
+            await run_niced_async(partial(self._load, todo), self.cfg.boot_nice)
+            log.info("%s %s %d experts of slot %s (%.1f MiB) in %.3fs", self.runtime.worker_id,
+                     "mapped" if self.executor.bytes_mapped > mapped else "read", len(todo), msg.slot,
+                     (self.executor.bytes_read - read + self.executor.bytes_mapped - mapped) / 2**20,
+                     time.perf_counter() - t0)
         self.slot, self.loaded = msg.slot, True
         try:
             await self.runtime.link.send(WorkerReady(self.epoch))
@@ -128,10 +136,36 @@ class ExpertWorker(Service):
             pass  # the next orchestrator learns it from the registration (ready, slot, experts)
         self.runtime.ready()
 
+    def _premap(self) -> None:
+        self.executor.choose_kernel()
+        store = self._store()
+        if store is not None:
+            t0 = time.perf_counter()
+            cfg = self.model
+            self.executor.premap(store, [(lyr, e) for lyr in cfg.moe_layers for e in range(cfg.num_experts)])
+            log.info("a standby: mapped all %d experts of the weight store ahead (%.1f MiB) in %.3fs",
+                     len(self.executor.premapped), store.bytes_mapped / 2**20, time.perf_counter() - t0)
+            store.close()
+
+    def _store(self) -> MappedStore | None:
+        dtype = self.model.torch_dtype
+        layout = "skinny" if skinny.gemm_for(self.cfg.kernel, dtype) is not None else "torch"
+        return open_store(self.cfg.weight_store, self.cfg.model, dtype, layout, self.cfg.weight_store_wait_s)
+
+    def _load(self, units: list[tuple[int, int]]) -> None:
+        """From the host's weight store where it has them, else from the checkpoint (in a thread)."""
+        store = self._store() if any(u not in self.executor.premapped for u in units) else None
+        try:
+            self.executor.load(self.cfg.model, units, store)
+        finally:
+            if store is not None:
+                store.close()
+
     def stats(self) -> dict[str, Any]:
         tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
         return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
-                "stale_calls": self.stale_calls, "expert_mib": round(self.executor.bytes_loaded / 2**20, 1),
+                "stale_calls": self.stale_calls, "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
+                "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
                 "tokens_by_expert": tokens, "kernel": self.executor.kernel}
 
     async def close(self) -> None:

@@ -154,11 +154,19 @@ class WorkerConfig(RoleConfig):
     kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
                       "lm_head): auto (the AVX-512 skinny GEMM for fp32 weights where the CPU has AVX-512 and it "
                       "builds, else torch) or torch", choices=("auto", "torch"))
+    weight_store: str | None = opt(None, "map weights from this host's weight store (`moe-fabric weight-store --dir`) "
+                                         "instead of reading the checkpoint; read it where the store has another "
+                                         "model or layout", metavar="DIR")
+    weight_store_wait_s: float = opt(300.0, "at start-up, wait this long for a weight store still being built")
+    standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
+                               "orchestrator wakes it to replace a dead worker")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        if self.weight_store_wait_s < 0:
+            raise ConfigError("weight_store_wait_s must be >= 0")
         if self.kernel not in ("auto", "torch"):
             raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
 
@@ -201,6 +209,22 @@ class AttentionWorkerConfig(WorkerConfig):
             raise ConfigError("expert_wait_s and restore_join_ms must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
+
+
+@dataclass(frozen=True)
+class WeightStoreConfig:
+    model: str = req("Hugging Face checkpoint directory")
+    dir: str = req("where to publish (a directory on /dev/shm: host memory)", metavar="DIR")
+    dtype: str | None = like(WorkerConfig, "dtype")
+    kernel: str = like(WorkerConfig, "kernel")
+    remove_on_exit: bool = opt(False, "remove the store when this process stops (a `serve` run's own store)")
+    boot_nice: int = opt(0, "read and publish this much nicer, 0..19, or 20: in the idle class")
+    watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("auto", "torch"):
+            raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
+        _check_boot_nice(self.boot_nice, "boot_nice")
 
 
 @dataclass(frozen=True)
@@ -282,6 +306,10 @@ class OrchestratorConfig:
                              "(0: microseconds since the epoch, so a later start is newer)")
     boot_nice: int = opt(0, "run start-up (imports) this much nicer, 0..19, or 20: in the idle class "
                             "(a restarted orchestrator boots beside the serving workers)")
+    balance_interval_s: float = opt(0.0, "expert load balancing: every this many seconds, while an EW serves more "
+                                         "than --hot-expert-factor times the mean EW's rows, its hottest expert gets "
+                                         "another of its copies serving at once, the rows spread over them (0: off)")
+    hot_expert_factor: float = opt(1.5, "an EW is overloaded above this multiple of the mean EW load")
     cluster_secret_file: str | None = opt(None, SECRET_HELP, metavar="PATH")
     tls_cert: str | None = opt(None, TLS_CERT_HELP, metavar="PATH")
     tls_key: str | None = opt(None, TLS_KEY_HELP, metavar="PATH")
@@ -289,6 +317,8 @@ class OrchestratorConfig:
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
+        if self.balance_interval_s < 0 or self.hot_expert_factor < 1:
+            raise ConfigError("balance_interval_s must be >= 0 and hot_expert_factor >= 1")
         check_port(self.port, "port")
         if self.expert_workers < 1:
             raise ConfigError("the cluster needs at least one expert worker")

@@ -9,6 +9,10 @@ occupants of its slots, in that order; the first not known dead serves traffic.
 The placement travels as one int16 tensor frame (`[L_moe, E, C]` slot indices, -1: no copy), so a
 Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame rather than a 1 MiB msgpack header.
 
+Expert load balancing: `active` (`[L_moe, E]` int16, absent: 1 each) says how many of an expert's
+first replicas serve traffic at once; an AW spreads a hot expert's rows over that many live
+replicas (the rest stay inactive shadows).
+
 Legend: L_moe MoE layers, E experts per layer, C copies per expert (1 + shadows).
 """
 
@@ -42,9 +46,11 @@ class RoutingTable:
     occupants: list[str]  # per slot: the live EW serving it, "" when vacant
     addresses: list[EwAddress]  # every live occupant
     placement: torch.Tensor  # [L_moe, E, C] int16 slot indices, -1: none
+    active: torch.Tensor | None = None  # [L_moe, E] int16: replicas serving at once (None: 1 each)
     _rows: list[list[list[int]]] = field(init=False, repr=False, compare=False)
     _layer_index: dict[int, int] = field(init=False, repr=False, compare=False)
     _by_id: dict[str, EwAddress] = field(init=False, repr=False, compare=False)
+    _active: list[list[int]] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Checks the table is self-consistent (a decoded one comes from the network)."""
@@ -58,12 +64,18 @@ class RoutingTable:
             raise ProtocolError("routing table: placement names a slot that does not exist")
         if any(not 0 <= lyr < self.num_layers for lyr in self.layers) or len(set(self.layers)) != len(self.layers):
             raise ProtocolError("routing table: MoE layers out of range")
+        a = self.active
+        if a is not None and (a.dtype != torch.int16 or tuple(a.shape) != tuple(p.shape[:2])
+                              or (a.numel() and (int(a.min()) < 1 or int(a.max()) > max(1, p.shape[2])))):
+            raise ProtocolError(f"routing table: active counts of shape {tuple(a.shape)} {a.dtype} do not fit the "
+                                "placement (one count in 1..C per expert)")
         by_id = {a.worker_id: a for a in self.addresses}
         if any(o and o not in by_id for o in self.occupants):
             raise ProtocolError("routing table: an occupant without an address")
         object.__setattr__(self, "_rows", p.tolist())
         object.__setattr__(self, "_layer_index", {lyr: i for i, lyr in enumerate(self.layers)})
         object.__setattr__(self, "_by_id", by_id)
+        object.__setattr__(self, "_active", a.tolist() if a is not None else None)
 
     @property
     def version(self) -> tuple[int, int]:
@@ -92,6 +104,26 @@ class RoutingTable:
                     return ew
         return None
 
+    def serving(self, layer: int, expert: int, dead: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The live replicas that share (layer, expert)'s rows now: its first `active` replicas not in
+        `dead`, or, when all of those are dead, the first live one after them ([] if none is left)."""
+        i = self._layer_index.get(layer)
+        if i is None or not 0 <= expert < self.num_experts:
+            return []
+        n = self._active[i][expert] if self._active is not None else 1
+        ranks = [self.occupants[s] for s in self._rows[i][expert] if s >= 0]
+        live = [ew for ew in ranks[:n] if ew and ew not in dead]
+        if live:
+            return live
+        nxt = self.primary(layer, expert, dead)
+        return [nxt] if nxt is not None else []
+
+    def active_of(self, layer: int, expert: int) -> int:
+        i = self._layer_index.get(layer)
+        if i is None or self._active is None or not 0 <= expert < self.num_experts:
+            return 1
+        return self._active[i][expert]
+
     @property
     def replicas(self) -> dict[Unit, tuple[str, ...]]:
         return {(lyr, e): self.replicas_of(lyr, e) for lyr in self.layers for e in range(self.num_experts)}
@@ -114,6 +146,8 @@ class RoutingTable:
             "num_experts": self.num_experts,
             "slots": dict(zip(self.slots, self.occupants)),
             "replicas": [[lyr, e, list(ews)] for (lyr, e), ews in sorted(self.replicas.items())],
+            "active": [[lyr, e, self.active_of(lyr, e)] for lyr in self.layers for e in range(self.num_experts)
+                       if self.active_of(lyr, e) > 1],
             "expert_workers": {a.worker_id: {"host": a.host, "port": a.port}
                                for a in sorted(self.addresses, key=lambda a: a.worker_id)},
         }
@@ -129,4 +163,16 @@ def placement_tensor(layers: list[int], num_experts: int, slots: list[str],
         for e in range(num_experts):
             for c, s in enumerate(placement.get((lyr, e), [])):
                 t[i, e, c] = index[s]
+    return t
+
+
+def active_tensor(layers: list[int], num_experts: int, active: dict[Unit, int]) -> torch.Tensor | None:
+    """Units -> replicas serving at once, as the table's [L_moe, E] int16 tensor (None: all 1)."""
+    if not any(n > 1 for n in active.values()):
+        return None
+    t = torch.ones((len(layers), num_experts), dtype=torch.int16)
+    index = {lyr: i for i, lyr in enumerate(layers)}
+    for (lyr, e), n in active.items():
+        if lyr in index and 0 <= e < num_experts:
+            t[index[lyr], e] = n
     return t

@@ -8,7 +8,7 @@ follow the orchestrator, report, reconnect, shut down. A role plugs a `Service` 
     report       WorkerStats every second; PeerFailed through `report_dead`, re-sent after every
                  registration for peers still considered dead (a new orchestrator heard nothing)
     reconnect    the link drops -> the service keeps serving; the link reconnects on its own
-    shut down    stop (SIGINT/SIGTERM, a failed main loop, or Fenced) -> Leaving to the orchestrator,
+    shut down    stop (SIGINT/SIGTERM, Drain, a failed main loop, or Fenced) -> Leaving to the orchestrator,
                  service.close(), the link closed; idempotent and in this order
 
 A main loop runs under `runtime.spawn`, so an unexpected exception is logged with its traceback
@@ -31,7 +31,7 @@ from fabric.config import RoleConfig
 from fabric.control_link import ControlLink, Registration
 from fabric.errors import ConfigError, PeerDeadError
 from fabric.messages.base import Message
-from fabric.messages.control import ClusterView, Leaving, PeerFailed, Register, Role, RoutingUpdate, WorkerStats
+from fabric.messages.control import ClusterView, Drain, Leaving, PeerFailed, Register, Role, RoutingUpdate, WorkerStats
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, mark_failed
 from fabric.transport import resolve_transport_name
@@ -138,6 +138,10 @@ class Runtime:
                 for peer, reason in list(self.suspects.items()):
                     await self._send_quietly(PeerFailed(peer, reason))
                 await self.service.registered()
+                continue
+            if isinstance(msg, Drain):
+                log.info("%s: drained by the orchestrator (%s); leaving", self.worker_id, msg.reason)
+                self.stop.set()
                 continue
             if isinstance(msg, RoutingUpdate):
                 if self.view is not None and msg.view.version < self.view.version:

@@ -19,6 +19,7 @@ from fabric.config import (
     ExpertWorkerConfig,
     GatewayConfig,
     OrchestratorConfig,
+    WeightStoreConfig,
 )
 from fabric.errors import ConfigError, FabricError
 from launch.config import ServeConfig
@@ -33,6 +34,8 @@ ROLES: dict[str, tuple[type, str, str]] = {
     "attention-worker": (AttentionWorkerConfig, "attention_worker.main", "run one attention worker"),
     "expert-worker": (ExpertWorkerConfig, "expert_worker.main", "run one expert worker"),
     "checkpoint-store": (CheckpointStoreConfig, "checkpoint_store.main", "run one KV checkpoint store"),
+    "weight-store": (WeightStoreConfig, "weight_store.main", "read a checkpoint once and publish its tensors in this "
+                                                             "host's memory for its workers to map"),
 }
 
 
@@ -50,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+    from launch.scale import ScaleConfig
+
+    add_flags(sub.add_parser("scale", help="add or drain workers of a running fabric (its orchestrator's "
+                                           "POST /cluster/scale)"), ScaleConfig)
 
     c = sub.add_parser("cluster-secret", help="write a new random cluster secret (mode 0600) for a multi-host cluster")
     c.add_argument("out", help="the file to create (an existing one is never overwritten)")
@@ -95,6 +103,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from launch.experiments import chaos, failover
 
         return {"failover": failover.run, "chaos": chaos.run}[args.experiment](args)
+    if cmd == "scale":
+        from launch.scale import ScaleConfig, run
+
+        return run(from_args(ScaleConfig, args))
     if cmd == "serve":
         from launch.local import serve
 

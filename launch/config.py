@@ -14,6 +14,7 @@ from fabric.config import (
     GatewayConfig,
     OrchestratorConfig,
     RoleConfig,
+    WeightStoreConfig,
     WorkerConfig,
     check_port,
     check_probes,
@@ -35,6 +36,12 @@ class ServeConfig:
     expert_workers: int = opt(2, "expert workers")
     gateways: int = opt(2, "gateway processes sharing the HTTP port (a dead one costs only its connections)")
     checkpoint_stores: int = opt(1, "KV checkpoint stores (0: AW deaths replay)")
+    weight_store: bool = opt(True, "read the checkpoint once into host memory (a weight-store process) and have every "
+                                   "worker map its weights from there: replacements and standbys map theirs in "
+                                   "milliseconds (--cluster local; on Ray every worker reads the checkpoint)")
+    standby_workers: int = opt(0, "warm standbys of each worker role (AW and EW; --cluster local): started, "
+                                  "registered, weights mapped ahead from the weight store, serving nothing; a death wakes one and a new one "
+                                  "boots behind it")
     transport: str = like(RoleConfig, "transport")
     host: str = opt("127.0.0.1", "address every process listens on")
     port: int = opt(8000, "the gateways' HTTP port")
@@ -42,6 +49,8 @@ class ServeConfig:
     dtype: str | None = like(WorkerConfig, "dtype")
     gather: str = like(ExpertWorkerConfig, "gather")
     shadows_per_expert: int = like(OrchestratorConfig, "shadows_per_expert")
+    balance_interval_s: float = like(OrchestratorConfig, "balance_interval_s")
+    hot_expert_factor: float = like(OrchestratorConfig, "hot_expert_factor")
     served_model_name: str | None = like(GatewayConfig, "served_model_name")
     api_key: str | None = like(GatewayConfig, "api_key")
     max_waiting: int = opt(512, "requests waiting for their first token beyond this get 429 (per gateway)")
@@ -99,6 +108,8 @@ class ServeConfig:
             raise ConfigError(f"unknown cluster {self.cluster!r}; choose local or ray")
         if self.ray_address is not None and self.cluster != "ray":
             raise ConfigError("--ray-address is for --cluster ray")
+        if self.standby_workers < 0 or (self.standby_workers and self.cluster != "local"):
+            raise ConfigError("standby_workers must be >= 0, and standbys run with --cluster local only (for now)")
         for role in RESOURCE_FIELDS.values():
             self.resources(role)  # (checks the JSON)
         check_probes(self.probe_interval_ms, self.probe_misses)
@@ -128,8 +139,9 @@ class ServeConfig:
         return {k: float(v) for k, v in value.items()}
 
     def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,
-                     secret_file: str | None) -> RoleConfigs:
-        """Every role's config, as this `serve` runs them (`transport` resolved, so all agree)."""
+                     secret_file: str | None, weight_store_dir: str | None = None) -> RoleConfigs:
+        """Every role's config, as this `serve` runs them (`transport` resolved, so all agree;
+        workers map their weights from `weight_store_dir` where given)."""
         orch = f"{self.host}:{orchestrator_port}"
         common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
                       send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
@@ -138,20 +150,23 @@ class ServeConfig:
         return RoleConfigs(
             orchestrator=OrchestratorConfig(
                 model=model, expert_workers=self.expert_workers, host=self.host, port=orchestrator_port,
-                shadows_per_expert=self.shadows_per_expert,
+                shadows_per_expert=self.shadows_per_expert, balance_interval_s=self.balance_interval_s,
+                hot_expert_factor=self.hot_expert_factor,
                 provisioner="supervisor" if self.provisioner == "auto" else "none",
                 supervisor_fd=0 if self.provisioner == "auto" else None,  # the real fd is known at spawn time
                 recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
-            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather),
+            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather, weight_store=weight_store_dir),
             attention=AttentionWorkerConfig(**common, dtype=self.dtype, checkpoint=self.checkpoint,
-                                            **probes),
+                                            weight_store=weight_store_dir, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
                 **common, port=self.port, reuse_port=self.gateways > 1,
                 served_model_name=self.served_model_name, max_waiting=self.max_waiting,
                 drain_timeout=self.drain_timeout, routing=self.routing, resume=self.resume,
                 stream_resume_grace_s=self.stream_resume_grace_s, public_metrics=self.public_metrics, **probes),
+            weight_store=WeightStoreConfig(model=model, dir=weight_store_dir, dtype=self.dtype, remove_on_exit=True,
+                                           watch_pid=supervisor_pid) if weight_store_dir else None,
         )
 
 
@@ -162,3 +177,4 @@ class RoleConfigs:
     attention: AttentionWorkerConfig
     store: CheckpointStoreConfig
     gateway: GatewayConfig
+    weight_store: WeightStoreConfig | None

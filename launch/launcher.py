@@ -24,8 +24,8 @@ from fabric.transport import resolve_transport_name
 from launch.config import ServeConfig
 
 COMMAND = {Role.ORCHESTRATOR: "orchestrator", Role.GATEWAY: "gateway", Role.ATTENTION: "attention-worker",
-           Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store"}
-STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR]]
+           Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store", Role.WEIGHT_STORE: "weight-store"}
+STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR, Role.WEIGHT_STORE]]
 YOUNG = 30.0  # seconds: a restartable process that dies younger than this backs off further
 MAX_BACKOFF = 10.0
 
@@ -72,11 +72,16 @@ class Launcher(abc.ABC):
         self.secret = load_secret(self.secret_file) if self.secret_file else None
         self.tls = Tls.of(cfg.tls_cert, cfg.tls_key)
         self.scheme = "https" if self.tls else "http"
-        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid(), self.secret_file)
+        self.configs = cfg.role_configs(model, self.transport, self.orchestrator_port, os.getpid(), self.secret_file,
+                                        self.weight_store_dir())
         self.stop_requested = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why start-up failed
         self.was_ready = False
+
+    def weight_store_dir(self) -> str | None:
+        """Where this run's weight store publishes (None: the workers read the checkpoint)."""
+        return None
 
     @abc.abstractmethod
     def run(self) -> None:

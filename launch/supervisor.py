@@ -36,6 +36,7 @@ from typing import IO, Any
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
+from fabric.model.weight_store import default_dir
 from fabric.process import die_with_parent
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig
@@ -51,6 +52,7 @@ class Child:
     role: Role
     restart: bool  # the orchestrator and the gateways: started again when they die
     replaces: str = ""  # a replacement worker: whom it replaces
+    standby: bool = False  # a warm standby: serves (and says READY) only once the orchestrator wakes it
     boot_nice: int = 0  # a replacement boots this much nicer (20: in the idle class)
     proc: subprocess.Popen[bytes] | None = None
     notify: socket.socket | None = None
@@ -75,17 +77,20 @@ class Supervisor(Launcher):
     # -- the processes ------------------------------------------------------------------------
     def plan(self) -> list[Child]:
         cfg = self.cfg
-        out = [Child("orchestrator", Role.ORCHESTRATOR, restart=True)]
+        out = [Child("weight-store", Role.WEIGHT_STORE, restart=True)] if self.configs.weight_store else []
+        out += [Child("orchestrator", Role.ORCHESTRATOR, restart=True)]
         out += [Child(f"checkpoint-store-{i}", Role.STORE, False) for i in range(cfg.checkpoint_stores)]
         out += [Child(f"expert-worker-{i}", Role.EXPERT, False) for i in range(cfg.expert_workers)]
         out += [Child(f"attention-worker-{i}", Role.ATTENTION, False) for i in range(cfg.attention_workers)]
+        out += [Child(f"{COMMAND[role]}-s{i}", role, False, standby=True)
+                for role in (Role.EXPERT, Role.ATTENTION) for i in range(cfg.standby_workers)]
         out += [Child(f"gateway-{i}", Role.GATEWAY, True) for i in range(cfg.gateways)]
         return out
 
     def _argv(self, child: Child, pass_fd: int | None) -> list[str]:
         c = self.configs
         cfg: Any = {Role.ORCHESTRATOR: c.orchestrator, Role.GATEWAY: c.gateway, Role.ATTENTION: c.attention,
-                    Role.EXPERT: c.expert, Role.STORE: c.store}[child.role]
+                    Role.EXPERT: c.expert, Role.STORE: c.store, Role.WEIGHT_STORE: c.weight_store}[child.role]
         if child.role is Role.ORCHESTRATOR:
             # The first orchestrator has no one to wait for; a restarted one waits for the workers.
             grace = cfg.recovery_grace_s if child.incarnation else 0.0
@@ -94,6 +99,8 @@ class Supervisor(Launcher):
             cfg = replace(cfg, boot_nice=self.cfg.restart_boot_nice)
         if child.boot_nice:
             cfg = replace(cfg, boot_nice=child.boot_nice)
+        if child.standby:
+            cfg = replace(cfg, standby=True)
         command = COMMAND[child.role]
         return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, [])]
 
@@ -207,12 +214,14 @@ class Supervisor(Launcher):
             return
         self._replacements += 1
         child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
-                      boot_nice=msg.boot_nice)
+                      boot_nice=msg.boot_nice, standby=msg.standby)
         self._spawn(child)
         with self.lock:
             self.children.append(child)
         assert child.proc is not None
-        say(f"started {child.name} (pid {child.proc.pid}) to replace {msg.replaces}")
+        why = "to scale out" if msg.replaces.startswith("scale-out") else f"to replace {msg.replaces}"
+        say(f"started {child.name} (pid {child.proc.pid}) {why}"
+            + (" (as a standby: the one it replaces was answered by waking one)" if msg.standby else ""))
         self._tell_orchestrator(WorkerStarted(msg.replaces, child.proc.pid))
 
     def _tell_orchestrator(self, msg: Message) -> None:
@@ -240,7 +249,8 @@ class Supervisor(Launcher):
                         proc.kill()
                 continue
             self._exited(child, code, now)
-        if not self.was_ready and all(c.ready for c in self.children if c.proc is not None and not c.replaces):
+        if not self.was_ready and all(c.ready for c in self.children
+                                      if c.proc is not None and not c.replaces and not c.standby):
             self.was_ready = True
             self.ready.set()
 
@@ -283,6 +293,11 @@ class Supervisor(Launcher):
         for child in self.children:
             self._close_sockets(child)
         shutil.rmtree(self._sockdir, ignore_errors=True)
+        if self.configs.weight_store is not None:  # (its process removes it; this covers one that was killed)
+            shutil.rmtree(self.configs.weight_store.dir, ignore_errors=True)
+
+    def weight_store_dir(self) -> str | None:
+        return str(default_dir(f"serve-{os.getpid()}")) if self.cfg.weight_store else None
 
     # -- for callers in other threads -----------------------------------------------------------
     def snapshot(self) -> list[tuple[str, Proc]]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from fabric.messages.control import ClusterView, Register, Role, WorkerInfo, WorkerState
 from fabric.model.config import ModelConfig
-from fabric.routing import EwAddress, RoutingTable, Unit, placement_tensor
+from fabric.routing import EwAddress, RoutingTable, Unit, active_tensor, placement_tensor
 from fabric.runtime import node_name
 from orchestrator.placement import PlacementPlanner, single_node_units
 
@@ -41,6 +41,7 @@ class WorkerRecord:
     info: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     experts: list[Unit] = field(default_factory=list)
+    loaded: set[Unit] = field(default_factory=set)  # an EW: every unit it holds (placed now or before)
     slot: str = ""
     since: float = field(default_factory=time.time)  # when `state` last changed (wall clock)
     registered_at: float = field(default_factory=time.time)
@@ -83,6 +84,8 @@ class Cluster:
         self.placement: dict[Unit, list[str]] | None = None  # unit -> slots, preferred first
         self.occupant: dict[str, str] = {}  # slot -> EW id serving it ("" or a dead id: vacant)
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
+        self.reserved: set[str] = set()  # EWs a scale-out started: never taken to fill a vacant slot
+        self.active: dict[Unit, int] = {}  # unit -> replicas serving at once, where more than 1 (load balancing)
         self.replacements = 0
         self._counters: dict[str, int] = {}
         self.self_record = WorkerRecord(f"orch-{generation}", Role.ORCHESTRATOR, os.getpid(), host, port,
@@ -108,11 +111,12 @@ class Cluster:
             return None  # an id of another role's: not this worker's
         if rec is None:
             rec = WorkerRecord(wid, reg.role, reg.pid, reg.host, reg.port, state, dict(reg.info), experts=experts,
-                               slot=reg.slot)
+                               slot=reg.slot, loaded=set(experts))
             self.workers[wid] = rec
         else:  # its link dropped and it came back
             rec.pid, rec.host, rec.port, rec.info = reg.pid, reg.host, reg.port, dict(reg.info)
             rec.experts, rec.slot = experts or rec.experts, reg.slot or rec.slot
+            rec.loaded |= set(experts)
             rec.set_state(state)
         return rec
 
@@ -159,8 +163,9 @@ class Cluster:
         """Once the expected EWs registered, places every expert; afterwards, a newly registered EW
         fills a vacant slot. Returns EW id -> units to load."""
         ews = [w.id for w in self.workers.values() if w.role is Role.EXPERT and w.state is WorkerState.STARTING
-               and w.id not in self.filling.values() and w.id not in self.occupant.values()]
+               and w.id not in self.filling.values() and w.id not in self.occupant.values() and w.id not in self.reserved]
         if self.placement is None:
+            ews = [w for w in ews if not self.workers[w].info.get("standby")]  # (standbys stay spares)
             if len(ews) < self.expected_ews:
                 return {}
             nodes = {ew: str(self.workers[ew].info.get("node") or ew) for ew in ews}
@@ -177,6 +182,7 @@ class Cluster:
                 if slot is None:
                     break  # a spare: nothing to fill (it stays registered, unused)
                 self.filling[slot] = ew
+                self.workers[ew].info["standby"] = False
                 if self.occupant[slot]:
                     self.workers[ew].info["replaces"] = self.occupant[slot]
                 self.workers[ew].slot = slot
@@ -186,6 +192,7 @@ class Cluster:
                 _say_spread(self.placement, {s: str(self.workers[w].info.get("node") or w) for s, w in holder.items()})
         for ew, units in assignment.items():
             self.workers[ew].experts = units
+            self.workers[ew].loaded |= set(units)
         return assignment
 
     def mark_ready(self, worker_id: str) -> bool:
@@ -229,6 +236,27 @@ class Cluster:
         self.publish()
         return True, True
 
+    def commit(self, placement: dict[Unit, list[str]], joined: dict[str, str], removed: list[str]) -> None:
+        """A new placement, as one transaction: the slots `joined` (slot -> its EW, every unit already
+        loaded) come in, the slots `removed` leave, and the next table publishes all of it at
+        once: the commit point (ReMP §3.9). Before it, every AW routes by the old table."""
+        self.placement = placement
+        for slot in removed:
+            self.occupant.pop(slot, None)
+        for slot, ew in joined.items():
+            self.occupant[slot] = ew
+            self.workers[ew].slot = slot
+            self.reserved.discard(ew)
+        for slot, ew in self.occupant.items():
+            if ew in self.workers:
+                self.workers[ew].experts = self.slot_units(slot)
+        self.publish()
+
+    def standby(self, role: Role) -> WorkerRecord | None:
+        """A warm standby of `role` not woken yet (registered, serving nothing)."""
+        return next((w for w in self.workers.values() if w.role is role and w.state is WorkerState.STARTING
+                     and w.info.get("standby") and w.id not in self.filling.values()), None)
+
     def lost_units(self) -> list[Unit]:
         """Logical experts with no live copy left."""
         if self.table is None:
@@ -246,7 +274,9 @@ class Cluster:
             self.generation, self.epoch, self.model.num_layers, self.model.num_experts, layers, slots,
             [live.get(s, "") for s in slots],
             [EwAddress(w, self.workers[w].host, self.workers[w].port) for w in sorted(live.values())],
-            placement_tensor(layers, self.model.num_experts, slots, self.placement))
+            placement_tensor(layers, self.model.num_experts, slots, self.placement),
+            active_tensor(layers, self.model.num_experts,
+                          {u: min(n, len(self.placement.get(u, []))) for u, n in self.active.items()}))
 
     # -- recovery -----------------------------------------------------------------------------
     def rebuild(self, view: ClusterView | None) -> list[tuple[Role, str]]:
@@ -272,6 +302,7 @@ class Cluster:
             return replace
         self.epoch = max(self.epoch, table.epoch)
         self.placement = table.placement_map()
+        self.active = {u: n for u in self.placement if (n := table.active_of(*u)) > 1}
         self.occupant = {}
         for slot, occ in zip(table.slots, table.occupants):
             holders = [w for w in self.workers.values() if w.role is Role.EXPERT and w.slot == slot

@@ -46,16 +46,19 @@ from fabric.messages.control import (
     Registered,
     Role,
     RoutingUpdate,
+    Wake,
     WorkerReady,
     WorkerState,
     WorkerStats,
 )
 from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
+from orchestrator.balancer import ExpertBalancer
 from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
-from orchestrator.placement import BalancedPlanner
+from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.provisioner import NoProvisioner, Provisioner
+from orchestrator.scaling import Scaler
 
 log = logging.getLogger("orchestrator")
 
@@ -87,6 +90,10 @@ class Orchestrator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._nonce = itertools.count(1)
         self.replacements_started = 0
+        self.ready_seen: dict[str, int] = {}  # worker -> WorkerReady messages (a scale-out waits for loads)
+        self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
+        self.scaler = Scaler(self)
+        self.balancer = ExpertBalancer(cfg.hot_expert_factor)
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
 
     def _spawn(self, coro: Any) -> None:
@@ -223,7 +230,7 @@ class Orchestrator:
             return
         rec = self.cluster.workers[worker_id]
         lost = self.cluster.lost_units()
-        if self.shutting_down:
+        if self.shutting_down or worker_id in self.drained:
             log.info("%s left (%s)", worker_id, reason)
         elif table_changed:
             assert self.cluster.table is not None
@@ -237,10 +244,28 @@ class Orchestrator:
             # Fencing: a hung worker that wakes up finds itself declared dead and leaves.
             link.send(Fenced(reason))
             self._spawn(link.close())
-        if rec.role.replaceable:
-            self._replace(rec.role, worker_id)
+        if rec.role.replaceable and not self.shutting_down and worker_id not in self.drained:
+            woke = await self._wake_standby(rec)
+            # A woken standby is replaced by a new standby, and so is a standby that died.
+            self._replace(rec.role, worker_id, standby=woke or bool(rec.info.get("standby")))
 
-    def _replace(self, role: Role, replaces: str) -> None:
+    async def _wake_standby(self, dead: WorkerRecord) -> bool:
+        """Answers a death at once with a warm standby where there is one: an EW spare takes the dead
+        EW's slot (it has the slot's experts mapped already, or maps them), a standby AW starts
+        serving."""
+        if dead.role is Role.EXPERT and dead.slot:
+            assigned = await self._place()
+            return any(self.cluster.workers[ew].slot == dead.slot for ew in assigned)
+        standby = self.cluster.standby(dead.role) if dead.role is Role.ATTENTION else None
+        link = self.links.get(standby.id) if standby is not None else None
+        if standby is None or link is None or dead.info.get("standby"):
+            return False
+        standby.info.update(standby=False, replaces=dead.id)
+        log.info("waking standby %s to replace %s", standby.id, dead.id)
+        link.send(Wake(dead.id))
+        return True
+
+    def _replace(self, role: Role, replaces: str, standby: bool = False) -> None:
         """Starts a replacement after `replacement_delay_ms`: in the first few hundred ms after a
         death the survivors restore and reroute its work, and a process starting up (the
         interpreter and the CLI at normal priority, the rest in the idle class) would take CPU
@@ -248,13 +273,13 @@ class Orchestrator:
         requests resume on healthy AWs, a dead EW's experts on their shadows."""
         delay = self.cfg.replacement_delay_ms / 1000
         if delay <= 0:
-            self._start_replacement(role, replaces)
+            self._start_replacement(role, replaces, standby)
             return
-        handle = asyncio.get_running_loop().call_later(delay, self._start_replacement, role, replaces)
+        handle = asyncio.get_running_loop().call_later(delay, self._start_replacement, role, replaces, standby)
         self._delayed.add(handle)
         asyncio.get_running_loop().call_later(delay, self._delayed.discard, handle)
 
-    def _start_replacement(self, role: Role, replaces: str) -> None:
+    def _start_replacement(self, role: Role, replaces: str, standby: bool = False) -> None:
         if self.shutting_down:
             return
         if self.replacements_started >= self.cfg.max_replacements:
@@ -262,8 +287,29 @@ class Orchestrator:
                       self.replacements_started)
             return
         avoid = self.cluster.nodes_with_copies(replaces) if role is Role.EXPERT else []
-        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice, avoid):
+        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice, avoid, standby):
             self.replacements_started += 1
+
+    async def balance_loop(self) -> None:
+        """Expert load balancing, every `balance_interval_s` (orchestrator/balancer.py): a change in
+        which experts are hot is published as a new table."""
+        while True:
+            await asyncio.sleep(self.cfg.balance_interval_s)
+            c = self.cluster
+            if c.table is None or c.placement is None or not self.recovered.is_set() or self.shutting_down:
+                continue
+            stats = {w.id: w.stats for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
+            rows = self.balancer.rows_since_last(stats)
+            active = self.balancer.decide(rows, {u: list(ews) for u, ews in c.table.replicas.items() if ews}, c.active)
+            if active != c.active:
+                hot = sorted(set(active) - set(c.active))
+                cooled = sorted(set(c.active) - set(active))
+                c.active = active
+                c.publish()
+                assert c.table is not None
+                log.info("expert load balancing: epoch %d, %d experts spread over their replicas (now hot: %s; "
+                         "cooled: %s)", c.table.epoch, len(active), hot[:8], cooled[:8])
+                self._broadcast()
 
     async def watch_replacements(self) -> None:
         """A replacement that exits before registering is started again (a double fault during start-up)."""
@@ -273,10 +319,12 @@ class Orchestrator:
                 log.warning("replacement %s (pid %d) for %s exited with code %s before registering",
                             s.role.value, s.pid, s.replaces, s.code)
                 await asyncio.sleep(1.0)  # back off: whatever killed it may still be there
-                self._replace(s.role, s.replaces)
+                self._replace(s.role, s.replaces, s.standby)
 
-    async def _place(self) -> None:
-        for ew, units in self.cluster.maybe_place().items():
+    async def _place(self) -> dict[str, list[Unit]]:
+        """Assigns experts to the EWs that can take them now; returns EW -> units."""
+        assignment = self.cluster.maybe_place()
+        for ew, units in assignment.items():
             rec = self.cluster.workers[ew]
             replaces = rec.info.get("replaces")
             log.info("placing %d experts (slot %s) on %s%s", len(units), rec.slot, ew,
@@ -284,10 +332,12 @@ class Orchestrator:
             link = self.links.get(ew)
             if link is not None:
                 link.send(AssignExperts(rec.slot, [list(u) for u in units]))
+        return assignment
 
     async def _handle(self, worker_id: str, msg: Message) -> None:
         if isinstance(msg, WorkerReady):
             await self.recovered.wait()
+            self.ready_seen[worker_id] = self.ready_seen.get(worker_id, 0) + 1
             table_changed = self.cluster.mark_ready(worker_id)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
             self._broadcast()

@@ -7,6 +7,7 @@ different nodes wherever the cluster has enough of them, so one machine's death 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 Unit = tuple[int, int]
 
@@ -74,3 +75,78 @@ def single_node_units(placement: dict[Unit, list[str]], nodes: dict[str, str]) -
         if len(on) == 1:
             out.setdefault(next(iter(on)), []).append(unit)
     return out
+
+
+@dataclass(frozen=True)
+class Replan:
+    placement: dict[Unit, list[str]]  # unit -> EWs, primary first
+    added: dict[str, list[Unit]]  # EW -> the units it must load (the only bytes that move)
+    dropped: dict[str, list[Unit]]  # EW -> the units it no longer holds
+    moved_bytes: int
+
+
+def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit_bytes: int,
+           nodes: dict[str, str] | None = None, resident: dict[str, set[Unit]] | None = None) -> Replan:
+    """The placement over a new set of EWs (some added, some gone) that moves the fewest bytes: the
+    Continuous Minimal Migration idea (AnchorTP) applied to expert placement. Every copy whose EW
+    stays keeps its place unless that EW holds more than its share; each EW's share is as even as
+    the copy count allows (`ceil` shares go to the EWs that already hold the most, so they shed
+    least); the copies to place (of units that lost one, and those shed) go to the EWs below
+    their share, on a node with no copy of that unit where there is one. The moved bytes are then
+    the sum over EWs of (share - copies kept), the least any balanced placement can move. Which
+    copy is primary is rebalanced too (it moves no byte): every EW serves about as many units.
+    `resident`: units an EW still holds beyond its placement (an earlier one's): placing a copy
+    there moves nothing, so those EWs are preferred and those copies not counted."""
+    if not workers:
+        raise ValueError("no expert workers to place experts on")
+    node = {w: (nodes or {}).get(w) or w for w in workers}
+    have = resident or {}
+    copies = max(1, min(copies, len(workers)))
+    alive = set(workers)
+    held: dict[Unit, list[str]] = {u: [w for w in ews if w in alive][:copies] for u, ews in sorted(current.items())}
+    load = {w: 0 for w in workers}
+    for ews in held.values():
+        for w in ews:
+            load[w] += 1
+    total = copies * len(held)
+    base, extra = divmod(total, len(workers))
+    by_kept = sorted(workers, key=lambda w: (-load[w], workers.index(w)))
+    share = {w: base + (1 if i < extra else 0) for i, w in enumerate(by_kept)}
+    # Shed from EWs above their share the units that the fewest-loaded EWs could take.
+    for w in workers:
+        while load[w] > share[w]:
+            unit = max((u for u, ews in held.items() if w in ews), key=lambda u: (len(held[u]) > 1, u))
+            held[unit].remove(w)
+            load[w] -= 1
+    added: dict[str, list[Unit]] = {}
+    for unit, ews in held.items():
+        while len(ews) < copies:
+            used = {node[w] for w in ews}
+            free = [w for w in workers if w not in ews]
+            under = [w for w in free if load[w] < share[w]] or free  # (a full EW only if none is below)
+            w = min(under, key=lambda w: (node[w] in used, unit not in have.get(w, ()), load[w] - share[w],
+                                          workers.index(w)))
+            ews.append(w)
+            load[w] += 1
+            added.setdefault(w, []).append(unit)
+    placement = _balance_primaries(held, workers)
+    dropped: dict[str, list[Unit]] = {}
+    for unit, ews in current.items():
+        for w in ews:
+            if w in alive and w not in placement.get(unit, []):
+                dropped.setdefault(w, []).append(unit)
+    moved = sum(1 for w, us in added.items() for u in us if u not in have.get(w, ())) * unit_bytes
+    return Replan(placement, added, dropped, moved)
+
+
+def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:
+    """Makes the copy on the EW with the fewest primaries so far each unit's primary (the others
+    keep their order as shadows): primaries spread as evenly as the copies allow, no byte moved."""
+    primaries = {w: 0 for w in workers}
+    out: dict[Unit, list[str]] = {}
+    for unit in sorted(held, key=lambda u: (len(held[u]), u)):  # units with fewer choices first
+        ews = held[unit]
+        first = min(ews, key=lambda w: (primaries[w], ews.index(w)))
+        primaries[first] += 1
+        out[unit] = [first] + [w for w in ews if w != first]
+    return dict(sorted(out.items()))

@@ -42,6 +42,7 @@ class Spawned:
     role: Role
     replaces: str
     pid: int = 0
+    standby: bool = False
     code: int | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -50,9 +51,9 @@ class Provisioner(abc.ABC):
     """Starts replacement workers. `start` returns at once; the new process registers itself."""
 
     @abc.abstractmethod
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
         """Asks for a worker of `role` in place of `replaces`, if possible on none of the nodes
-        `avoid`; False if none can be started."""
+        `avoid` (a warm standby where `standby`); False if none can be started."""
 
     @abc.abstractmethod
     def exited_early(self) -> list[Spawned]:
@@ -67,7 +68,7 @@ class Provisioner(abc.ABC):
 
 
 class NoProvisioner(Provisioner):
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
         return False
 
     def exited_early(self) -> list[Spawned]:
@@ -94,13 +95,13 @@ class SupervisorProvisioner(Provisioner):
         except OSError as exc:
             raise FabricError(f"the supervisor is gone: {exc}") from exc
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
         try:
-            self._send(StartWorker(role, replaces, boot_nice, avoid))
+            self._send(StartWorker(role, replaces, boot_nice, avoid, standby))
         except FabricError as exc:
             log.error("cannot replace %s: %s", replaces, exc)
             return False
-        self.asked[replaces] = Spawned(role, replaces)
+        self.asked[replaces] = Spawned(role, replaces, standby=standby)
         return True
 
     async def _read(self) -> None:
@@ -147,7 +148,7 @@ class LocalProvisioner(Provisioner):
         self._registered: set[int] = set()
         self._n = 0
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
         if role not in ROLE_COMMAND or not self.args.get(role):
             log.error("no spawn arguments for role %s; cannot replace %s", role.value, replaces)
             return False
@@ -157,6 +158,8 @@ class LocalProvisioner(Provisioner):
             argv += ["--orchestrator", self.orchestrator]
         if "--boot-nice" not in argv and boot_nice:
             argv += ["--boot-nice", str(boot_nice)]
+        if standby and "--standby" not in argv:
+            argv += ["--standby"]
         # The orchestrator's supervisor (its parent) bounds the replacement's life, not the
         # orchestrator: a restarted orchestrator takes the replacement over.
         cmd = [sys.executable, "-m", "launch.cli", ROLE_COMMAND[role], *argv, "--watch-pid", str(os.getppid())]
@@ -166,7 +169,7 @@ class LocalProvisioner(Provisioner):
         finally:
             if out is not None:
                 out.close()
-        s = Spawned(role, replaces, proc.pid)
+        s = Spawned(role, replaces, proc.pid, standby)
         self.children.append((s, proc))
         log.info("started a replacement %s (pid %d) for %s", role.value, proc.pid, replaces)
         return True

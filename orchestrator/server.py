@@ -16,6 +16,7 @@ from fabric.messages.control import Role
 from fabric.notify import notifier
 from orchestrator.main import Orchestrator
 from orchestrator.provisioner import make_provisioner
+from orchestrator.scaling import ScaleError
 
 log = logging.getLogger("orchestrator")
 
@@ -32,6 +33,7 @@ def make_app(orch: Orchestrator) -> web.Application:
         body = orch.cluster.to_json()
         body["recovering"] = not orch.recovered.is_set()
         body["replacements_started"] = orch.replacements_started
+        body["scaled"] = orch.scaler.history
         return web.json_response(body)
 
     async def post_shutdown(request: web.Request) -> web.Response:
@@ -41,7 +43,26 @@ def make_app(orch: Orchestrator) -> web.Application:
         log.info("cluster shutdown announced: no more replacements")
         return web.json_response({"shutting_down": True})
 
+    async def post_scale(request: web.Request) -> web.Response:
+        """Adds or drains workers while serving: {"attention_workers": N, "expert_workers": M} (either
+        may be left out). Answers once done, with what moved."""
+        admin(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="expected a JSON object\n") from None
+        if not isinstance(body, dict) or not body or set(body) - {"attention_workers", "expert_workers"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 4096 for v in body.values()):
+            raise web.HTTPBadRequest(text='expected {"attention_workers": N, "expert_workers": M} (either or both, '
+                                          'integers in 1..4096)\n')
+        try:
+            result = await orch.scaler.scale(body.get("attention_workers"), body.get("expert_workers"))
+        except ScaleError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        return web.json_response(result)
+
     app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/cluster/scale", post_scale)
     app.router.add_get("/cluster", get_cluster)
     app.router.add_post("/shutdown", post_shutdown)
     app.router.add_get("/ws", orch.worker_link)
@@ -63,6 +84,8 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
                           Role.STORE: cfg.spawn_store_args},
         f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
     tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
+    if cfg.balance_interval_s > 0:
+        tasks.append(asyncio.create_task(orch.balance_loop()))
     log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
              orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
     notifier().send("READY=1")

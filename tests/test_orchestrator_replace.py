@@ -18,7 +18,7 @@ class Recorder(NoProvisioner):
     def __init__(self) -> None:
         self.started: list[tuple[str, str, float]] = []
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str]) -> bool:
+    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
         self.started.append((role.value, replaces, time.monotonic()))
         return True
 

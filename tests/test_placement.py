@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from orchestrator.placement import BalancedPlanner, single_node_units
+from orchestrator.placement import BalancedPlanner, replan, single_node_units
 
 UNITS = [(layer, e) for layer in range(4) for e in range(8)]  # 32 logical experts
 
@@ -80,3 +80,74 @@ def test_the_orchestrator_places_by_the_nodes_workers_report(hf_models: dict) ->
     holders = {cluster.workers[o].info["node"] for s, o in cluster.occupant.items()
                if s != dead.slot and o != dead.id and slot_units & set(cluster.slot_units(s))}
     assert set(avoid) == holders
+
+
+# -- replanning when the set of EWs changes: the fewest bytes moved (orchestrator/placement.replan) --
+
+def copies_on(placement: dict, w: str) -> set:
+    return {u for u, ews in placement.items() if w in ews}
+
+
+def test_scale_out_moves_only_what_the_new_ew_must_hold() -> None:
+    # Hand-checked: 4 units with 2 copies on A and B (4 each). With C added, 8 copies over 3 EWs
+    # are shares of 3, 3, 2: C must take 2 copies, A and B shed one each, and nothing else moves.
+    units = [(0, e) for e in range(4)]
+    current = {u: ["A", "B"] if u[1] % 2 else ["B", "A"] for u in units}
+    plan = replan(current, ["A", "B", "C"], copies=2, unit_bytes=100)
+    assert plan.moved_bytes == 200 and sorted(plan.added) == ["C"] and len(plan.added["C"]) == 2
+    assert sorted(len(copies_on(plan.placement, w)) for w in "ABC") == [2, 3, 3]
+    assert sum(len(us) for us in plan.dropped.values()) == 2  # the two copies C took
+    assert all(len(set(ews)) == 2 for ews in plan.placement.values())
+    # C serves: it is primary of some units (choosing a primary moves nothing).
+    assert any(ews[0] == "C" for ews in plan.placement.values())
+
+
+def test_scale_in_moves_only_the_drained_ews_copies() -> None:
+    # Hand-checked: 6 units with 2 copies over A, B, C (4 each); C drained: its 4 copies move, each
+    # to whichever of A and B lacks that unit; A and B end with 6 each and keep all they had.
+    units = [(0, e) for e in range(6)]
+    pairs = [("A", "B"), ("B", "C"), ("C", "A"), ("A", "B"), ("B", "C"), ("C", "A")]
+    current = {u: list(p) for u, p in zip(units, pairs)}
+    plan = replan(current, ["A", "B"], copies=2, unit_bytes=10)
+    assert plan.moved_bytes == 40
+    assert {w: len(us) for w, us in plan.added.items()} == {"A": 2, "B": 2}
+    assert plan.dropped == {}
+    for w in "AB":
+        assert copies_on(current, w) <= copies_on(plan.placement, w)  # nothing it held moved away
+    assert all(sorted(ews) == ["A", "B"] for ews in plan.placement.values())
+
+
+def test_no_change_moves_nothing_and_a_dead_ew_moves_just_its_copies() -> None:
+    ews = ["ew-0", "ew-1", "ew-2", "ew-3"]
+    current = BalancedPlanner(1).place(UNITS, ews)
+    same = replan(current, ews, copies=2, unit_bytes=1)
+    assert same.moved_bytes == 0 and same.added == {} and same.dropped == {}
+    assert {u: set(e) for u, e in same.placement.items()} == {u: set(e) for u, e in current.items()}
+    gone = replan(current, ews[:3], copies=2, unit_bytes=1)
+    assert gone.moved_bytes == len(copies_on(current, "ew-3"))  # exactly the dead EW's copies, re-made
+    loads = Counter(w for e in gone.placement.values() for w in e)
+    assert max(loads.values()) - min(loads.values()) <= 1
+    primaries = Counter(e[0] for e in gone.placement.values())
+    assert max(primaries.values()) - min(primaries.values()) <= 1
+
+
+def test_copies_an_ew_still_holds_move_nothing() -> None:
+    # Scaled out A, B -> A, B, C, then back in: A and B still hold the copies they shed to C (an
+    # EW keeps what it loaded), so taking them back moves no byte, and they are preferred.
+    units = [(0, e) for e in range(4)]
+    before = {u: ["A", "B"] for u in units}
+    out = replan(before, ["A", "B", "C"], copies=2, unit_bytes=100)
+    back = replan(out.placement, ["A", "B"], copies=2, unit_bytes=100,
+                  resident={"A": set(units), "B": set(units)})
+    assert back.moved_bytes == 0 and sum(len(u) for u in back.added.values()) == out.moved_bytes // 100
+    assert all(sorted(ews) == ["A", "B"] for ews in back.placement.values())
+    # Without that knowledge, the same plan would count C's copies as moved.
+    assert replan(out.placement, ["A", "B"], copies=2, unit_bytes=100).moved_bytes == out.moved_bytes
+
+
+def test_new_copies_go_to_nodes_without_one() -> None:
+    nodes = {"A": "n1", "B": "n2", "C": "n1", "D": "n2"}
+    current = {(0, e): ["A", "B"] for e in range(4)}
+    plan = replan(current, ["A", "B", "C", "D"], copies=2, unit_bytes=1, nodes=nodes)
+    assert spread(plan.placement, nodes)  # never both copies on one node
+    assert plan.moved_bytes == 4  # C and D take 2 each; A and B keep 2 each

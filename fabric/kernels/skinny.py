@@ -109,6 +109,15 @@ class Projection:
         self.gemm = gemm if gemm is not None and w.dtype == torch.float32 and SkinnyGemm.fits(w.shape[1]) else None
         self.w = self.gemm.pack(w) if self.gemm is not None else w  # [NB, K, 64] or [K, N]
 
+    @classmethod
+    def prepared(cls, w: torch.Tensor, gemm: SkinnyGemm | None) -> Projection:
+        """One whose W is already in its serving layout (`.w` of another): packed ([NB, K, 64]) or not."""
+        p = cls.__new__(cls)
+        p.gemm, p.w = (gemm if w.dim() == 3 else None), w
+        if w.dim() == 3 and gemm is None:
+            raise ValueError("a packed projection needs the skinny GEMM kernel")
+        return p
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N]."""
         return self.gemm.mm(x, self.w) if self.gemm is not None else x @ self.w

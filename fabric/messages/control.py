@@ -23,12 +23,13 @@ class Role(enum.StrEnum):
     EXPERT = "expert"
     STORE = "checkpoint_store"
     GATEWAY = "gateway"
+    WEIGHT_STORE = "weight_store"  # a host's weight store: started by `serve`, never registers
 
     @property
     def prefix(self) -> str:
         """Worker ids are `<prefix>-<n>`."""
         return {"orchestrator": "orch", "attention": "aw", "expert": "ew", "checkpoint_store": "cs",
-                "gateway": "gw"}[self.value]
+                "gateway": "gw", "weight_store": "wst"}[self.value]
 
     @property
     def replaceable(self) -> bool:
@@ -132,6 +133,24 @@ class AssignExperts(Message):
     kind = "assign_experts"
     slot: str
     experts: list[list[int]]
+
+
+@register
+@dataclass
+class Drain(Message):
+    """Orchestrator -> worker: leave now, as on SIGTERM (scaled in); nobody replaces you."""
+
+    kind = "drain"
+    reason: str
+
+
+@register
+@dataclass
+class Wake(Message):
+    """Orchestrator -> a standby AW: map your weights and serve (a worker died; you take its place)."""
+
+    kind = "wake"
+    replaces: str
 
 
 @register

@@ -18,6 +18,7 @@ class StartWorker(Message):
     replaces: str
     boot_nice: int
     avoid: list[str]  # nodes to start it on only if no other can take it (they hold copies of its experts)
+    standby: bool = False  # start it as a warm standby (the one it replaces was answered by waking one)
 
 
 @register

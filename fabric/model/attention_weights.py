@@ -2,10 +2,15 @@
 
 The attention projections and lm_head are `Projection`s: packed for the skinny GEMM kernel
 (fabric/kernels/skinny.py) when one is given, else stored transposed ([in, out]): with the few rows
-of a decode step, MKL's x @ W runs about a third faster than x @ W^T on this kind of CPU."""
+of a decode step, MKL's x @ W runs about a third faster than x @ W^T on this kind of CPU.
+
+`serving_tensors` names every tensor in its serving layout; an AW builds its weights from those
+names, read from the checkpoint or mapped from the host's weight store (fabric/model/weight_store.py),
+so both give the same layout and the same numerics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,37 +40,74 @@ class AttentionWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [D]
     lm_head: Projection  # [D, V] (the checkpoint's [V, D], transposed)
-    bytes_read: int
+    bytes_read: int  # from the checkpoint
+    bytes_mapped: int = 0  # from the weight store
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, gemm: SkinnyGemm | None = None) -> AttentionWeights:
+        """Read from the checkpoint: only the tensors an AW needs."""
         ckpt = Checkpoint(model_dir, cfg.torch_dtype)
-        layers = [_load_layer(ckpt, cfg, i, gemm) for i in range(cfg.num_layers)]
-        embed = ckpt.get("model.embed_tokens.weight")
-        lm_head = embed if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight") else ckpt.get("lm_head.weight")
-        return cls(embed, layers, ckpt.get("model.norm.weight"), Projection(lm_head.t(), gemm), ckpt.bytes_read)
+        tensors = dict(serving_tensors(ckpt, cfg, gemm))
+        return cls.build(tensors.get, cfg, gemm, bytes_read=ckpt.bytes_read)
+
+    @classmethod
+    def build(cls, get: Callable[[str], torch.Tensor | None], cfg: ModelConfig, gemm: SkinnyGemm | None,
+              bytes_read: int = 0, bytes_mapped: int = 0) -> AttentionWeights:
+        """From serving tensors by name (`get` returns None for one the model does not have)."""
+        def need(name: str) -> torch.Tensor:
+            t = get(name)
+            assert t is not None, name
+            return t
+
+        def proj(name: str) -> Projection:
+            return Projection.prepared(need(name), gemm)
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}"
+            dense = None
+            if i in cfg.dense_layers:
+                dense = (need(f"{p}.dense.gate"), need(f"{p}.dense.up"), need(f"{p}.dense.down"))
+            layers.append(LayerWeights(
+                input_norm=need(f"{p}.input_norm"), post_norm=need(f"{p}.post_norm"), qkv=proj(f"{p}.qkv"),
+                qkv_bias=get(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj"), q_norm=get(f"{p}.q_norm"),
+                k_norm=get(f"{p}.k_norm"), router=get(f"{p}.router"), dense=dense))
+        return cls(need("embed"), layers, need("norm"), proj("lm_head"), bytes_read, bytes_mapped)
 
 
-def _load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, gemm: SkinnyGemm | None) -> LayerWeights:
-    p = layer_prefix(cfg, i)
-    q, k, v = (ckpt.get(f"{p}.self_attn.{n}_proj.weight") for n in "qkv")
-    bias = None
-    if cfg.attention_bias:
-        bias = torch.cat([ckpt.get(f"{p}.self_attn.{n}_proj.bias") for n in "qkv"])
-    router = dense = None
-    if i in cfg.dense_layers:
-        gate, up, down = (ckpt.get(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-        dense = (gate, up, down)
-    else:
-        router = ckpt.get(f"{moe_prefix(cfg, i)}.gate.weight")
-    return LayerWeights(
-        input_norm=ckpt.get(f"{p}.input_layernorm.weight"),
-        post_norm=ckpt.get(f"{p}.post_attention_layernorm.weight"),
-        qkv=Projection(torch.cat([q, k, v]).t().contiguous(), gemm),
-        qkv_bias=bias,
-        o_proj=Projection(ckpt.get(f"{p}.self_attn.o_proj.weight").t().contiguous(), gemm),
-        q_norm=ckpt.get(f"{p}.self_attn.q_norm.weight") if cfg.qk_norm else None,
-        k_norm=ckpt.get(f"{p}.self_attn.k_norm.weight") if cfg.qk_norm else None,
-        router=router,
-        dense=dense,
-    )
+def serving_names(cfg: ModelConfig) -> list[str]:
+    """The names `serving_tensors` yields for this model (what an AW maps from the weight store)."""
+    names = ["embed", "norm", "lm_head"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        names += [f"{p}.input_norm", f"{p}.post_norm", f"{p}.qkv", f"{p}.o_proj"]
+        names += [f"{p}.qkv_bias"] if cfg.attention_bias else []
+        names += [f"{p}.q_norm", f"{p}.k_norm"] if cfg.qk_norm else []
+        names += [f"{p}.dense.{n}" for n in ("gate", "up", "down")] if i in cfg.dense_layers else [f"{p}.router"]
+    return names
+
+
+def serving_tensors(ckpt: Checkpoint, cfg: ModelConfig, gemm: SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every AW tensor in its serving layout, by name, read from the checkpoint."""
+    embed = ckpt.get("model.embed_tokens.weight")
+    yield "embed", embed
+    yield "norm", ckpt.get("model.norm.weight")
+    lm_head = embed if cfg.tie_word_embeddings or not ckpt.has("lm_head.weight") else ckpt.get("lm_head.weight")
+    yield "lm_head", Projection(lm_head.t(), gemm).w
+    for i in range(cfg.num_layers):
+        p, out = layer_prefix(cfg, i), f"layers.{i}"
+        q, k, v = (ckpt.get(f"{p}.self_attn.{n}_proj.weight") for n in "qkv")
+        yield f"{out}.input_norm", ckpt.get(f"{p}.input_layernorm.weight")
+        yield f"{out}.post_norm", ckpt.get(f"{p}.post_attention_layernorm.weight")
+        yield f"{out}.qkv", Projection(torch.cat([q, k, v]).t().contiguous(), gemm).w
+        yield f"{out}.o_proj", Projection(ckpt.get(f"{p}.self_attn.o_proj.weight").t().contiguous(), gemm).w
+        if cfg.attention_bias:
+            yield f"{out}.qkv_bias", torch.cat([ckpt.get(f"{p}.self_attn.{n}_proj.bias") for n in "qkv"])
+        if cfg.qk_norm:
+            yield f"{out}.q_norm", ckpt.get(f"{p}.self_attn.q_norm.weight")
+            yield f"{out}.k_norm", ckpt.get(f"{p}.self_attn.k_norm.weight")
+        if i in cfg.dense_layers:
+            for n in ("gate", "up", "down"):
+                yield f"{out}.dense.{n}", ckpt.get(f"{p}.mlp.{n}_proj.weight")
+        else:
+            yield f"{out}.router", ckpt.get(f"{moe_prefix(cfg, i)}.gate.weight")

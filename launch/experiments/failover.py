@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replacement-delay-ms", type=float, default=None,
                    help="the orchestrator's delay before it starts a replacement (default: its own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--standby-workers", type=int, default=0, help="warm standbys of each worker role (serve's flag)")
+    p.add_argument("--no-weight-store", action="store_true",
+                   help="every worker reads the checkpoint (the baseline of the host-memory weight store)")
 
 
 class Experiment:
@@ -103,7 +106,8 @@ class Experiment:
                                expert_workers=args.expert_workers, gateways=args.gateways, port=port,
                                drain_timeout=0.0, ready_timeout=180, checkpoint_stores=args.checkpoint_stores,
                                checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
-                               provisioner="none" if args.mode == "restart-all" else "auto")
+                               provisioner="none" if args.mode == "restart-all" else "auto",
+                               weight_store=not args.no_weight_store, standby_workers=args.standby_workers)
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
         # Not the default executor: asyncio.run would wait for a fabric start before a Ctrl-C.

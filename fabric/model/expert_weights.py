@@ -1,0 +1,33 @@
+"""An expert's serving layout, the same whether an EW reads it from the checkpoint or maps it from the
+weight store: (gate_up_t [D, 2I], down_t [I, D]), fused and transposed (the fastest layout for torch's
+matmul on the few rows an expert sees per batch), or both packed for the skinny GEMM kernel
+(fabric/kernels/skinny.py), which reads them about twice as fast."""
+
+from __future__ import annotations
+
+import torch
+
+from fabric.kernels import skinny
+from fabric.model.checkpoint import Checkpoint, load_expert
+from fabric.model.config import ModelConfig
+
+ExpertTensors = tuple[torch.Tensor, torch.Tensor]  # (gate_up_t, down_t)
+
+
+def expert_kernel(cfg: ModelConfig, kernel: str) -> str:
+    """The kernel an EW asks for: `kernel` where the expert shapes fit the skinny GEMM, else torch."""
+    return kernel if skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate) else "torch"
+
+
+def expert_names(layer: int, expert: int) -> tuple[str, str]:
+    """The weight store's names of one expert's two tensors."""
+    return f"experts.{layer}.{expert}.gate_up_t", f"experts.{layer}.{expert}.down_t"
+
+
+def prepare_expert(ckpt: Checkpoint, cfg: ModelConfig, gemm: skinny.SkinnyGemm | None, layer: int,
+                   expert: int) -> ExpertTensors:
+    gate, up, down = load_expert(ckpt, cfg, layer, expert)
+    gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
+    if gemm is not None:
+        gate_up_t, down_t = gemm.pack(gate_up_t), gemm.pack(down_t)
+    return gate_up_t, down_t

@@ -1,0 +1,103 @@
+"""Expert load balancing (EPLB): which experts are hot, from the EWs' per-expert token counts, and how
+many of their replicas serve at once.
+
+Every EW reports its cumulative rows per (layer, expert) in its stats. Each round the balancer
+takes the rows since the last round, per MoE layer: an expert whose rows exceed `hot_factor` times
+the layer's mean gets as many active replicas as its load is multiples of the mean (at most its
+copies), so its rows are spread over EWs that would otherwise wait for it; an expert back below
+the mean goes back to one. Activating a copy that is there already (a shadow) moves no byte. A
+change is published as a new routing table, which AWs apply between steps; a recovered or
+replaced EW's copies join the same way, so a placement is rebalanced after a recovery too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Unit = tuple[int, int]
+
+
+class ExpertBalancer:
+    def __init__(self, hot_factor: float = 1.5, min_rows: int = 64) -> None:
+        if hot_factor < 1.0:
+            raise ValueError("hot_factor must be >= 1")
+        self.hot_factor = hot_factor
+        self.min_rows = min_rows  # rows a layer needs in a round before it is judged (noise)
+        self._last: dict[str, dict[str, int]] = {}  # EW -> its cumulative counts at the last round
+        self.load: dict[Unit, int] = {}  # rows per unit in the last round (shown in /cluster)
+
+    def rows_since_last(self, stats_by_ew: dict[str, dict[str, Any]]) -> dict[Unit, int]:
+        """Rows per unit since the last round, summed over the EWs (a restarted EW starts at 0)."""
+        out: dict[Unit, int] = {}
+        for ew, stats in stats_by_ew.items():
+            counts = stats.get("tokens_by_expert") or {}
+            last = self._last.get(ew, {})
+            for key, n in counts.items():
+                layer, _, expert = key.partition(":")
+                delta = n - last.get(key, 0)
+                if delta < 0:
+                    delta = n
+                if delta:
+                    unit = (int(layer), int(expert))
+                    out[unit] = out.get(unit, 0) + delta
+            self._last[ew] = dict(counts)
+        for ew in list(self._last):
+            if ew not in stats_by_ew:
+                del self._last[ew]
+        return out
+
+    def decide(self, rows: dict[Unit, int], replicas: dict[Unit, list[str]], current: dict[Unit, int]) -> dict[Unit, int]:
+        """The active replica count of every unit whose count is not 1, given this round's rows and
+        each unit's live replicas (primary first). Per MoE layer, the goal is even EW load (EPLB's:
+        a layer's step waits for its busiest EW): an EW's load is the rows of the layer's units it
+        serves, a unit's rows shared evenly by its active replicas. While the busiest EW carries
+        more than `hot_factor` times the mean, the unit it serves with the most rows per replica
+        gets one more active replica (one not serving it yet); units made active earlier go back
+        to one replica if the busiest EW stays under the midpoint of 1 and `hot_factor` without
+        them. A layer with too few rows this round keeps what it had."""
+        self.load = rows
+        by_layer: dict[int, list[Unit]] = {}
+        for u in replicas:
+            by_layer.setdefault(u[0], []).append(u)
+        out: dict[Unit, int] = {}
+        for units in by_layer.values():
+            keep = {u: min(current[u], len(replicas[u])) for u in units if current.get(u, 1) > 1}
+            ews = sorted({w for u in units for w in replicas[u]})
+            if sum(rows.get(u, 0) for u in units) < self.min_rows or len(ews) < 2:
+                out.update(keep)
+            else:
+                out.update(self._layer(units, rows, replicas, keep, ews))
+        return {u: n for u, n in out.items() if n > 1}
+
+    def _layer(self, units: list[Unit], rows: dict[Unit, int], replicas: dict[Unit, list[str]],
+               active: dict[Unit, int], ews: list[str]) -> dict[Unit, int]:
+        def loads(act: dict[Unit, int]) -> dict[str, float]:
+            out = dict.fromkeys(ews, 0.0)
+            for u in units:
+                n = act.get(u, 1)
+                for w in replicas[u][:n]:
+                    out[w] += rows.get(u, 0) / n
+            return out
+
+        def peak(act: dict[Unit, int]) -> float:
+            ld = loads(act)
+            return max(ld.values()) / max(1e-9, sum(ld.values()) / len(ld))
+
+        cool = (1.0 + self.hot_factor) / 2
+        for u in sorted(active, key=lambda u: rows.get(u, 0)):  # the coolest first
+            trial = {k: v for k, v in active.items() if k != u}
+            if peak(trial) <= cool:
+                active = trial
+        for _ in range(4 * len(units)):
+            ld = loads(active)
+            mean = sum(ld.values()) / len(ld)
+            busiest = max(ews, key=lambda w: ld[w])
+            if ld[busiest] <= self.hot_factor * mean:
+                break
+            candidates = [u for u in units if busiest in replicas[u][:active.get(u, 1)]
+                          and len(replicas[u]) > active.get(u, 1) and rows.get(u, 0)]
+            if not candidates:
+                break
+            u = max(candidates, key=lambda u: rows.get(u, 0) / active.get(u, 1))
+            active = {**active, u: active.get(u, 1) + 1}
+        return active

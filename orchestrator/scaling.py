@@ -1,0 +1,187 @@
+"""Runtime scaling: `POST /cluster/scale` adds or drains workers while the fabric serves.
+
+EWs first, then AWs, one operation at a time:
+
+    EW out    start the new EWs (the provisioner), wait for them to register, replan the placement
+              over the old slots and the new ones (`replan`: the fewest bytes moved), have every EW
+              that gains units load them, then commit: one routing table with all of it.
+    EW in     replan without the drained slots, have the survivors load what they gain, commit
+              (the drained EWs are in no replica list from that epoch on), give the AWs a moment to
+              switch tables at their next step, then drain the EWs: declared gone, never replaced.
+    AW out    start the new AWs and wait until they serve (gateways pick them up from the view).
+    AW in     drain the least busy AWs: each leaves as on SIGINT, and its requests resume on the
+              others from their KV checkpoints (the restore path); never replaced.
+
+A load that fails (an EW dies while loading, a timeout) aborts before the commit point: the old
+placement stays, nothing is half-applied. Units an EW no longer routes for stay loaded (mapped
+from the weight store they cost no private memory): a table an AW still holds may name them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fabric.errors import FabricError
+from fabric.messages.control import AssignExperts, Drain, Role, WorkerState
+from orchestrator.placement import replan
+
+if TYPE_CHECKING:
+    from orchestrator.main import Orchestrator
+
+log = logging.getLogger("orchestrator")
+
+DRAIN_TIMEOUT_S = 30.0
+SWITCH_GRACE_S = 1.0  # after a commit, before drained EWs leave: every AW switches tables at its next step
+
+
+class ScaleError(FabricError):
+    """A scale request that cannot be carried out now (the fabric keeps serving as it was)."""
+
+    recoverable = True
+
+
+class Scaler:
+    def __init__(self, orch: Orchestrator, timeout_s: float = 180.0) -> None:
+        self.orch = orch
+        self.timeout_s = timeout_s
+        self.lock = asyncio.Lock()
+        self.started = 0
+        self.history: list[dict[str, Any]] = []  # what each operation did (shown in /cluster)
+
+    async def scale(self, attention_workers: int | None, expert_workers: int | None) -> dict[str, Any]:
+        if self.lock.locked():
+            raise ScaleError("another scale operation is under way")
+        async with self.lock:
+            orch = self.orch
+            if orch.shutting_down or not orch.recovered.is_set() or orch.cluster.table is None:
+                raise ScaleError("the fabric is not serving yet (or is stopping)")
+            t0 = time.monotonic()
+            result: dict[str, Any] = {}
+            if expert_workers is not None:
+                result["experts"] = await self._scale_ews(expert_workers)
+            if attention_workers is not None:
+                result["attention"] = await self._scale_aws(attention_workers)
+            result["seconds"] = round(time.monotonic() - t0, 3)
+            self.history.append(result)
+            log.info("scaled: %s", result)
+            return result
+
+    # -- expert workers ---------------------------------------------------------------------------
+    async def _scale_ews(self, target: int) -> dict[str, Any]:
+        c = self.orch.cluster
+        assert c.placement is not None
+        busy = [s for s in c.occupant if c._vacant(s) or s in c.filling]
+        if busy:
+            raise ScaleError(f"slot {busy[0]} is being refilled after a death; scale once it is")
+        before = len(c.occupant)
+        if target == before:
+            return {"from": before, "to": target, "moved_bytes": 0}
+        joined: dict[str, str] = {}
+        removed: list[str] = []
+        if target > before:
+            joined = {ew: ew for ew in await self._start(Role.EXPERT, target - before)}
+            c.reserved.update(joined)
+        else:
+            removed = sorted(c.occupant, key=_natural)[target:]
+        slots = [s for s in c.occupant if s not in removed] + list(joined)
+        holder = {**{s: c.occupant[s] for s in slots if s in c.occupant}, **joined}
+        nodes = {s: str(c.workers[w].info.get("node") or w) for s, w in holder.items()}
+        copies = 1 + min(getattr(c.planner, "shadows", 0), len(slots) - 1)
+        cfg = c.model
+        unit_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate * cfg.torch_dtype.itemsize
+        resident = {s: c.workers[w].loaded for s, w in holder.items()}
+        plan = replan(c.placement, slots, copies, unit_bytes, nodes, resident)
+        try:
+            await self._load(plan.placement, {s: holder[s] for s in set(plan.added) | set(joined)})
+        except BaseException:
+            c.reserved.difference_update(joined)
+            raise
+        victims = [c.occupant[s] for s in removed]
+        c.commit(plan.placement, joined, removed)
+        self.orch._broadcast()
+        assert c.table is not None
+        log.info("expert workers %d -> %d: epoch %d, %d units loaded (%.1f MiB moved)", before, target, c.table.epoch,
+                 sum(len(u) for u in plan.added.values()), plan.moved_bytes / 2**20)
+        if victims:
+            await asyncio.sleep(SWITCH_GRACE_S)
+            for ew in victims:
+                self._drain(ew)
+        return {"from": before, "to": target, "epoch": c.table.epoch, "moved_bytes": plan.moved_bytes,
+                "units_moved": sum(len(u) for u in plan.added.values()), "joined": sorted(joined), "drained": victims}
+
+    async def _load(self, placement: dict[tuple[int, int], list[str]], ews_by_slot: dict[str, str]) -> None:
+        """Every EW named loads its slot's units of `placement`; returns once each said ready."""
+        orch = self.orch
+        seen = {ew: orch.ready_seen.get(ew, 0) for ew in ews_by_slot.values()}
+        for slot, ew in ews_by_slot.items():
+            units = [list(u) for u, slots in sorted(placement.items()) if slot in slots]
+            link = orch.links.get(ew)
+            if link is None:
+                raise ScaleError(f"{ew} has no link to the orchestrator; nothing changed")
+            rec = orch.cluster.workers[ew]
+            rec.slot = slot
+            rec.loaded |= {(u[0], u[1]) for u in units}
+            link.send(AssignExperts(slot, units))
+        deadline = time.monotonic() + self.timeout_s
+        while any(orch.ready_seen.get(ew, 0) <= n for ew, n in seen.items()):
+            dead = [ew for ew in seen if orch.cluster.workers[ew].state is WorkerState.DEAD]
+            if dead:
+                raise ScaleError(f"{dead[0]} died while loading its new experts; nothing changed")
+            if time.monotonic() > deadline:
+                raise ScaleError(f"the expert workers did not load their new experts within {self.timeout_s:.0f} s")
+            await asyncio.sleep(0.01)
+
+    # -- attention workers ------------------------------------------------------------------------
+    async def _scale_aws(self, target: int) -> dict[str, Any]:
+        c = self.orch.cluster
+        serving = [w for w in c.workers.values() if w.role is Role.ATTENTION and w.serving]
+        before = len(serving)
+        if target > before:
+            joined = await self._start(Role.ATTENTION, target - before, until=WorkerState.ALIVE)
+            return {"from": before, "to": target, "joined": joined}
+        victims = sorted(serving, key=lambda w: (w.stats.get("outstanding_work", 0), _natural(w.id)))[:before - target]
+        for w in victims:
+            self._drain(w.id)
+        return {"from": before, "to": target, "drained": [w.id for w in victims]}
+
+    # -- shared -----------------------------------------------------------------------------------
+    async def _start(self, role: Role, n: int, until: WorkerState = WorkerState.STARTING) -> list[str]:
+        """Starts `n` workers of `role`; returns their ids once registered (and in state `until`)."""
+        orch = self.orch
+        t0 = time.time()
+        for _ in range(n):
+            self.started += 1
+            if not orch.provisioner.start(role, f"scale-out-{self.started}", 0, []):
+                raise ScaleError("this orchestrator cannot start workers (no provisioner: serve with --provisioner auto)")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            fresh = [w for w in orch.cluster.workers.values() if w.role is role and w.registered_at >= t0
+                     and not w.info.get("standby") and not w.slot and w.id not in orch.cluster.reserved
+                     and w.state is not WorkerState.DEAD]
+            ok = [w.id for w in fresh if until is WorkerState.STARTING or w.state is until]
+            if len(ok) >= n:
+                return sorted(ok, key=_natural)[:n]
+            if time.monotonic() > deadline:
+                raise ScaleError(f"{len(ok)} of {n} new {role.value} workers came up within {self.timeout_s:.0f} s")
+            await asyncio.sleep(0.02)
+
+    def _drain(self, worker_id: str) -> None:
+        """The worker leaves for good (as on SIGTERM), and is not replaced; one that has not left
+        within DRAIN_TIMEOUT_S is declared dead (fenced)."""
+        orch = self.orch
+        orch.drained.add(worker_id)
+        link = orch.links.get(worker_id)
+        if link is None:
+            orch._declare(worker_id, "drained (scaled in)")
+            return
+        link.send(Drain("scaled in"))
+        asyncio.get_running_loop().call_later(DRAIN_TIMEOUT_S, orch._declare, worker_id,
+                                              f"drained, and still there after {DRAIN_TIMEOUT_S:.0f} s")
+
+
+def _natural(wid: str) -> tuple[str, int]:
+    prefix, _, num = wid.rpartition("-")
+    return (prefix, int(num)) if num.isdigit() else (wid, 0)

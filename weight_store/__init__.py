@@ -1,0 +1,1 @@
+"""The host-memory weight store process (`moe-fabric weight-store`)."""

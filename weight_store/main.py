@@ -1,0 +1,83 @@
+"""The weight store: one long-lived process per host that reads the checkpoint once and publishes
+every tensor the host's workers serve with, in its serving layout, in host memory
+(fabric/model/weight_store.py). Workers started later, replacements and woken standbys above all,
+map their tensors from it in milliseconds instead of reading the checkpoint.
+
+Its life: adopt a complete store of the same key already in `--dir` (one published by a store
+that died), else read the checkpoint and publish; say READY; wait for SIGTERM; remove the store if
+`--remove-on-exit`. It is not on any data path: a worker that mapped its tensors keeps them whether
+the store lives, dies or publishes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from fabric.config import WeightStoreConfig
+from fabric.kernels import skinny
+from fabric.model.attention_weights import serving_tensors
+from fabric.model.checkpoint import Checkpoint
+from fabric.model.config import ModelConfig
+from fabric.model.expert_weights import expert_kernel, expert_names, prepare_expert
+from fabric.model.weight_store import StoreKey, StoreMiss, fingerprint, publish, read_manifest
+from fabric.notify import notifier
+from fabric.process import run_niced_async
+
+log = logging.getLogger("weight_store")
+
+
+def keys(cfg: ModelConfig, model_dir: str, kernel: str) -> tuple[StoreKey, skinny.SkinnyGemm | None, skinny.SkinnyGemm | None]:
+    """The store's key and the kernels its AW tensors and expert tensors are packed for: the same
+    choice the workers make (the AW: `kernel`; an EW: `kernel` where the expert shapes fit)."""
+    aw_gemm = skinny.gemm_for(kernel, cfg.torch_dtype)
+    ew_gemm = skinny.gemm_for(expert_kernel(cfg, kernel), cfg.torch_dtype)
+    key = StoreKey(fingerprint(model_dir), str(cfg.torch_dtype), "skinny" if aw_gemm is not None else "torch")
+    return key, aw_gemm, ew_gemm
+
+
+def all_tensors(model_dir: str, cfg: ModelConfig, aw_gemm: skinny.SkinnyGemm | None,
+                ew_gemm: skinny.SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:
+    ckpt = Checkpoint(model_dir, cfg.torch_dtype)
+    yield from serving_tensors(ckpt, cfg, aw_gemm)
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            yield from zip(expert_names(layer, e), prepare_expert(ckpt, cfg, ew_gemm, layer, e), strict=True)
+
+
+def build(cfg: WeightStoreConfig) -> str:
+    """Adopts or publishes the store; returns what it did, for the log."""
+    t0 = time.perf_counter()
+    model = ModelConfig.from_dir(cfg.model, cfg.dtype)
+    key, aw_gemm, ew_gemm = keys(model, cfg.model, cfg.kernel)
+    directory = Path(cfg.dir)
+    try:
+        manifest = read_manifest(directory, key)
+        return f"adopted the weight store in {directory} ({manifest['size'] / 2**20:.1f} MiB, {key.kernel} layout)"
+    except StoreMiss as exc:
+        log.info("publishing: %s", exc)
+    manifest = publish(directory, key, all_tensors(cfg.model, model, aw_gemm, ew_gemm))
+    return (f"published {len(manifest['tensors'])} tensors ({manifest['size'] / 2**20:.1f} MiB, {key.kernel} layout) "
+            f"in {directory} in {time.perf_counter() - t0:.2f}s")
+
+
+async def serve(cfg: WeightStoreConfig, stop: asyncio.Event) -> None:
+    note = notifier()
+    watchdog = asyncio.get_running_loop().create_task(note.watchdog())
+    try:
+        said = await run_niced_async(lambda: build(cfg), cfg.boot_nice)
+        log.info("%s", said)
+        note.send("READY=1")
+        await stop.wait()
+    finally:
+        watchdog.cancel()
+        note.send("STOPPING=1")
+        if cfg.remove_on_exit:
+            shutil.rmtree(cfg.dir, ignore_errors=True)
+            log.info("removed the weight store in %s", cfg.dir)
