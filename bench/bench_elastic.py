@@ -36,8 +36,8 @@ from launch.scale import ScaleConfig, scale
 
 
 def start(model: Path, log_root: str, name: str, **over: Any) -> Fabric:
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, port=free_port(), ready_timeout=300,
-                      **over)
+    cfg = ServeConfig(model=str(model), **{"attention_workers": 2, "expert_workers": 2, **over}, port=free_port(),
+                      ready_timeout=300)
     fabric = Fabric(cfg, log_dir=tempfile.mkdtemp(prefix=f"{name}-", dir=log_root))
     fabric.start()
     fabric.wait_ready(cfg.ready_timeout)
@@ -96,8 +96,10 @@ def scaling(fabric: Fabric, args: argparse.Namespace, vocab: int) -> list[dict[s
 
 
 def balancing(args: argparse.Namespace, vocab: int, log_root: str) -> dict[str, dict[str, list[float]]]:
-    fabrics = {"balancing on": start(args.model_dir, log_root, "balance-on", balance_interval_s=args.balance_interval_s),
-               "balancing off": start(args.model_dir, log_root, "balance-off")}
+    ews = args.balance_ews
+    fabrics = {"balancing on": start(args.model_dir, log_root, "balance-on", expert_workers=ews,
+                                     balance_interval_s=args.balance_interval_s),
+               "balancing off": start(args.model_dir, log_root, "balance-off", expert_workers=ews)}
     skewed = [make_prompts(1, 16, vocab, 3)[0]] * args.concurrency
     distinct = make_prompts(args.concurrency, 16, vocab, 5)
     raw: dict[str, dict[str, list[float]]] = {w: {n: [] for n in fabrics} for w in ("skewed", "distinct")}
@@ -117,12 +119,14 @@ def balancing(args: argparse.Namespace, vocab: int, log_root: str) -> dict[str, 
                     ids[name] = st["ids"]
                     print(f"[elastic] round {r + 1} {workload} {name}: {st['tok_s']:.1f} tok/s", flush=True)
                 same[workload] &= ids["balancing on"] == ids["balancing off"]
-        active = len(fabrics["balancing on"].cluster()["routing"].get("active", []))
+        routing = fabrics["balancing on"].cluster()["routing"]
+        active = len(routing.get("active", []))
+        grown = sum(1 for _, _, ews in routing["replicas"] if len(ews) > 2)
     finally:
         for fab in fabrics.values():
             fab.stop()
     return {**raw, "identical": {"skewed": [float(same["skewed"])], "distinct": [float(same["distinct"])]},
-            "active_experts": {"at the end": [float(active)]}}
+            "active_experts": {"at the end": [float(active)]}, "grown": {"at the end": [float(grown)]}}
 
 
 def plot(ops: list[dict[str, Any]], bal: dict[str, Any], path: Path) -> None:
@@ -160,32 +164,47 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--duration", type=float, default=16.0, help="seconds of load per scaling cycle")
     ap.add_argument("--balance-interval-s", type=float, default=1.0)
+    ap.add_argument("--balance-ews", type=int, default=3, help="EWs of the balancing fabrics (3: room for new copies)")
+    ap.add_argument("--parts", default="scaling,balancing", help="which parts to run")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     vocab = ensure_bench_model(args.model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     log_root = tempfile.mkdtemp(prefix="elastic-", dir=args.out)
-    fabric = start(args.model_dir, log_root, "scaling")
-    try:
-        ops = scaling(fabric, args, vocab)
-    finally:
-        fabric.stop()
-    bal = balancing(args, vocab, log_root)
+    parts = set(args.parts.split(","))
+    ops: list[dict[str, Any]] = []
+    if "scaling" in parts:
+        fabric = start(args.model_dir, log_root, "scaling")
+        try:
+            ops = scaling(fabric, args, vocab)
+        finally:
+            fabric.stop()
+    bal = balancing(args, vocab, log_root) if "balancing" in parts else {}
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
 
     print(f"\n`{command}`\n")
-    print("| operation | runs | time (median) | experts moved | largest token gap during it | the same just before | "
-          "tok/s before → after | requests lost | streams differing from the run without scaling |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for lab in sorted({o["op"] for o in ops}):
-        mine = [o for o in ops if o["op"] == lab]
-        print(f"| {lab} | {len(mine)} | {med([o['seconds'] for o in mine]):.2f} s | "
-              f"{med([o['moved_bytes'] for o in mine]) / 2**20:.1f} MiB | {med([o['stall_s'] for o in mine]) * 1e3:.0f} ms | "
-              f"{med([o['gap_before_s'] for o in mine]) * 1e3:.0f} ms | {med([o['tok_s_before'] for o in mine]):.0f} → "
-              f"{med([o['tok_s_after'] for o in mine]):.0f} | {sum(o['lost'] for o in mine)} of "
-              f"{sum(o['requests'] for o in mine)} | {sum(o['differ'] for o in mine)} |")
+    if ops:
+        print("| operation | runs | time (median) | experts moved | largest token gap during it | the same just before | "
+              "tok/s before → after | requests lost | streams differing from the run without scaling |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for lab in sorted({o["op"] for o in ops}):
+            mine = [o for o in ops if o["op"] == lab]
+            print(f"| {lab} | {len(mine)} | {med([o['seconds'] for o in mine]):.2f} s | "
+                  f"{med([o['moved_bytes'] for o in mine]) / 2**20:.1f} MiB | {med([o['stall_s'] for o in mine]) * 1e3:.0f} ms | "
+                  f"{med([o['gap_before_s'] for o in mine]) * 1e3:.0f} ms | {med([o['tok_s_before'] for o in mine]):.0f} → "
+                  f"{med([o['tok_s_after'] for o in mine]):.0f} | {sum(o['lost'] for o in mine)} of "
+                  f"{sum(o['requests'] for o in mine)} | {sum(o['differ'] for o in mine)} |")
+    if bal:
+        print_balancing(bal, med)
+    (args.out / "summary.json").write_text(json.dumps({"command": command, "scaling": ops, "balancing": bal}, indent=1))
+    if ops and bal:
+        plot(ops, bal, args.out / "elastic.png")
+    print(f"wrote {args.out / 'summary.json'}")
+
+
+def print_balancing(bal: dict[str, Any], med: Any) -> None:
     print("\n| workload | balancing on tok/s | balancing off tok/s | on / off (median of per-round ratios) | "
           "same tokens |")
     print("|---|---:|---:|---:|---|")
@@ -193,10 +212,8 @@ def main() -> None:
         on, off = bal[w]["balancing on"], bal[w]["balancing off"]
         ratio = med([a / b for a, b in zip(on, off)])
         print(f"| {w} | {med(on):.1f} | {med(off):.1f} | {ratio:.2f}x | {'yes' if bal['identical'][w][0] else 'no'} |")
-    print(f"\nexperts made active on two replicas at the end: {int(bal['active_experts']['at the end'][0])}")
-    (args.out / "summary.json").write_text(json.dumps({"command": command, "scaling": ops, "balancing": bal}, indent=1))
-    plot(ops, bal, args.out / "elastic.png")
-    print(f"wrote {args.out / 'summary.json'} and {args.out / 'elastic.png'}")
+    print(f"\nexperts spread over more than one replica at the end: {int(bal['active_experts']['at the end'][0])}, "
+          f"with a copy made by the balancer: {int(bal['grown']['at the end'][0])}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 many of their replicas serve at once.
 
 Every EW reports its cumulative rows per (layer, expert) in its stats. Each round the balancer
-takes the rows since the last round, per MoE layer: an expert whose rows exceed `hot_factor` times
-the layer's mean gets as many active replicas as its load is multiples of the mean (at most its
-copies), so its rows are spread over EWs that would otherwise wait for it; an expert back below
-the mean goes back to one. Activating a copy that is there already (a shadow) moves no byte. A
+takes the rows since the last round and, per MoE layer, evens the EWs' load (EPLB's goal: a
+layer's step waits for its busiest EW): while the busiest EW serves more than `hot_factor` times
+the mean, its hottest expert gets another active replica, a copy on an EW that was not serving
+it, so its rows are spread; where every copy of it serves already, a new copy is made on the least
+loaded EW (spare capacity), then made active. Experts go back to one replica once they are not
+needed for that. Activating a copy moves no byte; a new copy is mapped from the weight store. A
 change is published as a new routing table, which AWs apply between steps; a recovered or
-replaced EW's copies join the same way, so a placement is rebalanced after a recovery too.
+replaced EW's copies join the same way, so the load is rebalanced after a recovery too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ class ExpertBalancer:
         self.hot_factor = hot_factor
         self.min_rows = min_rows  # rows a layer needs in a round before it is judged (noise)
         self._last: dict[str, dict[str, int]] = {}  # EW -> its cumulative counts at the last round
-        self.load: dict[Unit, int] = {}  # rows per unit in the last round (shown in /cluster)
+        self.load: dict[Unit, int] = {}  # rows per unit in the last round
+        # (unit, EW) pairs of the last round: a hot unit whose every copy serves, on an overloaded EW,
+        # and the least loaded EW without a copy: the orchestrator adds that copy (ReMP/EPLB's
+        # replication onto spare capacity), then makes it active.
+        self.grow: list[tuple[Unit, str]] = []
 
     def rows_since_last(self, stats_by_ew: dict[str, dict[str, Any]]) -> dict[Unit, int]:
         """Rows per unit since the last round, summed over the EWs (a restarted EW starts at 0)."""
@@ -52,17 +58,19 @@ class ExpertBalancer:
         a layer's step waits for its busiest EW): an EW's load is the rows of the layer's units it
         serves, a unit's rows shared evenly by its active replicas. While the busiest EW carries
         more than `hot_factor` times the mean, the unit it serves with the most rows per replica
-        gets one more active replica (one not serving it yet); units made active earlier go back
-        to one replica if the busiest EW stays under the midpoint of 1 and `hot_factor` without
-        them. A layer with too few rows this round keeps what it had."""
+        gets one more active replica (one not serving it yet; where every copy serves already,
+        `grow` names a new copy to make); units made active earlier go back to one replica if the
+        busiest EW stays under the midpoint of 1 and `hot_factor` without them. A layer with too
+        few rows this round keeps what it had."""
         self.load = rows
+        self.grow = []
         by_layer: dict[int, list[Unit]] = {}
         for u in replicas:
             by_layer.setdefault(u[0], []).append(u)
+        ews = sorted({w for rs in replicas.values() for w in rs})
         out: dict[Unit, int] = {}
         for units in by_layer.values():
             keep = {u: min(current[u], len(replicas[u])) for u in units if current.get(u, 1) > 1}
-            ews = sorted({w for u in units for w in replicas[u]})
             if sum(rows.get(u, 0) for u in units) < self.min_rows or len(ews) < 2:
                 out.update(keep)
             else:
@@ -96,7 +104,13 @@ class ExpertBalancer:
                 break
             candidates = [u for u in units if busiest in replicas[u][:active.get(u, 1)]
                           and len(replicas[u]) > active.get(u, 1) and rows.get(u, 0)]
-            if not candidates:
+            if not candidates:  # every copy of its hot units serves: one more copy, on spare capacity
+                served = [u for u in units if busiest in replicas[u][:active.get(u, 1)] and rows.get(u, 0)]
+                if served:
+                    hot = max(served, key=lambda u: rows.get(u, 0) / active.get(u, 1))
+                    spare = [w for w in ews if w not in replicas[hot]]
+                    if spare:
+                        self.grow.append((hot, min(spare, key=lambda w: ld[w])))
                 break
             u = max(candidates, key=lambda u: rows.get(u, 0) / active.get(u, 1))
             active = {**active, u: active.get(u, 1) + 1}

@@ -58,7 +58,7 @@ from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.provisioner import NoProvisioner, Provisioner
-from orchestrator.scaling import Scaler
+from orchestrator.scaling import ScaleError, Scaler
 
 log = logging.getLogger("orchestrator")
 
@@ -301,6 +301,8 @@ class Orchestrator:
             stats = {w.id: w.stats for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
             rows = self.balancer.rows_since_last(stats)
             active = self.balancer.decide(rows, {u: list(ews) for u, ews in c.table.replicas.items() if ews}, c.active)
+            for unit, ew in self.balancer.grow[:1]:  # one new copy a round, loaded before it is published
+                await self._add_copy(unit, ew, active)
             if active != c.active:
                 hot = sorted(set(active) - set(c.active))
                 cooled = sorted(set(c.active) - set(active))
@@ -310,6 +312,27 @@ class Orchestrator:
                 log.info("expert load balancing: epoch %d, %d experts spread over their replicas (now hot: %s; "
                          "cooled: %s)", c.table.epoch, len(active), hot[:8], cooled[:8])
                 self._broadcast()
+
+    async def _add_copy(self, unit: Unit, ew: str, active: dict[Unit, int]) -> None:
+        """Places one more copy of a hot `unit` on `ew` (its slot), has it loaded, and makes every
+        copy of the unit active in `active`; skipped while a scale operation runs."""
+        c = self.cluster
+        rec = c.workers.get(ew)
+        if rec is None or not rec.slot or c.occupant.get(rec.slot) != ew or c.placement is None \
+                or self.scaler.lock.locked() or rec.slot in c.placement.get(unit, []):
+            return
+        async with self.scaler.lock:
+            placement = {**c.placement, unit: [*c.placement[unit], rec.slot]}
+            try:
+                await self.scaler._load(placement, {rec.slot: ew})
+            except ScaleError as exc:
+                log.warning("expert load balancing: no new copy of layer %d expert %d on %s: %s", *unit, ew, exc)
+                return
+            c.placement = placement
+            rec.experts = c.slot_units(rec.slot)
+            active[unit] = len(placement[unit])
+            log.info("expert load balancing: a copy of layer %d expert %d added on %s (%d copies)", *unit, ew,
+                     len(placement[unit]))
 
     async def watch_replacements(self) -> None:
         """A replacement that exits before registering is started again (a double fault during start-up)."""

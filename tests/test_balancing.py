@@ -1,7 +1,7 @@
 """Expert load balancing: the balancer's verdicts on hand-made counts, and a fabric under a skewed
-workload (every stream the same prompt) that ends with the overloaded EW's hot experts served by
-two replicas at once, each replica taking part of their rows, and every stream token-identical
-throughout."""
+workload (every stream the same prompt) that ends with an overloaded EW's hot expert copied onto
+spare capacity and served by all its replicas at once, each taking part of its rows, and every
+stream token-identical throughout."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def test_balancer_evens_the_ews_load_and_cools_down() -> None:
     both = replicas | {(1, e): list(reversed(rs)) for (_, e), rs in replicas.items() if len(rs) == 2}
     skewed = {(0, 0): 20, (0, 1): 20, (0, 2): 20, (0, 3): 20, (1, 0): 70, (1, 1): 10, (1, 2): 10, (1, 3): 10}
     assert b.decide(skewed, both, {}) == {(1, 0): 2}
+    # Every copy of the hot unit serves and an EW is still overloaded: a new copy on spare capacity.
+    # Hand-checked (1.2x): A 100, B 10, C 10 -> (0, 0) on A and B: 50, 60, 10 -> (0, 2) on B and C:
+    # 50, 55, 15, B still over 48 and all its units' copies serve: one more copy of (0, 0), on C.
+    b3 = ExpertBalancer(hot_factor=1.2, min_rows=10)
+    three = {(0, 0): ["A", "B"], (0, 1): ["C", "A"], (0, 2): ["B", "C"]}
+    assert b3.decide({(0, 0): 100, (0, 1): 10, (0, 2): 10}, three, {}) == {(0, 0): 2, (0, 2): 2}
+    assert b3.grow == [((0, 0), "C")]
     # An EW that restarted (its counts went down) counts from zero again.
     rows = b.rows_since_last({"ew-a": {"tokens_by_expert": {"0:0": 5}}, "ew-b": ew_b})
     assert rows == {(0, 0): 5}
@@ -76,22 +83,24 @@ def counts(cluster: dict[str, Any], unit: tuple[int, int]) -> dict[str, int]:
 
 
 def test_a_skewed_load_ends_with_hot_experts_spread(hf_models: dict[str, Path], tmp_path: Path) -> None:
-    with running_fabric(hf_models["qwen3_moe"], tmp_path, aws=1, ews=2, balance_interval_s=0.3,
+    with running_fabric(hf_models["qwen3_moe"], tmp_path, aws=1, ews=3, balance_interval_s=0.3,
                          hot_expert_factor=1.0) as fabric:
         reference = skewed_round(fabric.port)
         assert all(r == reference[0] for r in reference)
-        # Load goes on until the orchestrator has made hot experts active on both copies.
-        for _ in range(20):
-            if fabric.cluster()["routing"].get("active"):
+        # Load goes on until the orchestrator has spread a hot expert over a third copy it made
+        # (on spare capacity: every unit starts with two copies, on two of the three EWs).
+        for _ in range(30):
+            if any(len(ews) == 3 for _, _, ews in fabric.cluster()["routing"]["replicas"]):
                 break
             assert skewed_round(fabric.port) == reference
         cluster = fabric.cluster()
-        active = cluster["routing"]["active"]
-        assert active and all(n == 2 for _, _, n in active)
-        layer, expert, _ = active[0]
-        replicas = next(ews for lyr, e, ews in cluster["routing"]["replicas"] if (lyr, e) == (layer, expert))
+        grown = [(lyr, e, ews) for lyr, e, ews in cluster["routing"]["replicas"] if len(ews) == 3]
+        assert grown
+        layer, expert, replicas = grown[0]
+        active = {(lyr, e): n for lyr, e, n in cluster["routing"]["active"]}
+        assert active.get((layer, expert)) == 3  # every copy of it serves
         before = counts(cluster, (layer, expert))
-        assert skewed_round(fabric.port) == reference  # rows spread over two EWs: the same tokens
+        assert skewed_round(fabric.port) == reference  # rows spread over three EWs: the same tokens
         after = wait_for(fabric, "the EWs' new counts", lambda c: all(
             counts(c, (layer, expert))[ew] > before[ew] for ew in replicas))
-        assert all(counts(after, (layer, expert))[ew] > before[ew] for ew in replicas)  # both replicas served it
+        assert all(counts(after, (layer, expert))[ew] > before[ew] for ew in replicas)  # each replica served it

@@ -101,9 +101,13 @@ def weights(w: dict[str, Any]) -> tuple[float | None, float | None]:
 
 def test_standbys_take_a_dead_ew_and_aw_place_mapping_from_the_store(hf_models: dict[str, Path], tmp_path: Path) -> None:
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=2, standby_workers=1) as fabric:
-        cluster = fabric.cluster()
-        standbys = [w for w in cluster["workers"] if w["info"].get("standby")]
-        assert sorted(w["role"] for w in standbys) == ["attention", "expert"]
+        def standbys_of(c: dict[str, Any]) -> list[dict[str, Any]]:
+            return [w for w in c["workers"] if w["info"].get("standby")]
+
+        # `serve` is ready once the serving workers are; the standbys may register a moment later.
+        cluster = wait_for(fabric, "both standbys registered",
+                           lambda c: sorted(w["role"] for w in standbys_of(c)) == ["attention", "expert"])
+        standbys = standbys_of(cluster)
         assert all(w["state"] == "starting" for w in standbys)
         assert len(serving(cluster)) == 4
         # The first workers mapped theirs too: the store read the checkpoint, once.
