@@ -1,0 +1,98 @@
+"""Fused MoE for an expert worker on a GPU, in Triton: the rows of every expert it hosts, sorted by
+expert, through one grouped launch for gate/up with SwiGLU and one for down.
+
+Legend: N rows (sorted by expert), D hidden, I intermediate, E experts in the group. The weights
+are the EW's serving layout stacked: gate_up_t [E, D, 2I] (gate columns first, then up) and
+down_t [E, I, D]. The rows are cut into tiles of BLOCK_M rows of one expert each (`tiles`); a
+program computes one tile x one block of output columns. Runs on CUDA tensors, or on CPU tensors
+under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests check it against torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+@triton.jit
+def _gate_up_swiglu(x, w, h, tile_expert, tile_start, tile_end, D, I,  # noqa: E741
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_expert + t)
+    start = tl.load(tile_start + t)
+    end = tl.load(tile_end + t)
+    rm = start + tl.arange(0, BM)
+    rn = nb * BN + tl.arange(0, BN)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(x + rm[:, None] * D + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < D), other=0.0)
+        base = w + e * D * 2 * I + rk[:, None] * 2 * I
+        wmask = (rk[:, None] < D) & (rn[None, :] < I)
+        g = tl.load(base + rn[None, :], mask=wmask, other=0.0)
+        u = tl.load(base + I + rn[None, :], mask=wmask, other=0.0)
+        acc_g += tl.dot(a, g)
+        acc_u += tl.dot(a, u)
+    out = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up
+    tl.store(h + rm[:, None] * I + rn[None, :], out, mask=(rm[:, None] < end) & (rn[None, :] < I))
+
+
+@triton.jit
+def _down(h, w, y, tile_expert, tile_start, tile_end, I, D,  # noqa: E741
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_expert + t)
+    start = tl.load(tile_start + t)
+    end = tl.load(tile_end + t)
+    rm = start + tl.arange(0, BM)
+    rn = nb * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(h + rm[:, None] * I + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < I), other=0.0)
+        b = tl.load(w + e * I * D + rk[:, None] * D + rn[None, :], mask=(rk[:, None] < I) & (rn[None, :] < D),
+                    other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(y + rm[:, None] * D + rn[None, :], acc, mask=(rm[:, None] < end) & (rn[None, :] < D))
+
+
+def tiles(counts: list[int], block_m: int = BLOCK_M) -> tuple[list[int], list[int], list[int]]:
+    """(expert, first row, end row) of every tile: each expert's rows cut into tiles of block_m;
+    an expert with no rows has none."""
+    experts, starts, ends = [], [], []
+    row = 0
+    for e, n in enumerate(counts):
+        for s in range(row, row + n, block_m):
+            experts.append(e)
+            starts.append(s)
+            ends.append(min(s + block_m, row + n))
+        row += n
+    return experts, starts, ends
+
+
+def fused_moe(x: torch.Tensor, counts: list[int], gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+    """x [N, D] (expert e owns the next counts[e] rows), gate_up_t [E, D, 2I], down_t [E, I, D] ->
+    SwiGLU FFN of every row by its expert [N, D] (fp32)."""
+    n, d = x.shape
+    e, _, two_i = gate_up_t.shape
+    inter = two_i // 2
+    if len(counts) != e or sum(counts) != n or gate_up_t.shape[1] != d or tuple(down_t.shape) != (e, inter, d):
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, counts {counts}, gate_up_t {tuple(gate_up_t.shape)}, "
+                         f"down_t {tuple(down_t.shape)} do not fit")
+    y = torch.zeros((n, d), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return y
+    te, ts, tn = tiles(counts)
+    meta = [torch.tensor(v, dtype=torch.int32, device=x.device) for v in (te, ts, tn)]
+    h = torch.empty((n, inter), dtype=torch.float32, device=x.device)
+    x, gate_up_t, down_t = x.contiguous(), gate_up_t.contiguous(), down_t.contiguous()
+    _gate_up_swiglu[(len(te), triton.cdiv(inter, BLOCK_N))](x, gate_up_t, h, *meta, d, inter,
+                                                            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    _down[(len(te), triton.cdiv(d, BLOCK_N))](h, down_t, y, *meta, inter, d, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return y

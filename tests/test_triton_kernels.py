@@ -1,0 +1,88 @@
+"""The Triton kernels of the GPU path (fabric/kernels/triton_*.py) against the torch reference, on
+every machine: without a GPU they run on CPU tensors under Triton's interpreter. fp32, small shapes:
+ragged expert batches, empty experts, block tables with holes, GQA, sliding windows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is imported)
+
+from fabric.kernels.triton_attention import paged_decode_attention  # noqa: E402
+from fabric.kernels.triton_moe import fused_moe, tiles  # noqa: E402
+from fabric.model.ops import swiglu_ffn_t  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_tiles_cut_each_expert_and_skip_empty_ones() -> None:
+    assert tiles([3, 0, 20, 0], block_m=8) == ([0, 2, 2, 2], [0, 3, 11, 19], [3, 11, 19, 23])
+    assert tiles([0, 0]) == ([], [], [])
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1], [0, 0, 0], [40], [1, 1, 1, 1, 1, 1]])
+def test_fused_moe_equals_torch(counts: list[int]) -> None:
+    gen = torch.Generator().manual_seed(sum(counts) + len(counts))
+    d, inter, e = 48, 40, len(counts)  # (neither a multiple of the 32-wide blocks: masked edges)
+    x = torch.randn(sum(counts), d, generator=gen)
+    gate_up = torch.randn(e, d, 2 * inter, generator=gen) / d**0.5
+    down = torch.randn(e, inter, d, generator=gen) / inter**0.5
+    y = fused_moe(x.to(DEVICE), counts, gate_up.to(DEVICE), down.to(DEVICE)).cpu()
+    ref = torch.zeros_like(x)
+    row = 0
+    for j, n in enumerate(counts):
+        if n:
+            ref[row:row + n] = swiglu_ffn_t(x[row:row + n], gate_up[j], down[j])
+        row += n
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_moe_refuses_shapes_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(torch.zeros(3, 8), [2], torch.zeros(1, 8, 4), torch.zeros(1, 2, 8))
+
+
+def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]], lens: list[int],
+                     s: int, scale: float, window: int) -> torch.Tensor:
+    """The AW's attention for one query per sequence, over slots gathered from the block table."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.zeros(q.shape)
+    for b, (table, n) in enumerate(zip(tables, lens)):
+        pos = [p for p in range(n) if (not window or p > n - 1 - window)]
+        slots = torch.tensor([table[p // s] * s + p % s for p in pos])
+        kk = k[slots].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, d]
+        vv = v[slots].repeat_interleave(heads // kv_heads, dim=1)
+        att = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kk) * scale, dim=-1)
+        out[b] = torch.einsum("hl,lhd->hd", att, vv)
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_decode_attention_equals_torch(window: int) -> None:
+    gen = torch.Generator().manual_seed(window)
+    s, blocks, kv_heads, heads, d = 4, 16, 2, 6, 24
+    k = torch.randn(blocks * s, kv_heads, d, generator=gen)
+    v = torch.randn(blocks * s, kv_heads, d, generator=gen)
+    lens = [1, 7, 13, 4]
+    tables = [[3], [5, 0], [9, 2, 14, 11], [6]]
+    if window:  # a sliding window gave back the blocks it no longer sees: holes in the table
+        tables[2][0] = -1  # positions 0-3 of a 13-token sequence are outside a window of 5
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    scale = d**-0.5
+    out = paged_decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bt.to(DEVICE),
+                                 torch.tensor(lens, dtype=torch.int32).to(DEVICE), s, scale, window).cpu()
+    ref = reference_decode(q, k, v, [[max(b, 0) for b in t] for t in tables], lens, s, scale, window)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_decode_attention_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_decode_attention(torch.zeros(1, 5, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
+                               torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 4, 1.0)
