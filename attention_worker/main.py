@@ -24,6 +24,7 @@ from attention_worker.checkpointer import Checkpointer
 from attention_worker.engine import AttentionWorker
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.model_runner import ModelRunner
+from attention_worker.sim_runner import SimRunner
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.kernels import skinny
@@ -60,7 +61,8 @@ class AttentionService(Service):
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
-        await self._load_weights()  # (a standby too: when woken it only starts serving)
+        if self.cfg.compute != "sim":  # (a sim AW has no weights)
+            await self._load_weights()  # (a standby too: when woken it only starts serving)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
                  self.transport.name, self.aw.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
@@ -135,9 +137,14 @@ class AttentionService(Service):
         """Starts serving once both the weights and the EW links are there."""
         rt, aw = self.runtime, self.aw
         assert rt is not None and aw.refe is not None and aw.ckpt is not None
-        if self.serving or not self.linked or not self.awake or self.weights is None:
+        sim = self.cfg.compute == "sim"
+        if self.serving or not self.linked or not self.awake or (self.weights is None and not sim):
             return
-        aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
+        if sim:
+            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms)
+        else:
+            assert self.weights is not None
+            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
         aw.runner.kv_sink = aw.ckpt.record_layer
         self.serving = True
         table = aw.refe.next_table or aw.refe.table

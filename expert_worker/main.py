@@ -19,6 +19,7 @@ import torch
 
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
+from expert_worker.sim_executor import SimExecutor
 from fabric import faults
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
@@ -42,7 +43,8 @@ class ExpertWorker(Service):
     def __init__(self, cfg: ExpertWorkerConfig) -> None:
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
-        self.executor = ExpertExecutor(self.model, cfg.kernel)
+        self.executor = (SimExecutor(self.model, cfg.sim_expert_ms, cfg.sim_expert_row_us) if cfg.compute == "sim"
+                         else ExpertExecutor(self.model, cfg.kernel))
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
@@ -148,6 +150,8 @@ class ExpertWorker(Service):
             store.close()
 
     def _store(self) -> MappedStore | None:
+        if self.cfg.compute == "sim":
+            return None
         dtype = self.model.torch_dtype
         layout = "skinny" if skinny.gemm_for(self.cfg.kernel, dtype) is not None else "torch"
         return open_store(self.cfg.weight_store, self.cfg.model, dtype, layout, self.cfg.weight_store_wait_s)

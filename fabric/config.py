@@ -158,6 +158,8 @@ class WorkerConfig(RoleConfig):
                                          "instead of reading the checkpoint; read it where the store has another "
                                          "model or layout", metavar="DIR")
     weight_store_wait_s: float = opt(300.0, "at start-up, wait this long for a weight store still being built")
+    compute: str = opt("model", "model: the checkpoint's math; sim: a cost model instead of the tensor math (no weights "
+                                "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
 
@@ -167,6 +169,8 @@ class WorkerConfig(RoleConfig):
             raise ConfigError("threads must be >= 1")
         if self.weight_store_wait_s < 0:
             raise ConfigError("weight_store_wait_s must be >= 0")
+        if self.compute not in ("model", "sim"):
+            raise ConfigError(f"unknown compute {self.compute!r}; choose model or sim")
         if self.kernel not in ("auto", "torch"):
             raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
 
@@ -177,6 +181,8 @@ class ExpertWorkerConfig(WorkerConfig):
                       choices=("sync", "threshold"))
     min_batch_tokens: int = opt(1, "threshold gather: rows a layer needs before it runs")
     max_wait_ms: float = opt(20.0, "the longest a call waits for the others of its batch")
+    sim_expert_ms: float = opt(0.85, "--compute sim: what one layer's batch of experts costs (Tarragon: 0.85 ms)")
+    sim_expert_row_us: float = opt(0.0, "--compute sim: and per row of that batch")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -184,6 +190,8 @@ class ExpertWorkerConfig(WorkerConfig):
             raise ConfigError(f"unknown gather policy {self.gather!r}; choose sync or threshold")
         if self.max_wait_ms < 0 or self.min_batch_tokens < 1:
             raise ConfigError("max_wait_ms must be >= 0 and min_batch_tokens >= 1")
+        if self.sim_expert_ms < 0 or self.sim_expert_row_us < 0:
+            raise ConfigError("sim_expert_ms and sim_expert_row_us must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -199,14 +207,15 @@ class AttentionWorkerConfig(WorkerConfig):
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
     restore_join_ms: float = opt(50.0, "a step waits at most this long for restores already under way (0: never)")
+    sim_attention_ms: float = opt(0.85, "--compute sim: what one layer's attention costs a step")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
         check_probes(self.probe_interval_ms, self.probe_misses)
-        if self.expert_wait_s < 0 or self.restore_join_ms < 0:
-            raise ConfigError("expert_wait_s and restore_join_ms must be >= 0")
+        if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0:
+            raise ConfigError("expert_wait_s, restore_join_ms and sim_attention_ms must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 

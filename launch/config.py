@@ -39,6 +39,9 @@ class ServeConfig:
     weight_store: bool = opt(True, "read the checkpoint once into host memory (a weight-store process) and have every "
                                    "worker map its weights from there: replacements and standbys map theirs in "
                                    "milliseconds (--cluster local; on Ray every worker reads the checkpoint)")
+    compute: str = like(WorkerConfig, "compute")
+    sim_attention_ms: float = like(AttentionWorkerConfig, "sim_attention_ms")
+    sim_expert_ms: float = like(ExpertWorkerConfig, "sim_expert_ms")
     standby_workers: int = opt(0, "warm standbys of each worker role (AW and EW; --cluster local): started, "
                                   "registered, weights mapped ahead from the weight store, serving nothing; a death wakes one and a new one "
                                   "boots behind it")
@@ -156,9 +159,11 @@ class ServeConfig:
                 supervisor_fd=0 if self.provisioner == "auto" else None,  # the real fd is known at spawn time
                 recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
-            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather, weight_store=weight_store_dir),
+            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather, weight_store=weight_store_dir,
+                                      compute=self.compute, sim_expert_ms=self.sim_expert_ms),
             attention=AttentionWorkerConfig(**common, dtype=self.dtype, checkpoint=self.checkpoint,
-                                            weight_store=weight_store_dir, **probes),
+                                            weight_store=weight_store_dir, compute=self.compute,
+                                            sim_attention_ms=self.sim_attention_ms, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
                 **common, port=self.port, reuse_port=self.gateways > 1,

@@ -297,7 +297,7 @@ class Supervisor(Launcher):
             shutil.rmtree(self.configs.weight_store.dir, ignore_errors=True)
 
     def weight_store_dir(self) -> str | None:
-        return str(default_dir(f"serve-{os.getpid()}")) if self.cfg.weight_store else None
+        return str(default_dir(f"serve-{os.getpid()}")) if self.cfg.weight_store and self.cfg.compute != "sim" else None
 
     # -- for callers in other threads -----------------------------------------------------------
     def snapshot(self) -> list[tuple[str, Proc]]:

@@ -1,0 +1,71 @@
+"""`--compute sim` for an attention worker: the scheduler, paged KV cache, checkpoints, expert
+calls through the REFE and sampling are all real; the tensor math of a step is replaced by a cost
+model (`attention_ms` per layer, blocking as real compute does) and deterministic stand-ins:
+
+    hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
+    attention  K and V rows derived from h, written to the cache and checkpointed like real ones
+    router     the top-k experts of a row: k consecutive experts from a hash of (token, position, layer)
+    experts    h += Σ weight x expert(h), over the wire to the EWs (sim EWs scale rows by a factor
+               of their (layer, expert): expert_worker/sim_executor.py)
+    lm head    one-hot logits on a token picked from h (8 of its values), so the output depends on
+               every expert that ran
+
+A row's result depends only on its own token, position and experts, so a stream is identical
+whichever AW or EW replica serves it: failover in a simulation can still be checked token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import torch
+
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
+from attention_worker.model_runner import Chunk, ModelRunner
+from fabric.model.attention_weights import AttentionWeights
+from fabric.model.config import ModelConfig
+
+PEAK = 30.0  # the picked token's logit (others 0): sampling at any usual temperature picks it
+
+
+class SimRunner(ModelRunner):
+    def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float) -> None:
+        super().__init__(cfg, cast(AttentionWeights, None), kv, refe)  # (no weights: nothing reads them)
+        self.attention_s = attention_ms / 1000
+        self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
+
+    async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        meta = self.prepare(chunks)
+        pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
+        ids = meta.ids
+        t = ids.numel()
+        h = torch.sin((ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
+        h = h.to(cfg.torch_dtype)
+        k = cfg.top_k
+        for i in range(cfg.num_layers):
+            if self.attention_s:
+                time.sleep(self.attention_s)
+            kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            self.kv.k[i][meta.slots] = kv
+            self.kv.v[i][meta.slots] = kv
+            if self.kv_sink is not None:
+                self.kv_sink(i, meta.spans, kv, kv)
+            if i in cfg.dense_layers:
+                continue
+            base = (ids * 7919 + pos * 104729 + i * 1299709) % cfg.num_experts  # [T]
+            experts = (base[:, None] + torch.arange(k)[None, :]) % cfg.num_experts  # [T, k], distinct
+            weights = torch.full((t, k), 1.0 / k)
+            t1 = time.perf_counter()
+            h = h + await self.refe.dispatch_layer(i, h, experts, weights)
+            self.expert_wait_s += time.perf_counter() - t1
+        s = meta.sample_rows.numel()
+        rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
+        picked = torch.floor(h[rows, :8].float() * 1000).long().sum(1).remainder(cfg.vocab_size)  # [S + R]
+        logits = torch.zeros(rows.numel(), cfg.vocab_size)
+        logits[torch.arange(rows.numel()), picked] = PEAK
+        self.forward_s += time.perf_counter() - t0
+        return logits[:s], logits[s:]

@@ -1,0 +1,61 @@
+"""`--compute sim` for an expert worker: everything as in production but the expert math, which a
+cost model replaces: a batch of one layer takes `expert_ms` (plus `expert_row_us` per row), and a
+row's output is its input scaled by a factor of its (layer, expert), so outputs are deterministic,
+depend on which expert ran them, and weigh what real ones weigh on the wire (hidden size, dtype).
+No weights are read or mapped."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from expert_worker.executor import ExpertExecutor
+from expert_worker.gather import PendingCall
+from fabric.model.config import ModelConfig
+from fabric.model.weight_store import MappedStore
+
+
+def sim_factor(layer: int, expert: int) -> float:
+    """What sim expert (layer, expert) multiplies a row by (small: the residual stream stays bounded)."""
+    return 0.01 * (1 + (layer * 31 + expert * 7) % 13)
+
+
+class SimExecutor(ExpertExecutor):
+    def __init__(self, cfg: ModelConfig, expert_ms: float, expert_row_us: float) -> None:
+        super().__init__(cfg, "torch")
+        self.expert_s = expert_ms / 1000
+        self.row_s = expert_row_us / 1e6
+        self.chosen = True
+
+    @property
+    def kernel(self) -> str:
+        return "sim"
+
+    def choose_kernel(self) -> str:
+        return "sim"
+
+    def load(self, model_dir: str | Path, units: list[tuple[int, int]], store: MappedStore | None = None) -> None:
+        for unit in units:
+            self.experts[unit] = (torch.empty(0), torch.empty(0))
+            self.tokens_by_expert.setdefault(unit, 0)
+
+    def premap(self, store: MappedStore, units: list[tuple[int, int]]) -> None:
+        pass
+
+    def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
+        outs = []
+        rows = 0
+        for p in batch:
+            out = torch.empty_like(p.call.x)
+            start = 0
+            for e, n in zip(p.call.experts, p.call.counts):
+                if n:
+                    out[start:start + n] = p.call.x[start:start + n] * sim_factor(p.call.layer, e)
+                    self.tokens_by_expert[(p.call.layer, e)] = self.tokens_by_expert.get((p.call.layer, e), 0) + n
+                start += n
+            rows += start
+            outs.append(out)
+        time.sleep(self.expert_s + rows * self.row_s)  # the cost model (this runs in the compute thread)
+        return outs
