@@ -109,7 +109,8 @@ class ExpertWorker(Service):
         return self.listener.port
 
     def registration(self) -> dict[str, Any]:
-        return {"slot": self.slot, "experts": [list(u) for u in sorted(self.executor.experts)], "ready": self.loaded,
+        # (list(...) snapshots at once: a load in the compute thread may be adding entries)
+        return {"slot": self.slot, "experts": [list(u) for u in sorted(list(self.executor.experts))], "ready": self.loaded,
                 "info": {"transport": self.transport.name, "gather": self.cfg.gather,
                          "standby": self.cfg.standby and not self.slot}}
 
@@ -133,7 +134,7 @@ class ExpertWorker(Service):
                      time.perf_counter() - t0)
         self.slot, self.loaded = msg.slot, True
         try:
-            await self.runtime.link.send(WorkerReady(self.epoch))
+            await self.runtime.link.send(WorkerReady(self.epoch, msg.op))
         except PeerDeadError:
             pass  # the next orchestrator learns it from the registration (ready, slot, experts)
         self.runtime.ready()
@@ -166,7 +167,7 @@ class ExpertWorker(Service):
                 store.close()
 
     def stats(self) -> dict[str, Any]:
-        tokens = {f"{lyr}:{e}": n for (lyr, e), n in self.executor.tokens_by_expert.items()}
+        tokens = {f"{lyr}:{e}": n for (lyr, e), n in dict(self.executor.tokens_by_expert).items()}
         return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
                 "stale_calls": self.stale_calls, "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
                 "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),

@@ -152,7 +152,11 @@ class Runtime:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL)
-            stats = self.service.stats()
+            try:
+                stats = self.service.stats()
+            except Exception:  # a report missed, not the reporting stopped
+                log.exception("collecting this worker's stats failed")
+                continue
             if stats is not None and self.link.connected.is_set():
                 await self._send_quietly(WorkerStats(stats))
 

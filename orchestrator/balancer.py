@@ -37,7 +37,10 @@ class ExpertBalancer:
         out: dict[Unit, int] = {}
         for ew, stats in stats_by_ew.items():
             counts = stats.get("tokens_by_expert") or {}
-            last = self._last.get(ew, {})
+            if ew not in self._last:  # first seen (or this orchestrator is new): its counts so far are no round
+                self._last[ew] = dict(counts)
+                continue
+            last = self._last[ew]
             for key, n in counts.items():
                 layer, _, expert = key.partition(":")
                 delta = n - last.get(key, 0)

@@ -85,6 +85,7 @@ class Cluster:
         self.occupant: dict[str, str] = {}  # slot -> EW id serving it ("" or a dead id: vacant)
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
         self.reserved: set[str] = set()  # EWs a scale-out started: never taken to fill a vacant slot
+        self.removing: set[str] = set()  # slots a scale-in is removing: never refilled
         self.active: dict[Unit, int] = {}  # unit -> replicas serving at once, where more than 1 (load balancing)
         self.replacements = 0
         self._counters: dict[str, int] = {}
@@ -178,7 +179,8 @@ class Cluster:
         else:
             assignment = {}
             for ew in ews:
-                slot = next((s for s in self.occupant if self._vacant(s) and s not in self.filling), None)
+                slot = next((s for s in self.occupant if self._vacant(s) and s not in self.filling
+                             and s not in self.removing), None)
                 if slot is None:
                     break  # a spare: nothing to fill (it stays registered, unused)
                 self.filling[slot] = ew
@@ -243,6 +245,8 @@ class Cluster:
         self.placement = placement
         for slot in removed:
             self.occupant.pop(slot, None)
+            self.filling.pop(slot, None)
+            self.removing.discard(slot)
         for slot, ew in joined.items():
             self.occupant[slot] = ew
             self.workers[ew].slot = slot

@@ -90,7 +90,7 @@ class Orchestrator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._nonce = itertools.count(1)
         self.replacements_started = 0
-        self.ready_seen: dict[str, int] = {}  # worker -> WorkerReady messages (a scale-out waits for loads)
+        self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
         self.scaler = Scaler(self)
         self.balancer = ExpertBalancer(cfg.hot_expert_factor)
@@ -172,7 +172,11 @@ class Orchestrator:
             timer = self._rejoin.pop(rec.id, None)
             if timer is not None:
                 timer.cancel()
-            self.provisioner.registered(reg.pid)
+            spawned = self.provisioner.registered(reg.pid)
+            if spawned is not None and spawned.replaces.startswith("scale-out"):
+                rec.info["scale_out"] = True  # a scale operation's: not a spare for a vacant slot
+                if rec.role is Role.EXPERT:
+                    self.cluster.reserved.add(rec.id)
             log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
                      rec.role.value, rec.pid, rec.host, rec.port)
             link.send(Registered(rec.id, self.generation))
@@ -360,7 +364,7 @@ class Orchestrator:
     async def _handle(self, worker_id: str, msg: Message) -> None:
         if isinstance(msg, WorkerReady):
             await self.recovered.wait()
-            self.ready_seen[worker_id] = self.ready_seen.get(worker_id, 0) + 1
+            self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)
             table_changed = self.cluster.mark_ready(worker_id)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
             self._broadcast()

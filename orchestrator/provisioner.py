@@ -60,8 +60,9 @@ class Provisioner(abc.ABC):
         """Processes started for us that exited before they registered (each reported once)."""
 
     @abc.abstractmethod
-    def registered(self, pid: int) -> None:
-        """The worker with `pid` registered: it is the cluster's now, not an early exit."""
+    def registered(self, pid: int) -> Spawned | None:
+        """The worker with `pid` registered: it is the cluster's now, not an early exit. Returns
+        what it was started for, if this provisioner started it."""
 
     async def close(self) -> None:  # noqa: B027 - optional
         """Called when the orchestrator exits (its replacements live on)."""
@@ -74,8 +75,8 @@ class NoProvisioner(Provisioner):
     def exited_early(self) -> list[Spawned]:
         return []
 
-    def registered(self, pid: int) -> None:
-        pass
+    def registered(self, pid: int) -> Spawned | None:
+        return None
 
 
 class SupervisorProvisioner(Provisioner):
@@ -131,8 +132,9 @@ class SupervisorProvisioner(Provisioner):
         early, self._early = self._early, []
         return early
 
-    def registered(self, pid: int) -> None:
+    def registered(self, pid: int) -> Spawned | None:
         self._registered.add(pid)
+        return self.spawned.get(pid)
 
     async def close(self) -> None:
         self._reader.cancel()
@@ -174,8 +176,9 @@ class LocalProvisioner(Provisioner):
         log.info("started a replacement %s (pid %d) for %s", role.value, proc.pid, replaces)
         return True
 
-    def registered(self, pid: int) -> None:
+    def registered(self, pid: int) -> Spawned | None:
         self._registered.add(pid)
+        return next((s for s, _ in self.children if s.pid == pid), None)
 
     def exited_early(self) -> list[Spawned]:
         early = []

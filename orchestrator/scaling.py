@@ -49,6 +49,7 @@ class Scaler:
         self.timeout_s = timeout_s
         self.lock = asyncio.Lock()
         self.started = 0
+        self.ops = 0  # AssignExperts sequence numbers
         self.history: list[dict[str, Any]] = []  # what each operation did (shown in /cluster)
 
     async def scale(self, attention_workers: int | None, expert_workers: int | None) -> dict[str, Any]:
@@ -73,9 +74,7 @@ class Scaler:
     async def _scale_ews(self, target: int) -> dict[str, Any]:
         c = self.orch.cluster
         assert c.placement is not None
-        busy = [s for s in c.occupant if c._vacant(s) or s in c.filling]
-        if busy:
-            raise ScaleError(f"slot {busy[0]} is being refilled after a death; scale once it is")
+        self._check_slots()
         before = len(c.occupant)
         if target == before:
             return {"from": before, "to": target, "moved_bytes": 0}
@@ -86,6 +85,10 @@ class Scaler:
             c.reserved.update(joined)
         else:
             removed = sorted(c.occupant, key=_natural)[target:]
+        victims = [c.occupant[s] for s in removed]
+        # From here on the drained EWs are not replaced and their slots not refilled, whatever happens.
+        self.orch.drained.update(victims)
+        c.removing.update(removed)
         slots = [s for s in c.occupant if s not in removed] + list(joined)
         holder = {**{s: c.occupant[s] for s in slots if s in c.occupant}, **joined}
         nodes = {s: str(c.workers[w].info.get("node") or w) for s, w in holder.items()}
@@ -96,10 +99,10 @@ class Scaler:
         plan = replan(c.placement, slots, copies, unit_bytes, nodes, resident)
         try:
             await self._load(plan.placement, {s: holder[s] for s in set(plan.added) | set(joined)})
+            self._check_slots()  # (a death while loading: its slot must be refilled first)
         except BaseException:
-            c.reserved.difference_update(joined)
+            self._abort(joined, removed, victims)
             raise
-        victims = [c.occupant[s] for s in removed]
         c.commit(plan.placement, joined, removed)
         self.orch._broadcast()
         assert c.table is not None
@@ -113,26 +116,49 @@ class Scaler:
                 "units_moved": sum(len(u) for u in plan.added.values()), "joined": sorted(joined), "drained": victims}
 
     async def _load(self, placement: dict[tuple[int, int], list[str]], ews_by_slot: dict[str, str]) -> None:
-        """Every EW named loads its slot's units of `placement`; returns once each said ready."""
+        """Every EW named loads its slot's units of `placement`; returns once each said ready for
+        this very assignment (its `op`). Every link is checked before anything is sent."""
         orch = self.orch
-        seen = {ew: orch.ready_seen.get(ew, 0) for ew in ews_by_slot.values()}
+        links = {ew: orch.links.get(ew) for ew in ews_by_slot.values()}
+        missing = [ew for ew, link in links.items() if link is None]
+        if missing:
+            raise ScaleError(f"{missing[0]} has no link to the orchestrator; nothing changed")
+        ops: dict[str, int] = {}
         for slot, ew in ews_by_slot.items():
             units = [list(u) for u, slots in sorted(placement.items()) if slot in slots]
-            link = orch.links.get(ew)
-            if link is None:
-                raise ScaleError(f"{ew} has no link to the orchestrator; nothing changed")
-            rec = orch.cluster.workers[ew]
-            rec.slot = slot
-            rec.loaded |= {(u[0], u[1]) for u in units}
-            link.send(AssignExperts(slot, units))
+            self.ops += 1
+            ops[ew] = self.ops
+            orch.cluster.workers[ew].slot = slot
+            link = links[ew]
+            assert link is not None
+            link.send(AssignExperts(slot, units, self.ops))
         deadline = time.monotonic() + self.timeout_s
-        while any(orch.ready_seen.get(ew, 0) <= n for ew, n in seen.items()):
-            dead = [ew for ew in seen if orch.cluster.workers[ew].state is WorkerState.DEAD]
+        while any(orch.ready_ops.get(ew, 0) < op for ew, op in ops.items()):
+            dead = [ew for ew in ops if orch.cluster.workers[ew].state is WorkerState.DEAD]
             if dead:
-                raise ScaleError(f"{dead[0]} died while loading its new experts; nothing changed")
+                raise ScaleError(f"{dead[0]} died while loading its new experts; nothing was committed")
             if time.monotonic() > deadline:
-                raise ScaleError(f"the expert workers did not load their new experts within {self.timeout_s:.0f} s")
+                raise ScaleError(f"the expert workers did not load their new experts within {self.timeout_s:.0f} s; "
+                                 "nothing was committed")
             await asyncio.sleep(0.01)
+        for ew_slot, ew in ews_by_slot.items():  # (only now: what an EW holds counts as free to place)
+            orch.cluster.workers[ew].loaded |= {u for u, slots in placement.items() if ew_slot in slots}
+
+    def _check_slots(self) -> None:
+        c = self.orch.cluster
+        busy = [s for s in c.occupant if (c._vacant(s) or s in c.filling) and s not in c.removing]
+        if busy:
+            raise ScaleError(f"slot {busy[0]} is being refilled after a death; scale once it is")
+
+    def _abort(self, joined: dict[str, str], removed: list[str], victims: list[str]) -> None:
+        """Nothing was committed: the old placement stands; EWs started for it leave again."""
+        c, orch = self.orch.cluster, self.orch
+        c.reserved.difference_update(joined)
+        c.removing.difference_update(removed)
+        orch.drained.difference_update(v for v in victims if c.workers[v].state is not WorkerState.DEAD)
+        for ew in joined:
+            c.workers[ew].slot = ""
+            self._drain(ew)
 
     # -- attention workers ------------------------------------------------------------------------
     async def _scale_aws(self, target: int) -> dict[str, Any]:
@@ -159,12 +185,15 @@ class Scaler:
         deadline = time.monotonic() + self.timeout_s
         while True:
             fresh = [w for w in orch.cluster.workers.values() if w.role is role and w.registered_at >= t0
-                     and not w.info.get("standby") and not w.slot and w.id not in orch.cluster.reserved
-                     and w.state is not WorkerState.DEAD]
+                     and w.info.get("scale_out") and not w.slot and w.state is not WorkerState.DEAD]
             ok = [w.id for w in fresh if until is WorkerState.STARTING or w.state is until]
             if len(ok) >= n:
                 return sorted(ok, key=_natural)[:n]
             if time.monotonic() > deadline:
+                if role is Role.EXPERT:  # (an EW outside the placement serves nothing: let it go)
+                    for wid in ok:
+                        orch.cluster.reserved.discard(wid)
+                        self._drain(wid)
                 raise ScaleError(f"{len(ok)} of {n} new {role.value} workers came up within {self.timeout_s:.0f} s")
             await asyncio.sleep(0.02)
 

@@ -18,7 +18,9 @@ def test_balancer_evens_the_ews_load_and_cools_down() -> None:
     replicas = {(0, 0): ["A", "B"], (0, 1): ["B", "A"], (0, 2): ["A", "B"], (0, 3): ["B", "A"], (0, 4): ["A"]}
     # Hand-checked: A serves 70 + 10 = 80 rows, B 20; mean 50, A over 1.5x. A's hottest unit with a
     # copy that does not serve yet is (0, 0): spread over A and B, A has 45 and B 55: balanced.
-    ew_a = {"tokens_by_expert": {"0:0": 40, "0:2": 10}}
+    # An EW's counts when first seen are no round (a restarted orchestrator sees all-time counts).
+    assert b.rows_since_last({"ew-a": {"tokens_by_expert": {"0:0": 900}}, "ew-b": {}}) == {}
+    ew_a = {"tokens_by_expert": {"0:0": 940, "0:2": 10}}
     ew_b = {"tokens_by_expert": {"0:0": 30, "0:1": 10, "0:3": 10}}
     rows = b.rows_since_last({"ew-a": ew_a, "ew-b": ew_b})
     assert rows == {(0, 0): 70, (0, 1): 10, (0, 2): 10, (0, 3): 10}
@@ -26,7 +28,7 @@ def test_balancer_evens_the_ews_load_and_cools_down() -> None:
     assert active == {(0, 0): 2}
     # Counts are cumulative: only the rows since the last round count. Now (0, 0) has 30 rows:
     # without its second replica A would serve 55 and B 45, under the midpoint (1.25x): it cools.
-    ew_a["tokens_by_expert"] = {"0:0": 55, "0:2": 35}
+    ew_a["tokens_by_expert"] = {"0:0": 955, "0:2": 35}
     ew_b["tokens_by_expert"] = {"0:0": 45, "0:1": 35, "0:3": 30}
     rows = b.rows_since_last({"ew-a": ew_a, "ew-b": ew_b})
     assert rows == {(0, 0): 30, (0, 1): 25, (0, 2): 25, (0, 3): 20}

@@ -86,3 +86,11 @@ def test_paged_decode_attention_refuses_bad_shapes() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         paged_decode_attention(torch.zeros(1, 5, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
                                torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 4, 1.0)
+
+
+def test_paged_decode_attention_of_an_empty_row_is_zero() -> None:
+    k = torch.randn(8, 1, 16)
+    out = paged_decode_attention(torch.randn(2, 2, 16).to(DEVICE), k.to(DEVICE), k.to(DEVICE),
+                                 torch.tensor([[0, 1], [-1, -1]], dtype=torch.int32).to(DEVICE),
+                                 torch.tensor([5, 0], dtype=torch.int32).to(DEVICE), 4, 0.25).cpu()
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros(2, 16)) and out[0].abs().sum() > 0

@@ -6,6 +6,8 @@ every stream stays token-identical."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,15 @@ from fabric.config import WeightStoreConfig
 from fabric.kernels import skinny
 from fabric.model.attention_weights import AttentionWeights, serving_names
 from fabric.model.config import ModelConfig
-from fabric.model.weight_store import MappedStore, StoreKey, StoreMiss, fingerprint, read_manifest
+from fabric.model.weight_store import (
+    MappedStore,
+    StoreKey,
+    StoreMiss,
+    default_dir,
+    fingerprint,
+    publish,
+    read_manifest,
+)
 from tests.conftest import running_fabric
 from tests.helpers import replacement_of, wait_for, worker_by_pid
 from tests.load import kill_mid_decode, run_streams, wait_gone
@@ -87,6 +97,34 @@ def test_store_adopts_republishes_and_mapped_tensors_survive(hf_models: dict[str
     # The checkpoint changed: the fingerprint does too, and the old store is not used.
     (Path(model) / "config.json").touch()
     assert fingerprint(model) != key.fingerprint
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or not Path("/dev/shm").is_dir(),
+                    reason="Linux memory accounting and /dev/shm")
+def test_mapping_shares_the_stores_pages_and_holds_one_file() -> None:
+    """What a worker maps is the store's memory (shared), not a private copy, and a worker holds
+    one file descriptor for any number of tensors."""
+    ws = default_dir(f"test-{os.getpid()}")
+    try:
+        key = StoreKey("f", "torch.float32", "torch")
+        publish(ws, key, [(f"t{i}", torch.full((256, 1024), float(i))) for i in range(64)])  # 64 MiB
+        fds, anon, shmem = len(os.listdir("/proc/self/fd")), _status_kib("RssAnon"), _status_kib("RssShmem")
+        store = MappedStore(ws, key)
+        tensors = [store.get(f"t{i}") for i in range(64)]
+        store.close()
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
+        assert _status_kib("RssShmem") - shmem >= 48 * 1024  # faulted in up front, from the store
+        assert _status_kib("RssAnon") - anon < 8 * 1024  # and not copied
+        assert all(float(t[0, 0]) == i and float(t.sum()) == i * 256 * 1024 for i, t in enumerate(tensors))
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
 
 
 def serving(cluster: dict[str, Any]) -> list[dict[str, Any]]:

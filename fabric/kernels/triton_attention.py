@@ -24,7 +24,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale, windo
     kvh = h // (H // KV)
     rd = tl.arange(0, BD)
     dmask = rd < D
-    qv = tl.load(q + (b * H + h) * D + rd, mask=dmask, other=0.0)  # [BD]
+    qv = tl.load(q + (b * H + h) * D + rd, mask=dmask, other=0.0).to(tl.float32)  # [BD]
     n = tl.load(seq_lens + b)
     qpos = n - 1
     m = tl.full((), -1e30, dtype=tl.float32)
@@ -36,11 +36,11 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale, windo
         valid = (pos < n) & (tl.zeros((S,), dtype=tl.int32) + blk >= 0)
         if window > 0:
             valid = valid & (pos > qpos - window)
-        slot = blk * S + tl.arange(0, S)
+        slot = blk.to(tl.int64) * S + tl.arange(0, S)
         offs = (slot[:, None] * KV + kvh) * D + rd[None, :]
         kmask = valid[:, None] & dmask[None, :]
-        kb = tl.load(k_cache + offs, mask=kmask, other=0.0)  # [S, BD]
-        vb = tl.load(v_cache + offs, mask=kmask, other=0.0)
+        kb = tl.load(k_cache + offs, mask=kmask, other=0.0).to(tl.float32)  # [S, BD] (bf16 caches sum in fp32)
+        vb = tl.load(v_cache + offs, mask=kmask, other=0.0).to(tl.float32)
         s = tl.sum(kb * qv[None, :], axis=1) * scale  # [S]
         s = tl.where(valid, s, -1e30)
         m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -49,7 +49,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale, windo
         denom = denom * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
         m = m_new
-    tl.store(out + (b * H + h) * D + rd, acc / denom, mask=dmask)
+    tl.store(out + (b * H + h) * D + rd, tl.where(denom > 0, acc / denom, 0.0), mask=dmask)  # (an empty row: 0)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

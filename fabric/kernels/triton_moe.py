@@ -19,10 +19,10 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 @triton.jit
 def _gate_up_swiglu(x, w, h, tile_expert, tile_start, tile_end, D, I,  # noqa: E741
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    e = tl.load(tile_expert + t)
+    e = tl.load(tile_expert + t).to(tl.int64)  # (int64: a stack of experts passes 2^31 elements)
     start = tl.load(tile_start + t)
     end = tl.load(tile_end + t)
     rm = start + tl.arange(0, BM)
@@ -36,18 +36,22 @@ def _gate_up_swiglu(x, w, h, tile_expert, tile_start, tile_end, D, I,  # noqa: E
         wmask = (rk[:, None] < D) & (rn[None, :] < I)
         g = tl.load(base + rn[None, :], mask=wmask, other=0.0)
         u = tl.load(base + I + rn[None, :], mask=wmask, other=0.0)
-        acc_g += tl.dot(a, g)
-        acc_u += tl.dot(a, u)
+        if IEEE:  # fp32: full precision (tl.dot would use TF32 on NVIDIA GPUs)
+            acc_g += tl.dot(a, g, input_precision="ieee")
+            acc_u += tl.dot(a, u, input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, g)
+            acc_u += tl.dot(a, u)
     out = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up
     tl.store(h + rm[:, None] * I + rn[None, :], out, mask=(rm[:, None] < end) & (rn[None, :] < I))
 
 
 @triton.jit
 def _down(h, w, y, tile_expert, tile_start, tile_end, I, D,  # noqa: E741
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    e = tl.load(tile_expert + t)
+    e = tl.load(tile_expert + t).to(tl.int64)
     start = tl.load(tile_start + t)
     end = tl.load(tile_end + t)
     rm = start + tl.arange(0, BM)
@@ -58,7 +62,11 @@ def _down(h, w, y, tile_expert, tile_start, tile_end, I, D,  # noqa: E741
         a = tl.load(h + rm[:, None] * I + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < I), other=0.0)
         b = tl.load(w + e * I * D + rk[:, None] * D + rn[None, :], mask=(rk[:, None] < I) & (rn[None, :] < D),
                     other=0.0)
-        acc += tl.dot(a, b)
+        a = a.to(b.dtype)  # (h is fp32; the weights may be bf16)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
     tl.store(y + rm[:, None] * D + rn[None, :], acc, mask=(rm[:, None] < end) & (rn[None, :] < D))
 
 
@@ -92,7 +100,9 @@ def fused_moe(x: torch.Tensor, counts: list[int], gate_up_t: torch.Tensor, down_
     meta = [torch.tensor(v, dtype=torch.int32, device=x.device) for v in (te, ts, tn)]
     h = torch.empty((n, inter), dtype=torch.float32, device=x.device)
     x, gate_up_t, down_t = x.contiguous(), gate_up_t.contiguous(), down_t.contiguous()
+    ieee = gate_up_t.dtype == torch.float32
     _gate_up_swiglu[(len(te), triton.cdiv(inter, BLOCK_N))](x, gate_up_t, h, *meta, d, inter,
-                                                            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    _down[(len(te), triton.cdiv(d, BLOCK_N))](h, down_t, y, *meta, inter, d, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                                                            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee)
+    _down[(len(te), triton.cdiv(d, BLOCK_N))](h, down_t, y, *meta, inter, d, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                                              IEEE=ieee)
     return y

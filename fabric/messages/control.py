@@ -133,6 +133,7 @@ class AssignExperts(Message):
     kind = "assign_experts"
     slot: str
     experts: list[list[int]]
+    op: int = 0  # echoed in the WorkerReady that says these are loaded (a scale waits for its own)
 
 
 @register
@@ -160,6 +161,7 @@ class WorkerReady(Message):
 
     kind = "worker_ready"
     epoch: int
+    op: int = 0  # an EW: the AssignExperts it finished (its `op`)
 
 
 @register

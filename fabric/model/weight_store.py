@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor starts on a page: each can be mapped alone
 MANIFEST = "manifest.json"
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read faults now, pages stay shared
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -120,18 +121,30 @@ def read_manifest(directory: Path, key: StoreKey | None = None) -> dict[str, Any
 
 
 class MappedStore:
-    """A worker's view of the store: `get(name)` maps one tensor (no copy, no checkpoint read)."""
+    """A worker's view of the store: `get(name)` maps one tensor (no copy, no checkpoint read).
+
+    The data file is mapped once, private and writable (torch wants a writable buffer; nothing
+    writes, so every page stays the store's: shared with every worker of the host), and each tensor
+    is a view of it whose pages are faulted in read-only up front (MADV_POPULATE_READ), so the
+    first step takes no page faults. One file descriptor per store, whatever the tensor count."""
 
     def __init__(self, directory: str | Path, key: StoreKey) -> None:
         self.dir = Path(directory)
         for attempt in range(3):  # (a store republishing between our reads of manifest and data)
             manifest = read_manifest(self.dir, key)
             try:
-                self._fd = os.open(self.dir / manifest["data"], os.O_RDONLY)
+                fd = os.open(self.dir / manifest["data"], os.O_RDONLY)
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise StoreMiss(f"weight store data in {self.dir} keeps changing") from None
+        try:
+            size = int(manifest["size"])
+            self._region = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                                     prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        finally:
+            os.close(fd)  # (the mapping keeps what it needs)
+        self._bytes = torch.frombuffer(self._region, dtype=torch.uint8) if self._region is not None else None
         self._tensors: dict[str, list[Any]] = manifest["tensors"]
         self.bytes_mapped = 0
 
@@ -163,19 +176,19 @@ class MappedStore:
         nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        # Private and writable so that torch gets a writable buffer; nothing writes to it, so
-        # every page stays the store's (shared). MAP_POPULATE: the first step takes no faults.
-        region = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-        t = torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # (keeps `region` alive)
+        assert self._region is not None and self._bytes is not None
+        if offset + nbytes > len(self._region):
+            raise StoreMiss(f"weight store tensor {name!r} lies outside its data file")
+        with contextlib.suppress(OSError, ValueError):  # (a kernel before 5.14: faulted in on first use)
+            self._region.madvise(MADV_POPULATE_READ, offset, nbytes)
+        t = self._bytes[offset:offset + nbytes].view(dtype).view(shape)
         self.bytes_mapped += nbytes
         return t.t() if transposed else t
 
     def close(self) -> None:
-        """Closes the file; the tensors mapped from it stay valid."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Drops this view; the tensors mapped from it stay valid (they hold the mapping)."""
+        self._bytes = None
+        self._region = None
 
 
 def open_store(directory: str | None, model_dir: str | Path, dtype: torch.dtype, layout: str,
