@@ -92,6 +92,7 @@ class Orchestrator:
         self.replacements_started = 0
         self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
+        self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
         self.scaler = Scaler(self)
         self.balancer = ExpertBalancer(cfg.hot_expert_factor)
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
@@ -216,6 +217,9 @@ class Orchestrator:
                                      f"{self.cfg.rejoin_grace_ms:.0f} ms")
 
     async def _joined(self, rec: WorkerRecord, link: WorkerLink) -> None:
+        if rec.id in self.woken and rec.info.get("standby"):  # its link dropped before the Wake arrived
+            rec.info.update(standby=False, replaces=self.woken[rec.id])
+            link.send(Wake(self.woken[rec.id]))
         if rec.role is Role.EXPERT:
             await self._place()
         if rec.role is Role.STORE:
@@ -266,6 +270,7 @@ class Orchestrator:
             return False
         standby.info.update(standby=False, replaces=dead.id)
         log.info("waking standby %s to replace %s", standby.id, dead.id)
+        self.woken[standby.id] = dead.id
         link.send(Wake(dead.id))
         return True
 
@@ -365,6 +370,7 @@ class Orchestrator:
         if isinstance(msg, WorkerReady):
             await self.recovered.wait()
             self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)
+            self.woken.pop(worker_id, None)
             table_changed = self.cluster.mark_ready(worker_id)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
             self._broadcast()
