@@ -254,6 +254,9 @@ class Cluster:
         for slot, ew in self.occupant.items():
             if ew in self.workers:
                 self.workers[ew].experts = self.slot_units(slot)
+        # (balanced shares come first in a replan: say which node-level guarantee that costs)
+        _say_spread(placement, {s: str(self.workers[w].info.get("node") or w) for s, w in self.occupant.items()
+                                if w in self.workers})
         self.publish()
 
     def standby(self, role: Role) -> WorkerRecord | None:
