@@ -76,8 +76,7 @@ class AttentionService(Service):
 
         def load() -> AttentionWeights:
             gemm = skinny.gemm_for(self.cfg.kernel, dtype)
-            store = open_store(self.cfg.weight_store, self.cfg.model, dtype, "skinny" if gemm else "torch",
-                               self.cfg.weight_store_wait_s)
+            store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
             if store is None:
                 return AttentionWeights.load(self.cfg.model, self.model, gemm)
             try:

@@ -154,8 +154,8 @@ class ExpertWorker(Service):
         if self.cfg.compute == "sim":
             return None
         dtype = self.model.torch_dtype
-        layout = "skinny" if skinny.gemm_for(self.cfg.kernel, dtype) is not None else "torch"
-        return open_store(self.cfg.weight_store, self.cfg.model, dtype, layout, self.cfg.weight_store_wait_s)
+        return open_store(self.cfg.weight_store, self.cfg.model, dtype, skinny.gemm_for(self.cfg.kernel, dtype),
+                          self.cfg.weight_store_wait_s)
 
     def _load(self, units: list[tuple[int, int]]) -> None:
         """From the host's weight store where it has them, else from the checkpoint (in a thread)."""

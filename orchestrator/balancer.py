@@ -14,9 +14,45 @@ replaced EW's copies join the same way, so the load is rebalanced after a recove
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fabric.messages.control import Role
+
+if TYPE_CHECKING:
+    from orchestrator.main import Orchestrator
+
+log = logging.getLogger("orchestrator")
 
 Unit = tuple[int, int]
+
+
+async def balance_loop(orch: Orchestrator) -> None:
+    """Every `balance_interval_s`: the rows since the last round, the balancer's verdict, at most one
+    new copy (loaded before it is published), and a new table if what serves changed."""
+    balancer = ExpertBalancer(orch.cfg.hot_expert_factor)
+    while True:
+        await asyncio.sleep(orch.cfg.balance_interval_s)
+        c = orch.cluster
+        if c.table is None or c.placement is None or not orch.recovered.is_set() or orch.shutting_down:
+            continue
+        stats = {w.id: w.stats for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
+        rows = balancer.rows_since_last(stats)
+        active = balancer.decide(rows, {u: list(ews) for u, ews in c.table.replicas.items() if ews}, c.active)
+        for unit, ew in balancer.grow[:1]:
+            if await orch.scaler.add_copy(unit, ew):
+                active[unit] = len(c.placement[unit])
+                log.info("expert load balancing: a copy of layer %d expert %d added on %s (%d copies)", *unit, ew,
+                         active[unit])
+        if active != c.active:
+            hot, cooled = sorted(set(active) - set(c.active)), sorted(set(c.active) - set(active))
+            c.active = active
+            c.publish()
+            assert c.table is not None
+            log.info("expert load balancing: epoch %d, %d experts spread over their replicas (now hot: %s; "
+                     "cooled: %s)", c.table.epoch, len(active), hot[:8], cooled[:8])
+            orch._broadcast()
 
 
 class ExpertBalancer:

@@ -53,12 +53,11 @@ from fabric.messages.control import (
 )
 from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
-from orchestrator.balancer import ExpertBalancer
 from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.provisioner import NoProvisioner, Provisioner
-from orchestrator.scaling import ScaleError, Scaler
+from orchestrator.scaling import Scaler
 
 log = logging.getLogger("orchestrator")
 
@@ -94,7 +93,6 @@ class Orchestrator:
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
         self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
         self.scaler = Scaler(self)
-        self.balancer = ExpertBalancer(cfg.hot_expert_factor)
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
 
     def _spawn(self, coro: Any) -> None:
@@ -298,50 +296,6 @@ class Orchestrator:
         avoid = self.cluster.nodes_with_copies(replaces) if role is Role.EXPERT else []
         if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice, avoid, standby):
             self.replacements_started += 1
-
-    async def balance_loop(self) -> None:
-        """Expert load balancing, every `balance_interval_s` (orchestrator/balancer.py): a change in
-        which experts are hot is published as a new table."""
-        while True:
-            await asyncio.sleep(self.cfg.balance_interval_s)
-            c = self.cluster
-            if c.table is None or c.placement is None or not self.recovered.is_set() or self.shutting_down:
-                continue
-            stats = {w.id: w.stats for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
-            rows = self.balancer.rows_since_last(stats)
-            active = self.balancer.decide(rows, {u: list(ews) for u, ews in c.table.replicas.items() if ews}, c.active)
-            for unit, ew in self.balancer.grow[:1]:  # one new copy a round, loaded before it is published
-                await self._add_copy(unit, ew, active)
-            if active != c.active:
-                hot = sorted(set(active) - set(c.active))
-                cooled = sorted(set(c.active) - set(active))
-                c.active = active
-                c.publish()
-                assert c.table is not None
-                log.info("expert load balancing: epoch %d, %d experts spread over their replicas (now hot: %s; "
-                         "cooled: %s)", c.table.epoch, len(active), hot[:8], cooled[:8])
-                self._broadcast()
-
-    async def _add_copy(self, unit: Unit, ew: str, active: dict[Unit, int]) -> None:
-        """Places one more copy of a hot `unit` on `ew` (its slot), has it loaded, and makes every
-        copy of the unit active in `active`; skipped while a scale operation runs."""
-        c = self.cluster
-        rec = c.workers.get(ew)
-        if rec is None or not rec.slot or c.occupant.get(rec.slot) != ew or c.placement is None \
-                or self.scaler.lock.locked() or rec.slot in c.placement.get(unit, []):
-            return
-        async with self.scaler.lock:
-            placement = {**c.placement, unit: [*c.placement[unit], rec.slot]}
-            try:
-                await self.scaler._load(placement, {rec.slot: ew})
-            except ScaleError as exc:
-                log.warning("expert load balancing: no new copy of layer %d expert %d on %s: %s", *unit, ew, exc)
-                return
-            c.placement = placement
-            rec.experts = c.slot_units(rec.slot)
-            active[unit] = len(placement[unit])
-            log.info("expert load balancing: a copy of layer %d expert %d added on %s (%d copies)", *unit, ew,
-                     len(placement[unit]))
 
     async def watch_replacements(self) -> None:
         """A replacement that exits before registering is started again (a double fault during start-up)."""

@@ -144,6 +144,26 @@ class Scaler:
         for ew_slot, ew in ews_by_slot.items():  # (only now: what an EW holds counts as free to place)
             orch.cluster.workers[ew].loaded |= {u for u, slots in placement.items() if ew_slot in slots}
 
+    async def add_copy(self, unit: tuple[int, int], ew: str) -> bool:
+        """One more copy of `unit` on `ew` (in its slot), loaded, then in the placement; the next
+        table publishes it. False where it cannot be done now (a scale operation runs, `ew` holds
+        no slot or a copy already, the load failed)."""
+        c = self.orch.cluster
+        rec = c.workers.get(ew)
+        if rec is None or not rec.slot or c.occupant.get(rec.slot) != ew or c.placement is None \
+                or self.lock.locked() or rec.slot in c.placement.get(unit, []):
+            return False
+        async with self.lock:
+            placement = {**c.placement, unit: [*c.placement[unit], rec.slot]}
+            try:
+                await self._load(placement, {rec.slot: ew})
+            except ScaleError as exc:
+                log.warning("no new copy of layer %d expert %d on %s: %s", *unit, ew, exc)
+                return False
+            c.placement = placement
+            rec.experts = c.slot_units(rec.slot)
+            return True
+
     def _check_slots(self) -> None:
         c = self.orch.cluster
         busy = [s for s in c.occupant if (c._vacant(s) or s in c.filling) and s not in c.removing]

@@ -14,6 +14,7 @@ from fabric import auth
 from fabric.config import OrchestratorConfig
 from fabric.messages.control import Role
 from fabric.notify import notifier
+from orchestrator.balancer import balance_loop
 from orchestrator.main import Orchestrator
 from orchestrator.provisioner import make_provisioner
 from orchestrator.scaling import ScaleError
@@ -85,7 +86,7 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
         f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
     tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
     if cfg.balance_interval_s > 0:
-        tasks.append(asyncio.create_task(orch.balance_loop()))
+        tasks.append(asyncio.create_task(balance_loop(orch)))
     log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
              orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
     notifier().send("READY=1")

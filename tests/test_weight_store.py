@@ -18,7 +18,8 @@ import torch
 from expert_worker.executor import ExpertExecutor
 from fabric.config import WeightStoreConfig
 from fabric.kernels import skinny
-from fabric.model.attention_weights import AttentionWeights, serving_names
+from fabric.model.attention_weights import AttentionWeights, serving_tensors
+from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
 from fabric.model.weight_store import (
     MappedStore,
@@ -47,7 +48,7 @@ def test_mapped_weights_equal_the_checkpoints(hf_models: dict[str, Path], tmp_pa
     read = AttentionWeights.load(model, cfg, aw_gemm)
     mapped = AttentionWeights.build(lambda n: store.get(n) if store.has(n) else None, cfg, aw_gemm)
     assert read.bytes_read > 0 and mapped.bytes_read == 0
-    names = serving_names(cfg)
+    names = [n for n, _ in serving_tensors(Checkpoint(model, cfg.torch_dtype), cfg, aw_gemm)]
     assert all(store.has(n) for n in names)
     for a, b in [(read.embed, mapped.embed), (read.norm, mapped.norm), (read.lm_head.w, mapped.lm_head.w)]:
         assert torch.equal(a, b) and a.stride() == b.stride()  # the same layout: the same matmul numerics

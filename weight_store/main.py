@@ -26,7 +26,7 @@ from fabric.model.attention_weights import serving_tensors
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
 from fabric.model.expert_weights import expert_kernel, expert_names, prepare_expert
-from fabric.model.weight_store import StoreKey, StoreMiss, fingerprint, publish, read_manifest
+from fabric.model.weight_store import StoreKey, StoreMiss, publish, read_manifest, store_key
 from fabric.notify import notifier
 from fabric.process import run_niced_async
 
@@ -38,7 +38,7 @@ def keys(cfg: ModelConfig, model_dir: str, kernel: str) -> tuple[StoreKey, skinn
     choice the workers make (the AW: `kernel`; an EW: `kernel` where the expert shapes fit)."""
     aw_gemm = skinny.gemm_for(kernel, cfg.torch_dtype)
     ew_gemm = skinny.gemm_for(expert_kernel(cfg, kernel), cfg.torch_dtype)
-    key = StoreKey(fingerprint(model_dir), str(cfg.torch_dtype), "skinny" if aw_gemm is not None else "torch")
+    key = store_key(model_dir, cfg.torch_dtype, aw_gemm)
     return key, aw_gemm, ew_gemm
 
 

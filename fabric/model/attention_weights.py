@@ -75,18 +75,6 @@ class AttentionWeights:
         return cls(need("embed"), layers, need("norm"), proj("lm_head"), bytes_read, bytes_mapped)
 
 
-def serving_names(cfg: ModelConfig) -> list[str]:
-    """The names `serving_tensors` yields for this model (what an AW maps from the weight store)."""
-    names = ["embed", "norm", "lm_head"]
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
-        names += [f"{p}.input_norm", f"{p}.post_norm", f"{p}.qkv", f"{p}.o_proj"]
-        names += [f"{p}.qkv_bias"] if cfg.attention_bias else []
-        names += [f"{p}.q_norm", f"{p}.k_norm"] if cfg.qk_norm else []
-        names += [f"{p}.dense.{n}" for n in ("gate", "up", "down")] if i in cfg.dense_layers else [f"{p}.router"]
-    return names
-
-
 def serving_tensors(ckpt: Checkpoint, cfg: ModelConfig, gemm: SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every AW tensor in its serving layout, by name, read from the checkpoint."""
     embed = ckpt.get("model.embed_tokens.weight")

@@ -191,14 +191,20 @@ class MappedStore:
         self._region = None
 
 
-def open_store(directory: str | None, model_dir: str | Path, dtype: torch.dtype, layout: str,
+def store_key(model_dir: str | Path, dtype: torch.dtype, gemm: object | None) -> StoreKey:
+    """The key of a store of this checkpoint for workers whose projections use `gemm` (the skinny
+    kernel: packed layout) or torch's matmul (None)."""
+    return StoreKey(fingerprint(model_dir), str(dtype), "skinny" if gemm is not None else "torch")
+
+
+def open_store(directory: str | None, model_dir: str | Path, dtype: torch.dtype, gemm: object | None,
                wait_s: float) -> MappedStore | None:
-    """A worker's store (None: read the checkpoint, with the reason logged); `layout` is the kernel
-    the worker's projections use ("skinny" or "torch"). Blocking: call from a thread."""
+    """A worker's store (None: read the checkpoint, with the reason logged); `gemm`: the kernel its
+    projections use. Blocking: call from a thread."""
     if not directory:
         return None
     try:
-        return MappedStore.wait(directory, StoreKey(fingerprint(model_dir), str(dtype), layout), wait_s)
+        return MappedStore.wait(directory, store_key(model_dir, dtype, gemm), wait_s)
     except StoreMiss as exc:
         log.warning("reading the checkpoint: %s", exc)
         return None
