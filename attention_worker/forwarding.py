@@ -15,24 +15,18 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError, ProtocolError
-from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
+from attention_worker.ew_link import EwLink
+from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError
+from fabric.messages.expert import AwActivity, ExpertCall, Hello
 from fabric.routing import EwAddress, RoutingTable
-from fabric.transport.base import Connection, Transport
+from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
-IDLE_TICK = 0.1  # seconds between a prober's checks while no call is in flight
-
-
-class ExpertCallError(FabricError):
-    """The EW refused a call (e.g. the expert is not hosted there)."""
-
-    recoverable = True
 
 
 @dataclass(frozen=True)
@@ -44,109 +38,6 @@ class Piece:
     start: int
     rows: int
     part: int
-
-
-@dataclass
-class EwLink:
-    addr: EwAddress
-    control: Connection
-    data: Connection
-    pending: dict[int, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    dead: bool = False
-    last_heard: float = field(default_factory=time.monotonic)  # any message from this EW
-    last_data: float = field(default_factory=time.monotonic)  # an expert result (or error) from this EW
-    sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
-    latency: float = 0.0  # smoothed call latency (EWMA), the yardstick of "silent too long"
-
-    async def read_loop(self) -> None:
-        """Data channel: routes results to the futures of their calls. Traffic is the implicit
-        heartbeat."""
-        error: FabricError = PeerDeadError(self.addr.worker_id)
-        try:
-            while True:
-                msg = await self.data.recv()
-                self.last_heard = self.last_data = now = time.monotonic()
-                call_id = getattr(msg, "call_id", -1)
-                sent = self.sent_at.pop(call_id, None)
-                if sent is not None:
-                    self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
-                fut = self.pending.pop(call_id, None)
-                if fut is None or fut.done():
-                    continue
-                if isinstance(msg, ExpertResult):
-                    fut.set_result(msg.y)
-                elif isinstance(msg, ExpertError):
-                    fut.set_exception(ExpertCallError(msg.message))
-        except (PeerDeadError, ProtocolError) as exc:
-            error = exc
-        finally:
-            self.fail(error)
-
-    async def control_loop(self) -> None:
-        """Control channel: pongs (and anything else) refresh `last_heard`."""
-        try:
-            while True:
-                if isinstance(await self.control.recv(), Pong):
-                    self.last_heard = time.monotonic()
-        except (PeerDeadError, ProtocolError) as exc:
-            self.fail(exc)
-
-    async def probe_loop(self, interval: float, misses: int) -> None:
-        """While calls are outstanding and the link has been silent for `interval`, ping on the
-        control channel; `misses` probes without an answer declare the EW dead (a hung process:
-        its connections stay open, so only probes can tell). "Without an answer" also means silent
-        for longer than 10x the link's smoothed call latency, as TCP's retransmission timeout
-        scales with the measured RTT: on a loaded CPU host a busy but healthy EW can be silent for
-        tens of milliseconds, and a false verdict would retire it for good."""
-        sent = 0
-        nonce = itertools.count(1)
-        while not self.dead:
-            await asyncio.sleep(interval if self.pending else max(interval, IDLE_TICK))  # idle: tick slower
-            silent = time.monotonic() - self.last_heard
-            if not self.pending or silent < max(interval, self.latency):  # not due before a usual answer
-                sent = 0
-                continue
-            if sent >= misses and silent > max(interval * (misses + 1), 10 * self.latency):
-                self.fail(PeerDeadError(self.addr.worker_id, f"no answer to {sent} probes in {silent * 1e3:.0f} ms"))
-                await self.data.close()
-                await self.control.close()
-                return
-            try:
-                self.control.send_nowait(Ping(next(nonce)))
-            except PeerDeadError as exc:
-                self.fail(exc)
-                return
-            sent += 1
-
-    async def stall_loop(self, deadline: float) -> None:
-        """Calls outstanding and no result for `deadline` (the send deadline), although the EW may
-        answer probes: its data path is stuck (a reader that stopped reading). Definitive: the EW
-        cannot serve, whatever its control channel says."""
-        while not self.dead:
-            await asyncio.sleep(deadline / 4)
-            silent = time.monotonic() - self.last_data
-            if self.pending and silent > deadline:
-                self.fail(PeerStalledError(self.addr.worker_id, f"no expert result for {silent * 1e3:.0f} ms "
-                                                                "with calls outstanding"))
-                await self.data.close()
-                await self.control.close()
-                return
-
-    def fail(self, error: FabricError) -> None:
-        """Marks the link dead and fails every call waiting on it (they are then replayed)."""
-        self.dead = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self.pending.clear()
-        self.sent_at.clear()
-
-    async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await self.control.close()
-        await self.data.close()
 
 
 class ForwardingEngine:
@@ -166,13 +57,17 @@ class ForwardingEngine:
         self._active = False
         self.dead: set[str] = set()  # EWs found dead; not used again unless the orchestrator vouches for them
         self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW found it dead
-        self._readmit = False
+        self._readmits: set[str] = set()  # EWs the orchestrator vouched for: reconnected at the next boundary
         self.sending = 0  # expert calls being written right now (the checkpoint lane waits for 0)
         self.send_idle = asyncio.Event()
         self.send_idle.set()
         self.in_flight = 0  # expert calls sent and not yet answered (the link's idle gap)
         self.replays = 0
         self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
+        self.probes_sent = 0
+        self.applied: dict[int, float] = {}  # table epoch -> when this AW switched to it (wall clock)
+        self._calls_out = asyncio.Event()  # set when a call goes out on an idle link: the watcher wakes
+        self._watcher: asyncio.Task[None] | None = None
 
     def offer_table(self, table: RoutingTable) -> bool:
         """Records a newer table (returns False for a stale one); the main loop applies it between
@@ -186,20 +81,23 @@ class ForwardingEngine:
 
     def readmit(self, ew_id: str) -> None:
         """The orchestrator found `ew_id` alive after this AW reported it dead (a false verdict of
-        the probes, e.g. a scheduling hiccup): reconnect to it at the next step boundary."""
-        if ew_id in self.dead:
+        the probes, e.g. a scheduling hiccup): reconnect to it at the next step boundary (or in a
+        step waiting for a replica). It stays routed around until then: its old link is dead, and a
+        call on it would only report it again."""
+        if ew_id in self.dead and ew_id not in self._readmits:
             log.warning("%s is alive after all (the orchestrator checked); using it again", ew_id)
-            self.dead.discard(ew_id)
-            self._readmit = True
+            self._readmits.add(ew_id)
             self._table_arrived.set()
 
     async def apply_next_table(self) -> None:
+        readmit = bool(self._readmits)
+        self.dead -= self._readmits
+        self._readmits.clear()
         if self.next_table is not None:
             table, self.next_table = self.next_table, None
             await self.apply_table(table)
-        elif self._readmit and self.table is not None:
+        elif readmit and self.table is not None:
             await self.apply_table(self.table)
-        self._readmit = False
 
     async def apply_table(self, table: RoutingTable) -> None:
         """Connects to EWs new in `table` (control and data channels) and drops the others.
@@ -217,6 +115,9 @@ class ForwardingEngine:
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
         self.table = table
+        self.applied[table.epoch] = time.time()
+        while len(self.applied) > 16:
+            del self.applied[next(iter(self.applied))]
 
     def _declare_dead(self, ew_id: str, reason: str, definitive: bool) -> None:
         if ew_id in self.dead:
@@ -236,7 +137,7 @@ class ForwardingEngine:
                     self.expert_wait)
         deadline = asyncio.get_running_loop().time() + self.expert_wait
         while self.table.primary(layer, expert, self.dead) is None:
-            if self.next_table is None and not self._readmit:
+            if self.next_table is None and not self._readmits:
                 self._table_arrived.clear()
                 remaining = deadline - asyncio.get_running_loop().time()
                 try:
@@ -253,15 +154,46 @@ class ForwardingEngine:
         data = await self.transport.connect(addr.host, addr.port)
         await control.send(Hello(self.aw_id, "control"))
         await data.send(Hello(self.aw_id, "data"))
-        link = EwLink(addr, control, data)
-        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop()),
-                      asyncio.create_task(link.stall_loop(data.send_timeout))]
-        if self.probe_interval > 0:
-            link.tasks.append(asyncio.create_task(link.probe_loop(self.probe_interval, self.probe_misses)))
+        link = EwLink(addr, control, data, on_dead=self._link_died)
+        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch())
         if self._active:
             control.send_nowait(AwActivity(True))
         log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
         return link
+
+    def _link_died(self, link: EwLink, error: FabricError) -> None:
+        """A link of the current table died (its connection ended, a probe verdict, a stall): the EW
+        is routed around from the next call on, and the orchestrator is told."""
+        if self.links.get(link.addr.worker_id) is link:
+            log.warning("%s is dead (%s)", link.addr.worker_id, error)
+            self._declare_dead(link.addr.worker_id, str(error), isinstance(error, PeerStalledError))
+
+    async def _watch(self) -> None:
+        """The one liveness watcher of all this AW's EW links: it ticks only while calls are
+        outstanding, and looks only at the links that have some (`EwLink.check`); an idle AW costs
+        nothing, however many EWs it is linked to, and a busy link's own traffic is its heartbeat."""
+        nonce = itertools.count(1)
+        while True:
+            busy = [link for link in self.links.values() if link.pending and not link.dead]
+            if not busy:
+                self._calls_out.clear()
+                await self._calls_out.wait()
+                continue
+            tick = self.probe_interval if self.probe_interval > 0 else 0.25
+            await asyncio.sleep(min(tick, min(link.data.send_timeout for link in busy) / 4))
+            now = time.monotonic()
+            for link in busy:
+                if not link.pending or link.dead:
+                    continue
+                sent = link.probes
+                error = link.check(now, self.probe_interval, self.probe_misses, link.data.send_timeout, next(nonce))
+                self.probes_sent += link.probes > sent
+                if error is not None:
+                    link.fail(error)
+                    await link.data.close()
+                    await link.control.close()
 
     async def set_active(self, active: bool) -> None:
         """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
@@ -286,6 +218,7 @@ class ForwardingEngine:
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         if not link.pending:
             link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
+            self._calls_out.set()
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         self.sending += 1
@@ -370,8 +303,9 @@ class ForwardingEngine:
         """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the live serving replicas of
         each expert. Calls to an EW that dies are replayed at once on the next replica in the table,
         flagged so the destination serves them first (Tarragon §5.1); expert computation is
-        deterministic, so the result is the same. With `pad`, every live EW gets a call, empty or
-        not, so a sync gather policy never waits for this AW in vain."""
+        deterministic, so the result is the same. With `pad`, every live EW whose gather policy is
+        sync gets a call, empty or not, so it never waits for this AW in vain (with hundreds of EWs,
+        `--gather threshold` spares those calls)."""
         assert self.table is not None
         y = torch.empty_like(xs)
         todo = self._pieces(layer, spans)
@@ -379,8 +313,8 @@ class ForwardingEngine:
         while True:
             plan = await self._plan(layer, todo)
             if pad and not replay:
-                for ew in self.table.expert_workers:
-                    if ew not in self.dead:
+                for ew, addr in self.table.expert_workers.items():
+                    if addr.sync and ew not in self.dead:
                         plan.setdefault(ew, [])
             ews = list(plan)
             idx = [torch.tensor([r for j in plan[ew] for r in range(todo[j].start, todo[j].start + todo[j].rows)],
@@ -408,6 +342,8 @@ class ForwardingEngine:
             self.replays += 1
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for link in self.links.values():
             await link.close()
         self.links.clear()

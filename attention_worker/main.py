@@ -35,6 +35,7 @@ from fabric.model.config import ModelConfig
 from fabric.model.weight_store import open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
+from fabric.sim_host import serve_workers
 from fabric.transport import make_transport
 from fabric.transport.base import Listener
 
@@ -140,7 +141,8 @@ class AttentionService(Service):
         if self.serving or not self.linked or not self.awake or (self.weights is None and not sim):
             return
         if sim:
-            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms)
+            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms,
+                                  blocking=self.cfg.sim_workers == 1)
         else:
             assert self.weights is not None
             aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
@@ -172,9 +174,16 @@ class AttentionService(Service):
     def stats(self) -> dict[str, Any] | None:
         if self.aw.refe is None:
             return None
-        w = self.weights
+        w, refe, rt = self.weights, self.aw.refe, self.runtime
         return {**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
-                "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0}
+                "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
+                # (what the scale experiment reads: when each EW was found dead, each epoch arrived and applied)
+                "probes_sent": refe.probes_sent, "ews_dead_at": dict(refe.suspected_at),
+                "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()},
+                "epochs_applied": {str(e): t for e, t in refe.applied.items()}}
+
+    def abort(self) -> None:
+        self.transport.abort_all()
 
     async def close(self) -> None:
         # The store link goes first: closing the gateways' connections lets their requests go, and
@@ -188,4 +197,4 @@ class AttentionService(Service):
 
 
 async def serve(cfg: AttentionWorkerConfig, stop: asyncio.Event) -> None:
-    await Runtime(cfg, AttentionService(cfg)).serve(stop)
+    await serve_workers(cfg, lambda: AttentionService(cfg), stop)

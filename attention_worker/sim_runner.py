@@ -1,6 +1,7 @@
 """`--compute sim` for an attention worker: the scheduler, paged KV cache, checkpoints, expert
 calls through the REFE and sampling are all real; the tensor math of a step is replaced by a cost
-model (`attention_ms` per layer, blocking as real compute does) and deterministic stand-ins:
+model (`attention_ms` per layer, blocking as real compute does; with many workers in one process
+(`--sim-workers`) it sleeps without blocking the others, as compute on a device of its own) and deterministic stand-ins:
 
     hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
     attention  K and V rows derived from h, written to the cache and checkpointed like real ones
@@ -16,6 +17,7 @@ whichever AW or EW replica serves it: failover in a simulation can still be chec
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import cast
 
@@ -31,9 +33,11 @@ PEAK = 30.0  # the picked token's logit (others 0): sampling at any usual temper
 
 
 class SimRunner(ModelRunner):
-    def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float) -> None:
+    def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float,
+                 blocking: bool = True) -> None:
         super().__init__(cfg, cast(AttentionWeights, None), kv, refe)  # (no weights: nothing reads them)
         self.attention_s = attention_ms / 1000
+        self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
 
     async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +51,10 @@ class SimRunner(ModelRunner):
         h = h.to(cfg.torch_dtype)
         k = cfg.top_k
         for i in range(cfg.num_layers):
-            if self.attention_s:
+            if self.attention_s and self.blocking:
                 time.sleep(self.attention_s)
+            elif self.attention_s:
+                await asyncio.sleep(self.attention_s)
             kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
             self.kv.k[i][meta.slots] = kv
             self.kv.v[i][meta.slots] = kv

@@ -31,6 +31,7 @@ from fabric.model.config import ModelConfig
 from fabric.model.weight_store import MappedStore, open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
+from fabric.sim_host import serve_workers
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener
 
@@ -173,6 +174,9 @@ class ExpertWorker(Service):
                 "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
                 "tokens_by_expert": tokens, "kernel": self.executor.kernel}
 
+    def abort(self) -> None:
+        self.transport.abort_all()
+
     async def close(self) -> None:
         if self.listener is not None:
             await self.listener.close()
@@ -270,4 +274,4 @@ class ExpertWorker(Service):
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:
-    await Runtime(cfg, ExpertWorker(cfg)).serve(stop)
+    await serve_workers(cfg, lambda: ExpertWorker(cfg), stop)

@@ -162,11 +162,20 @@ class WorkerConfig(RoleConfig):
                                 "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
+    sim_workers: int = opt(1, "--compute sim: host this many workers in this one process, each with its own identity, "
+                              "sockets and tasks (a deployment-scale simulation on a few cores)")
+    sim_control: bool = opt(False, "read `kill WORKER_ID` lines on stdin: that worker dies as on SIGKILL (its sockets "
+                                   "close, it says nothing); the scale experiment's fault injection", hidden=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        if self.sim_workers < 1:
+            raise ConfigError("sim_workers must be >= 1")
+        if self.sim_workers > 1 and (self.compute != "sim" or self.port != 0 or self.standby):
+            raise ConfigError("--sim-workers > 1 needs --compute sim and --port 0 (each worker listens on a port of "
+                              "its own), and no --standby")
         if self.weight_store_wait_s < 0:
             raise ConfigError("weight_store_wait_s must be >= 0")
         if self.compute not in ("model", "sim"):

@@ -12,7 +12,9 @@ the worker does not follow it. An orchestrator that answers `Fenced` has declare
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -23,7 +25,7 @@ import aiohttp
 from fabric import auth
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
-from fabric.messages.control import Fenced, LinkProbe, LinkProbeReply, Register, Registered
+from fabric.messages.control import Fenced, LinkProbe, LinkProbeReply, Register, Registered, ViewReport
 from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,9 @@ class ControlLink:
             while True:
                 try:
                     self.url = self._url()
-                    ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20,
+                    # (no permessage-deflate: aiohttp deflates a message over 5 KiB in a thread pool, which
+                    # made a view delta to 256 workers take ~90 ms to arrive; the control plane is small)
+                    ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20, compress=0,
                                                   ssl=self.tls if self.tls is not None else True,
                                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -136,7 +140,11 @@ class ControlLink:
             except AuthError as exc:
                 log.error("orchestrator link: %s", exc)
                 raise
-        await ws.send_bytes(pack(self.make_register()))
+        reg = self.make_register()
+        view, reg.view = reg.view, None  # (its version only; the view itself if the orchestrator asks)
+        if view is not None:
+            reg.view_version = list(view.version)
+        await ws.send_bytes(pack(reg))
         reply = await asyncio.wait_for(self._receive(ws), REGISTER_TIMEOUT)
         if isinstance(reply, Fenced):
             self.fenced = reply.reason
@@ -150,6 +158,8 @@ class ControlLink:
         if self.registrations and reply.generation != self.generation:
             log.info("registered with a new orchestrator (generation %d) as %s", reply.generation, reply.worker_id)
         self.generation, self.worker_id = reply.generation, reply.worker_id
+        if reply.send_view and view is not None:
+            await ws.send_bytes(pack(ViewReport(view)))
         self.registrations += 1
         self._ws = ws
         self.connected.set()
@@ -169,6 +179,14 @@ class ControlLink:
         if msg.type != aiohttp.WSMsgType.BINARY:
             raise PeerDeadError(self.url, f"orchestrator link closed ({msg.type.name})")
         return unpack(msg.data)
+
+    def abort(self) -> None:
+        """Cuts the connection at once (a simulated SIGKILL): the orchestrator sees it end now."""
+        ws = self._ws
+        sock = ws.get_extra_info("socket") if ws is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError), socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)  # (on a duplicate: the loop's own socket object refuses it)
 
     async def send(self, msg: Message) -> None:
         """Raises PeerDeadError when no orchestrator is connected (nothing is queued for later:

@@ -6,8 +6,9 @@ says which live EW occupies each slot, and the placement tensor lists, for each 
 its slots in routing order (primary first, then shadows). A logical expert's replicas are the live
 occupants of its slots, in that order; the first not known dead serves traffic.
 
-The placement travels as one int16 tensor frame (`[L_moe, E, C]` slot indices, -1: no copy), so a
-Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame rather than a 1 MiB msgpack header.
+The placement travels as one int16 frame (`[L_moe, E, C]` slot indices, -1: no copy; a numpy array:
+the orchestrator needs no torch), so a Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame
+rather than a 1 MiB msgpack header.
 
 Expert load balancing: `active` (`[L_moe, E]` int16, absent: 1 each) says how many of an expert's
 first replicas serve traffic at once; an AW spreads a hot expert's rows over that many live
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from fabric.errors import ProtocolError
 
@@ -33,6 +34,7 @@ class EwAddress:
     worker_id: str
     host: str
     port: int
+    sync: bool = True  # its gather policy waits for every active AW: send it a call every layer, empty or not
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +47,9 @@ class RoutingTable:
     slots: list[str]
     occupants: list[str]  # per slot: the live EW serving it, "" when vacant
     addresses: list[EwAddress]  # every live occupant
-    placement: torch.Tensor  # [L_moe, E, C] int16 slot indices, -1: none
-    active: torch.Tensor | None = None  # [L_moe, E] int16: replicas serving at once (None: 1 each)
-    _rows: list[list[list[int]]] = field(init=False, repr=False, compare=False)
+    placement: np.ndarray  # [L_moe, E, C] int16 slot indices, -1: none
+    active: np.ndarray | None = None  # [L_moe, E] int16: replicas serving at once (None: 1 each)
+    _rows: dict[int, list[list[int]]] = field(init=False, repr=False, compare=False)  # per MoE layer, on first use
     _layer_index: dict[int, int] = field(init=False, repr=False, compare=False)
     _by_id: dict[str, EwAddress] = field(init=False, repr=False, compare=False)
     _active: list[list[int]] | None = field(init=False, repr=False, compare=False)
@@ -55,27 +57,41 @@ class RoutingTable:
     def __post_init__(self) -> None:
         """Checks the table is self-consistent (a decoded one comes from the network)."""
         p = self.placement
-        if p.dtype != torch.int16 or p.dim() != 3 or p.shape[0] != len(self.layers) or p.shape[1] != self.num_experts:
+        if p.dtype != np.int16 or p.ndim != 3 or p.shape[0] != len(self.layers) or p.shape[1] != self.num_experts:
             raise ProtocolError(f"routing table: placement of shape {tuple(p.shape)} {p.dtype} does not fit "
                                 f"{len(self.layers)} MoE layers x {self.num_experts} experts")
         if len(self.occupants) != len(self.slots) or len(set(self.slots)) != len(self.slots):
             raise ProtocolError("routing table: one occupant per distinct slot")
-        if p.numel() and (int(p.min()) < -1 or int(p.max()) >= len(self.slots)):
+        if p.size and (int(p.min()) < -1 or int(p.max()) >= len(self.slots)):
             raise ProtocolError("routing table: placement names a slot that does not exist")
         if any(not 0 <= lyr < self.num_layers for lyr in self.layers) or len(set(self.layers)) != len(self.layers):
             raise ProtocolError("routing table: MoE layers out of range")
         a = self.active
-        if a is not None and (a.dtype != torch.int16 or tuple(a.shape) != tuple(p.shape[:2])
-                              or (a.numel() and (int(a.min()) < 1 or int(a.max()) > max(1, p.shape[2])))):
+        if a is not None and (a.dtype != np.int16 or tuple(a.shape) != tuple(p.shape[:2])
+                              or (a.size and (int(a.min()) < 1 or int(a.max()) > max(1, p.shape[2])))):
             raise ProtocolError(f"routing table: active counts of shape {tuple(a.shape)} {a.dtype} do not fit the "
                                 "placement (one count in 1..C per expert)")
         by_id = {a.worker_id: a for a in self.addresses}
         if any(o and o not in by_id for o in self.occupants):
             raise ProtocolError("routing table: an occupant without an address")
-        object.__setattr__(self, "_rows", p.tolist())
+        object.__setattr__(self, "_rows", {})
         object.__setattr__(self, "_layer_index", {lyr: i for i, lyr in enumerate(self.layers)})
         object.__setattr__(self, "_by_id", by_id)
         object.__setattr__(self, "_active", a.tolist() if a is not None else None)
+
+    def _row(self, i: int) -> list[list[int]]:
+        """Layer index i's [E][C] slot indices, listed on first use: a table is built on every
+        worker for every epoch, and listing a Qwen3-235B-sized placement whole took ~14 ms."""
+        row = self._rows.get(i)
+        if row is None:
+            row = self._rows[i] = self.placement[i].tolist()
+        return row
+
+    def adopt_rows(self, older: RoutingTable) -> None:
+        """Shares the listed rows of an older table with the same placement tensor (a new epoch
+        that only changed occupants)."""
+        if older.placement is self.placement:
+            object.__setattr__(self, "_rows", older._rows)
 
     @property
     def version(self) -> tuple[int, int]:
@@ -90,14 +106,14 @@ class RoutingTable:
         i = self._layer_index.get(layer)
         if i is None or not 0 <= expert < self.num_experts:
             return ()
-        return tuple(self.occupants[s] for s in self._rows[i][expert] if s >= 0 and self.occupants[s])
+        return tuple(self.occupants[s] for s in self._row(i)[expert] if s >= 0 and self.occupants[s])
 
     def primary(self, layer: int, expert: int, dead: frozenset[str] | set[str] = frozenset()) -> str | None:
         """First live replica of (layer, expert) not in `dead`, or None if every copy is gone."""
         i = self._layer_index.get(layer)
         if i is None or not 0 <= expert < self.num_experts:
             return None
-        for s in self._rows[i][expert]:
+        for s in self._row(i)[expert]:
             if s >= 0:
                 ew = self.occupants[s]
                 if ew and ew not in dead:
@@ -111,7 +127,7 @@ class RoutingTable:
         if i is None or not 0 <= expert < self.num_experts:
             return []
         n = self._active[i][expert] if self._active is not None else 1
-        ranks = [self.occupants[s] for s in self._rows[i][expert] if s >= 0]
+        ranks = [self.occupants[s] for s in self._row(i)[expert] if s >= 0]
         live = [ew for ew in ranks[:n] if ew and ew not in dead]
         if live:
             return live
@@ -130,13 +146,13 @@ class RoutingTable:
 
     def placement_map(self) -> dict[Unit, list[str]]:
         """Every logical expert -> its slots in routing order (what a planner produced)."""
-        return {(lyr, e): [self.slots[s] for s in self._rows[i][e] if s >= 0]
+        return {(lyr, e): [self.slots[s] for s in self._row(i)[e] if s >= 0]
                 for i, lyr in enumerate(self.layers) for e in range(self.num_experts)}
 
     def slot_units(self, slot: str) -> list[Unit]:
         """The (layer, expert) pairs placed on `slot`, any rank."""
         s = self.slots.index(slot)
-        return [(lyr, e) for i, lyr in enumerate(self.layers) for e in range(self.num_experts) if s in self._rows[i][e]]
+        return [(lyr, e) for i, lyr in enumerate(self.layers) for e in range(self.num_experts) if s in self._row(i)[e]]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,23 +170,22 @@ class RoutingTable:
 
 
 def placement_tensor(layers: list[int], num_experts: int, slots: list[str],
-                     placement: dict[Unit, list[str]]) -> torch.Tensor:
-    """A planner's unit -> slots map as the table's [L_moe, E, C] int16 tensor."""
+                     placement: dict[Unit, list[str]]) -> np.ndarray:
+    """A planner's unit -> slots map as the table's [L_moe, E, C] int16 tensor (built as lists:
+    element-wise tensor writes took ~50 ms for a Qwen3-235B shape, on every death)."""
     copies = max((len(v) for v in placement.values()), default=1)
     index = {s: i for i, s in enumerate(slots)}
-    t = torch.full((len(layers), num_experts, copies), -1, dtype=torch.int16)
-    for i, lyr in enumerate(layers):
-        for e in range(num_experts):
-            for c, s in enumerate(placement.get((lyr, e), [])):
-                t[i, e, c] = index[s]
-    return t
+    pad = [-1] * copies
+    rows = [[([index[s] for s in placement.get((lyr, e), [])] + pad)[:copies] for e in range(num_experts)]
+            for lyr in layers]
+    return np.array(rows, dtype=np.int16).reshape(len(layers), num_experts, copies)
 
 
-def active_tensor(layers: list[int], num_experts: int, active: dict[Unit, int]) -> torch.Tensor | None:
+def active_tensor(layers: list[int], num_experts: int, active: dict[Unit, int]) -> np.ndarray | None:
     """Units -> replicas serving at once, as the table's [L_moe, E] int16 tensor (None: all 1)."""
     if not any(n > 1 for n in active.values()):
         return None
-    t = torch.ones((len(layers), num_experts), dtype=torch.int16)
+    t = np.ones((len(layers), num_experts), dtype=np.int16)
     index = {lyr: i for i, lyr in enumerate(layers)}
     for (lyr, e), n in active.items():
         if lyr in index and 0 <= e < num_experts:

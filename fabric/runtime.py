@@ -23,15 +23,28 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
+from fabric import view_delta
 from fabric.auth import check_bind
 from fabric.config import RoleConfig
 from fabric.control_link import ControlLink, Registration
 from fabric.errors import ConfigError, PeerDeadError
 from fabric.messages.base import Message
-from fabric.messages.control import ClusterView, Drain, Leaving, PeerFailed, Register, Role, RoutingUpdate, WorkerStats
+from fabric.messages.control import (
+    ClusterView,
+    Drain,
+    Leaving,
+    PeerFailed,
+    Register,
+    Role,
+    RoutingUpdate,
+    ViewDelta,
+    ViewRequest,
+    WorkerStats,
+)
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, mark_failed
 from fabric.transport import resolve_transport_name
@@ -39,6 +52,8 @@ from fabric.transport import resolve_transport_name
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL = 1.0
+STATS_REFRESH = 30.0  # seconds: unchanged stats are sent again this often
+EPOCHS_KEPT = 16
 
 
 NODE_ENV = "MOE_FABRIC_NODE"
@@ -78,6 +93,9 @@ class Service(abc.ABC):
     async def close(self) -> None:
         """Stops serving: listeners and links closed, in the role's order. Called once."""
 
+    def abort(self) -> None:  # noqa: B027 - optional hook
+        """Killed (a simulation's SIGKILL): every listener and connection cut at once."""
+
 
 class Runtime:
     def __init__(self, cfg: RoleConfig, service: Service) -> None:
@@ -93,6 +111,8 @@ class Runtime:
         self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
+        self.crashed = False  # killed (fabric/sim_host.py): leaves without a word, as on SIGKILL
+        self.epochs_seen: dict[int, float] = {}  # routing-table epoch -> when its view arrived (wall clock)
 
     @property
     def worker_id(self) -> str:
@@ -110,6 +130,13 @@ class Runtime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def crash(self) -> None:
+        """Dies as on SIGKILL: sockets closed, no `Leaving` (a simulation's fault injection)."""
+        self.crashed = True
+        self.stop.set()
+        self.service.abort()
+        self.link.abort()
 
     def ready(self) -> None:
         """The worker serves: tell the supervisor (once)."""
@@ -143,13 +170,29 @@ class Runtime:
                 log.info("%s: drained by the orchestrator (%s); leaving", self.worker_id, msg.reason)
                 self.stop.set()
                 continue
+            if isinstance(msg, ViewDelta):
+                view = view_delta.apply(self.view, msg)
+                if view is None:  # not the view it was made from (say, one sent before a reconnection)
+                    await self._send_quietly(ViewRequest())
+                    continue
+                msg = RoutingUpdate(view)
             if isinstance(msg, RoutingUpdate):
                 if self.view is not None and msg.view.version < self.view.version:
                     continue  # a stale orchestrator's (the link never follows one; kept for safety)
                 self.view = msg.view
+                epoch = msg.view.table.epoch if msg.view.table else 0
+                if epoch not in self.epochs_seen:
+                    self.epochs_seen[epoch] = time.time()
+                    while len(self.epochs_seen) > EPOCHS_KEPT:
+                        del self.epochs_seen[next(iter(self.epochs_seen))]
             await self.service.handle(msg)
 
     async def _report(self) -> None:
+        """Stats every second while they change, else every `STATS_REFRESH` (an idle cluster of
+        hundreds of workers stays quiet); after every registration at once."""
+        last: dict[str, Any] | None = None
+        last_at = 0.0
+        registrations = 0
         while True:
             await asyncio.sleep(STATS_INTERVAL)
             try:
@@ -157,8 +200,13 @@ class Runtime:
             except Exception:  # a report missed, not the reporting stopped
                 log.exception("collecting this worker's stats failed")
                 continue
-            if stats is not None and self.link.connected.is_set():
-                await self._send_quietly(WorkerStats(stats))
+            now = time.monotonic()
+            if stats is None or not self.link.connected.is_set():
+                continue
+            if stats == last and now - last_at < STATS_REFRESH and registrations == self.link.registrations:
+                continue
+            last, last_at, registrations = stats, now, self.link.registrations
+            await self._send_quietly(WorkerStats(stats))
 
     async def _watch_link(self, link_task: asyncio.Task[None]) -> None:
         await asyncio.wait([link_task])
@@ -186,11 +234,13 @@ class Runtime:
             await stop.wait()
         finally:
             self.link.leaving = True
-            if self.link.connected.is_set():
+            if self.link.connected.is_set() and not self.crashed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._send_quietly(Leaving("shutting down")), 1.0)
             for task in list(self._tasks):
                 task.cancel()
+            if self.crashed:  # every socket of a killed process goes at once: the orchestrator's too
+                link_task.cancel()
             await self.service.close()
             link_task.cancel()
             await asyncio.gather(link_task, *self._tasks, return_exceptions=True)

@@ -64,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("experiment", help="failure-injection experiments against a local fabric")
     xs = x.add_subparsers(dest="experiment", required=True)
-    from launch.experiments import chaos, failover
+    from launch.experiments import chaos, failover, scale
 
+    scale.add_arguments(xs.add_parser("scale", help="a simulated fabric of 8 to 128 AWs x EWs: control traffic, "
+                                                    "failover decisions, routing updates, orchestrator restarts"))
     failover.add_arguments(xs.add_parser("failover", help="kill one process under load; stall, recovery, lost requests"))
     chaos.add_arguments(xs.add_parser("chaos", help="kill random processes of every role under load, for a while"))
     return parser
@@ -100,9 +102,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(args.out)
         return 0
     if cmd == "experiment":
-        from launch.experiments import chaos, failover
+        from launch.experiments import chaos, failover, scale
 
-        return {"failover": failover.run, "chaos": chaos.run}[args.experiment](args)
+        return {"failover": failover.run, "chaos": chaos.run, "scale": scale.run}[args.experiment](args)
     if cmd == "scale":
         from launch.scale import ScaleConfig, run
 

@@ -81,7 +81,9 @@ class Cluster:
         self.fenced: set[str] = set()  # declared dead, for good (also those only a report told us of)
         self.table: RoutingTable | None = None
         self.epoch = 0  # the newest epoch seen or published
-        self.placement: dict[Unit, list[str]] | None = None  # unit -> slots, preferred first
+        self.placement: dict[Unit, list[str]] | None = None  # unit -> slots, preferred first (replaced, never mutated)
+        self._by_slot: tuple[object, dict[str, list[Unit]]] | None = None  # slot -> its units, per placement
+        self._placed: tuple[object, list[str]] | None = None  # the placement (and slots) the table's tensor was built from
         self.occupant: dict[str, str] = {}  # slot -> EW id serving it ("" or a dead id: vacant)
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
         self.reserved: set[str] = set()  # EWs a scale-out started: never taken to fill a vacant slot
@@ -141,7 +143,13 @@ class Cluster:
 
     def slot_units(self, slot: str) -> list[Unit]:
         assert self.placement is not None
-        return [u for u, slots in sorted(self.placement.items()) if slot in slots]
+        if self._by_slot is None or self._by_slot[0] is not self.placement:  # (one pass, not one per slot)
+            inverse: dict[str, list[Unit]] = {}
+            for u in sorted(self.placement):
+                for sl in dict.fromkeys(self.placement[u]):
+                    inverse.setdefault(sl, []).append(u)
+            self._by_slot = (self.placement, inverse)
+        return list(self._by_slot[1].get(slot, []))
 
     def nodes_with_copies(self, worker_id: str) -> list[str]:
         """The nodes of the live EWs that hold a copy of an expert of `worker_id`'s slot: where
@@ -264,26 +272,38 @@ class Cluster:
         return next((w for w in self.workers.values() if w.role is role and w.state is WorkerState.STARTING
                      and w.info.get("standby") and w.id not in self.filling.values()), None)
 
-    def lost_units(self) -> list[Unit]:
-        """Logical experts with no live copy left."""
+    def lost_units(self, among: list[Unit] | None = None) -> list[Unit]:
+        """Logical experts (of `among`, else all: a full scan) with no live copy left."""
         if self.table is None:
             return []
-        return [u for u, ews in self.table.replicas.items() if not ews]
+        units = among if among is not None else [(lyr, e) for lyr in self.table.layers
+                                                  for e in range(self.table.num_experts)]
+        return [u for u in units if not self.table.replicas_of(*u)]
 
     def publish(self) -> None:
-        """Builds the next table (this generation, the next epoch) from the live occupants."""
+        """Builds the next table (this generation, the next epoch) from the live occupants. A death
+        changes only occupants: the placement tensor (and the table's listed rows) carry over."""
         assert self.placement is not None
         self.epoch += 1
         slots = sorted(self.occupant)
         live = {s: w for s, w in self.occupant.items() if w in self.workers and self.workers[w].serving}
         layers = list(self.model.moe_layers)
+        old = self.table
+        same = old is not None and self._placed is not None and self._placed[0] is self.placement \
+            and self._placed[1] == slots
+        placement = old.placement if old is not None and same else \
+            placement_tensor(layers, self.model.num_experts, slots, self.placement)
+        self._placed = (self.placement, slots)
         self.table = RoutingTable(
             self.generation, self.epoch, self.model.num_layers, self.model.num_experts, layers, slots,
             [live.get(s, "") for s in slots],
-            [EwAddress(w, self.workers[w].host, self.workers[w].port) for w in sorted(live.values())],
-            placement_tensor(layers, self.model.num_experts, slots, self.placement),
+            [EwAddress(w, self.workers[w].host, self.workers[w].port, self.workers[w].info.get("gather", "sync") == "sync")
+             for w in sorted(live.values())],
+            placement,
             active_tensor(layers, self.model.num_experts,
                           {u: min(n, len(self.placement.get(u, []))) for u, n in self.active.items()}))
+        if old is not None:
+            self.table.adopt_rows(old)
 
     # -- recovery -----------------------------------------------------------------------------
     def rebuild(self, view: ClusterView | None) -> list[tuple[Role, str]]:
@@ -327,10 +347,10 @@ class Cluster:
         return replace
 
     # -- what is published and shown ----------------------------------------------------------
-    def view(self) -> ClusterView:
+    def view(self, seq: int = 0) -> ClusterView:
         return ClusterView(self.generation, self.table,
                            [w.info_record for w in self.workers.values() if w.state is not WorkerState.DEAD],
-                           sorted(self.fenced))
+                           sorted(self.fenced), seq)
 
     def redundancy(self) -> dict[str, Any]:
         if self.table is None:
@@ -341,14 +361,13 @@ class Cluster:
                 "slots_vacant": sum(1 for s in self.occupant if self._vacant(s)),
                 "replacements_joined": self.replacements}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, routing: bool = True) -> dict[str, Any]:
         return {
             "generation": self.generation,
             "epoch": self.table.epoch if self.table else 0,
             "model": {"arch": self.model.arch, "layers": self.model.num_layers, "experts": self.model.num_experts},
             "workers": [self.self_record.to_json()] + [w.to_json() for w in self.workers.values()],
-            "redundancy": self.redundancy(),
-            "routing": self.table.to_json() if self.table else {},
+            **({"redundancy": self.redundancy(), "routing": self.table.to_json() if self.table else {}} if routing else {}),
         }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -18,11 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLink:
-    def __init__(self, worker_id: str, ws: web.WebSocketResponse, send_timeout: float) -> None:
+    def __init__(self, worker_id: str, ws: web.WebSocketResponse, send_timeout: float,
+                 traffic: dict[str, int] | None = None) -> None:
         self.worker_id = worker_id
         self.ws = ws
         self.send_timeout = send_timeout
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[bytes, Callable[[], None] | None]] = asyncio.Queue()
+        self.view_seq = -1  # the last view broadcast on this link (a delta applies to it)
+        self.traffic = traffic if traffic is not None else {}  # the orchestrator's counters (bytes_out, messages_out)
         self._writer = asyncio.create_task(self._write())
 
     @property
@@ -32,15 +36,20 @@ class WorkerLink:
     def send(self, msg: Message) -> None:
         self.send_packed(pack(msg))
 
-    def send_packed(self, data: bytes) -> None:
+    def send_packed(self, data: bytes, on_sent: Callable[[], None] | None = None) -> None:
+        """Queues `data`; `on_sent` is called once the websocket has taken it."""
         if not self.closed:
-            self._queue.put_nowait(data)
+            self._queue.put_nowait((data, on_sent))
+            self.traffic["bytes_out"] = self.traffic.get("bytes_out", 0) + len(data)
+            self.traffic["messages_out"] = self.traffic.get("messages_out", 0) + 1
 
     async def _write(self) -> None:
         try:
             while True:
-                data = await self._queue.get()
+                data, on_sent = await self._queue.get()
                 await asyncio.wait_for(self.ws.send_bytes(data), self.send_timeout)
+                if on_sent is not None:
+                    on_sent()
                 self._queue.task_done()
         except TimeoutError:
             log.warning("%s took no control message for %.0f ms; dropping its link", self.worker_id,

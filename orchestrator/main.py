@@ -45,7 +45,8 @@ from fabric.messages.control import (
     Register,
     Registered,
     Role,
-    RoutingUpdate,
+    ViewReport,
+    ViewRequest,
     Wake,
     WorkerReady,
     WorkerState,
@@ -53,6 +54,7 @@ from fabric.messages.control import (
 )
 from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
+from orchestrator.broadcast import Broadcaster
 from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
@@ -93,6 +95,11 @@ class Orchestrator:
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
         self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
         self.scaler = Scaler(self)
+        self.traffic: dict[str, int] = {"bytes_in": 0, "messages_in": 0, "bytes_out": 0, "messages_out": 0}
+        self.broadcaster = Broadcaster(self.links, lambda seq: self.cluster.view(seq) if self.cluster.table else None)
+        self.started_at = time.time()
+        self.recovery: dict[str, Any] = {}  # how the take-over went (GET /cluster)
+        self.last_rejoin_at = 0.0  # when the last worker of an earlier orchestrator registered again
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
 
     def _spawn(self, coro: Any) -> None:
@@ -108,6 +115,10 @@ class Orchestrator:
         while asyncio.get_running_loop().time() < deadline and not self._all_back():
             await asyncio.sleep(0.02)
         view = self.newest_view
+        self.recovery = {"started_at": self.started_at, "done_at": time.time(), "all_back": self._all_back(),
+                         "last_rejoin_at": self.last_rejoin_at,
+                         "workers_back": len(self.cluster.workers),
+                         "workers_expected": sum(1 for w in view.workers if w.serving) if view else 0}
         replace = self.cluster.rebuild(view)
         self.recovered.set()
         if view is not None:
@@ -121,13 +132,17 @@ class Orchestrator:
         await self._place()
         self._broadcast()
 
+    def _newer_view(self, view: ClusterView | None) -> None:
+        if view is not None and (self.newest_view is None or view.version > self.newest_view.version):
+            self.newest_view = view
+
     def _all_back(self) -> bool:
         view = self.newest_view
         return view is not None and all(w.id in self.cluster.workers for w in view.workers if w.serving)
 
     # -- worker links -------------------------------------------------------------------------
     async def worker_link(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=1 << 20)
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=1 << 20, compress=False)  # (see ControlLink.run)
         await ws.prepare(request)
         rec: WorkerRecord | None = None
         link: WorkerLink | None = None
@@ -146,8 +161,11 @@ class Orchestrator:
                 mark_failed()
                 self.stop.set()
                 return ws
-            if reg.view is not None and (self.newest_view is None or reg.view.version > self.newest_view.version):
-                self.newest_view = reg.view
+            self._newer_view(reg.view)
+            # Only a worker whose view may be newer than the newest received sends it (`ViewReport`):
+            # in a re-registration storm a few do, not every worker.
+            send_view = bool(reg.view_version) and (self.newest_view is None or
+                                                    tuple(reg.view_version) > self.newest_view.version)
             if len(msgpack.packb(reg.info, use_bin_type=True)) > MAX_INFO_BYTES:
                 raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
             if reg.worker_id:
@@ -159,11 +177,13 @@ class Orchestrator:
             else:
                 await self.recovered.wait()  # new ids only once the earlier orchestrator's are known
             rec = self.cluster.add(reg)
+            if reg.worker_id and not self.recovered.is_set():
+                self.last_rejoin_at = time.time()
             if rec is None:
                 log.warning("%s (pid %d) registered again, but it was declared dead: fenced", reg.worker_id, reg.pid)
                 await ws.send_bytes(pack(Fenced("it was declared dead earlier")))
                 return ws
-            link = WorkerLink(rec.id, ws, LINK_SEND_TIMEOUT)
+            link = WorkerLink(rec.id, ws, LINK_SEND_TIMEOUT, self.traffic)
             old = self.links.pop(rec.id, None)
             if old is not None:
                 self._spawn(old.close())
@@ -178,12 +198,14 @@ class Orchestrator:
                     self.cluster.reserved.add(rec.id)
             log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
                      rec.role.value, rec.pid, rec.host, rec.port)
-            link.send(Registered(rec.id, self.generation))
+            link.send(Registered(rec.id, self.generation, send_view))
             if self.recovered.is_set():
                 await self._joined(rec, link)
             async for msg in ws:
                 if msg.type != WSMsgType.BINARY:
                     continue
+                self.traffic["bytes_in"] += len(msg.data)
+                self.traffic["messages_in"] += 1
                 m = unpack(msg.data)
                 if isinstance(m, Leaving):
                     leaving = True
@@ -221,9 +243,8 @@ class Orchestrator:
         if rec.role is Role.EXPERT:
             await self._place()
         if rec.role is Role.STORE:
-            self._broadcast()  # AWs start (or resume) checkpointing to it
-        elif self.cluster.table is not None:
-            link.send(RoutingUpdate(self.cluster.view()))
+            self._broadcast(soon=True)  # AWs start (or resume) checkpointing to it
+        self.broadcaster.send_whole(link)  # (a broadcast due meanwhile sends it the difference)
 
     def _declare(self, worker_id: str, reason: str) -> None:
         self._spawn(self._declare_dead(worker_id, reason))
@@ -231,11 +252,12 @@ class Orchestrator:
     async def _declare_dead(self, worker_id: str, reason: str) -> None:
         """The one place a worker dies: next epoch, broadcast, fence, replace."""
         await self.recovered.wait()
+        cpu0 = time.process_time()
         was_live, table_changed = self.cluster.mark_dead(worker_id)
         if not was_live:
             return
         rec = self.cluster.workers[worker_id]
-        lost = self.cluster.lost_units()
+        lost = self.cluster.lost_units(rec.experts)  # (only its units can have lost their last copy)
         if self.shutting_down or worker_id in self.drained:
             log.info("%s left (%s)", worker_id, reason)
         elif table_changed:
@@ -244,7 +266,9 @@ class Orchestrator:
                         self.cluster.table.epoch, f"; {len(lost)} experts have no copy left" if lost else "")
         else:
             log.warning("%s died (%s)", worker_id, reason)
-        self._broadcast()
+        record = self._broadcast()
+        if record is not None:
+            record["decide_cpu_ms"] = 1e3 * (time.process_time() - cpu0)
         link = self.links.pop(worker_id, None)
         if link is not None:
             # Fencing: a hung worker that wakes up finds itself declared dead and leaves.
@@ -321,13 +345,19 @@ class Orchestrator:
         return assignment
 
     async def _handle(self, worker_id: str, msg: Message) -> None:
-        if isinstance(msg, WorkerReady):
+        if isinstance(msg, ViewReport):
+            self._newer_view(msg.view)
+        elif isinstance(msg, WorkerReady):
             await self.recovered.wait()
             self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)
             self.woken.pop(worker_id, None)
             table_changed = self.cluster.mark_ready(worker_id)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
-            self._broadcast()
+            self._broadcast(soon=not table_changed)
+        elif isinstance(msg, ViewRequest):
+            link = self.links.get(worker_id)
+            if link is not None:
+                self.broadcaster.send_whole(link)
         elif isinstance(msg, WorkerStats):
             self.cluster.workers[worker_id].stats = msg.stats
         elif isinstance(msg, LinkProbeReply):
@@ -378,10 +408,8 @@ class Orchestrator:
             return
         await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
 
-    def _broadcast(self) -> None:
-        if self.cluster.table is None:
-            return
-        data = pack(RoutingUpdate(self.cluster.view()))
-        for link in list(self.links.values()):
-            link.send_packed(data)
+    def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
+        """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with
+        what else changes in the next few milliseconds (registrations, readiness)."""
+        return self.broadcaster.publish(soon)
 

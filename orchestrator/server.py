@@ -31,10 +31,14 @@ def make_app(orch: Orchestrator) -> web.Application:
 
     async def get_cluster(request: web.Request) -> web.Response:
         admin(request)
-        body = orch.cluster.to_json()
+        # ?routing=0 leaves out the routing table and redundancy (a scan of every expert: ~50 ms and a
+        # large body at Qwen3-235B's 94 x 128 experts, for pollers that want the workers only)
+        body = orch.cluster.to_json(routing=request.query.get("routing", "1") != "0")
         body["recovering"] = not orch.recovered.is_set()
         body["replacements_started"] = orch.replacements_started
         body["scaled"] = orch.scaler.history
+        body["control"] = {**orch.traffic, "links": len(orch.links), "broadcasts": list(orch.broadcaster.log)}
+        body["recovery"] = orch.recovery
         return web.json_response(body)
 
     async def post_shutdown(request: web.Request) -> web.Response:

@@ -35,7 +35,7 @@ def test_cluster_view_roundtrip() -> None:
     assert isinstance(out, RoutingUpdate)
     got = out.view
     assert got.workers == view.workers and got.workers[0].role is Role.ATTENTION and got.workers[0].serving
-    assert got.dead == ["ew-9"] and got.version == (7, 3)
+    assert got.dead == ["ew-9"] and got.version == (7, 3, 0)
     assert got.table is not None and got.table.replicas == view.table.replicas  # type: ignore[union-attr]
     assert got.table.primary(1, 3) == "ew-1" and got.table.primary(1, 3, {"ew-1"}) == "ew-0"
 
@@ -78,10 +78,10 @@ def test_inconsistent_records_are_protocol_errors() -> None:
     _bad({"view": {k: v for k, v in view.items() if k != "workers"}})  # a missing field
     # a placement that names a slot which does not exist
     bad = table()
-    slots = bad.placement.clone()
+    slots = bad.placement.copy()
     slots[0, 0, 0] = 5
     header, frames = encode_message(RoutingUpdate(ClusterView(7, bad, [], [])))
-    frames[0] = memoryview(slots.numpy()).cast("B")
+    frames[0] = memoryview(slots).cast("B")
     with pytest.raises(ProtocolError, match="slot"):
         decode_message(*decode_bytes(encode_bytes(header, frames)))
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import torch
 
@@ -15,6 +19,8 @@ from expert_worker.gather import PendingCall
 from expert_worker.sim_executor import SimExecutor, sim_factor
 from fabric.messages.expert import ExpertCall
 from fabric.model.config import ModelConfig
+from launch.experiments.sim_cluster import SimCluster
+from launch.local import Fabric
 from tests.conftest import running_fabric
 from tests.helpers import wait_for
 from tests.load import kill_mid_decode, run_streams
@@ -60,3 +66,54 @@ def test_a_sim_fabric_survives_ew_and_aw_deaths_token_for_token(hf_models: dict[
         assert outputs == reference
         _, outputs, _ = kill_mid_decode(fabric, "attention-worker-0", signal.SIGINT, reference=reference)
         assert outputs == reference
+
+
+def _killing(cl: SimCluster, fabric: Fabric, kill: Callable[[], object]) -> list[list[int]]:
+    """The streams again, `kill` called once they decode; returns their tokens."""
+    received, started, out = [0], threading.Event(), []
+    runner = threading.Thread(target=lambda: out.append(run_streams(fabric, received, started)))
+    runner.start()
+    assert started.wait(60)
+    kill()
+    runner.join(180)
+    assert out and received[0] > 0
+    return out[0]
+
+
+def test_many_simulated_workers_per_process_fail_over_token_for_token(hf_models: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """3 AWs in one process, 4 EWs in another (`--sim-workers`): each registers and links as a
+    worker of its own; killing one of them (its sockets cut, as on SIGKILL) leaves its process-mates
+    serving, the streams identical; a restarted orchestrator gets every worker back."""
+    model = config_only(hf_models["mixtral"], tmp_path / "sim-model", hidden_size=256, num_hidden_layers=4)
+    with SimCluster(model, aws=3, ews=4, per_process=4, log_dir=tmp_path / "logs", attention_ms=0.2,
+                    expert_ms=0.2, probe_interval_ms=10.0, confirm_timeout_ms=250.0) as cl:
+        cl.start()
+        cl.wait_ready(120)
+        fabric = cast(Fabric, SimpleNamespace(port=cl.gateway_port))
+        c = cl.cluster()
+        workers = [w for w in c["workers"] if w["role"] in ("attention", "expert")]
+        assert len(workers) == 7 and len({w["pid"] for w in workers}) == 2  # seven workers, two processes
+        assert len({w["port"] for w in workers}) == 7  # each listening on its own port
+        reference = run_streams(fabric)
+        assert len({tuple(r) for r in reference}) > 1
+
+        ew = next(w for w in workers if w["role"] == "expert")
+        died: list[float] = []
+        assert _killing(cl, fabric, lambda: died.append(cl.kill_worker(ew["id"], ew["pid"]))) == reference
+        c = wait_for(cl, "every AW's stats to name the dead EW", lambda c: all(
+            ew["id"] in w["stats"].get("ews_dead_at", {}) for w in c["workers"]
+            if w["role"] == "attention" and w["state"] == "alive"))
+        mates = [w for w in c["workers"] if w["pid"] == ew["pid"] and w["id"] != ew["id"]]
+        assert len(mates) == 3 and all(w["state"] == "alive" for w in mates)  # its process-mates serve on
+        death = next(b for b in c["control"]["broadcasts"] if b["at"] >= died[0])
+        assert death["deltas"] > 0 and 0 < death["delta_bytes"] < death["whole_bytes"]
+
+        aw = next(w for w in c["workers"] if w["role"] == "attention" and w["state"] == "alive")
+        assert _killing(cl, fabric, lambda: cl.kill_worker(aw["id"], aw["pid"])) == reference
+
+        cl.kill_orchestrator()
+        cl.start_orchestrator(recovery_grace_s=30.0)
+        c = wait_for(cl, "the new orchestrator's recovery", lambda c: bool(c.get("recovery")))
+        assert c["recovery"]["all_back"] and c["recovery"]["done_at"] - c["recovery"]["started_at"] < 30
+        assert run_streams(fabric) == reference

@@ -3,8 +3,8 @@
 Every field is encoded and checked by its annotation, compiled once per class (`register`):
 scalars (int, float, str, bool), `X | None`, `list[T]`, `dict[str, T]`, enums (as their value),
 records (plain dataclasses, nested as maps; see `fabric.routing.RoutingTable`), `Any` (passed
-through: the wire's depth limit bounds it) and `torch.Tensor`, which becomes a raw frame whose
-dtype and shape go into the header, at any depth. Decoding checks the kind against a registry and
+through: the wire's depth limit bounds it), `torch.Tensor` and `numpy.ndarray` (the control plane's:
+no torch needed), each a raw frame whose dtype and shape go into the header, at any depth. Decoding checks the kind against a registry and
 every value against its annotated type, so a well-formed but wrong header is a `ProtocolError`,
 never a crash later (a float where a count belongs, a string where a record belongs). A record's
 `__post_init__` may check invariants across fields; what it raises is a `ProtocolError` too.
@@ -14,23 +14,46 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-import torch
+import numpy as np
 
 from fabric.errors import ProtocolError
+
+if typing.TYPE_CHECKING:
+    import torch
 
 # torch.frombuffer warns on read-only buffers; received tensors are never written in place.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _REGISTRY: dict[str, type[Message]] = {}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-           "int32": torch.int32, "int16": torch.int16}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_NP_DTYPES = {"int64": np.dtype(np.int64), "int32": np.dtype(np.int32), "int16": np.dtype(np.int16),
+              "float32": np.dtype(np.float32)}
+_NP_NAMES = {v: k for k, v in _NP_DTYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, Any]:
+    """torch's dtypes by wire name, imported on first use: the control plane's messages carry numpy
+    arrays, so the orchestrator never imports torch (a second of its restart)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+            "int32": torch.int32, "int16": torch.int16}
+
+
+@functools.cache
+def _torch_names() -> dict[Any, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
+def _is_torch_tensor(tp: Any) -> bool:
+    return getattr(tp, "__module__", None) == "torch" and getattr(tp, "__name__", None) == "Tensor"
 M = TypeVar("M", bound="Message")
 
 Frames = list[memoryview]
@@ -121,8 +144,10 @@ def _encoder(tp: Any) -> Encoder:
     if inner is not None:
         enc = _encoder(inner)
         return lambda v, frames: None if v is None else enc(v, frames)
-    if tp is torch.Tensor:
+    if _is_torch_tensor(tp):
         return _encode_tensor
+    if tp is np.ndarray:
+        return _encode_array
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return lambda v, frames: v.value
     if _is_record(tp):
@@ -141,7 +166,7 @@ def _encoder(tp: Any) -> Encoder:
 
 def _encode_tensor(t: torch.Tensor, frames: Frames) -> list[Any]:
     t = t.contiguous()
-    meta = [_DTYPE_NAMES[t.dtype], list(t.shape), len(frames)]
+    meta = [_torch_names()[t.dtype], list(t.shape), len(frames)]
     frames.append(_tensor_bytes(t))
     return meta
 
@@ -149,9 +174,19 @@ def _encode_tensor(t: torch.Tensor, frames: Frames) -> list[Any]:
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
+    if t.dtype == _torch_dtypes()["bfloat16"]:
+        t = t.view(_torch_dtypes()["int16"])
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
+
+
+def _encode_array(a: np.ndarray, frames: Frames) -> list[Any]:
+    """A numpy array as a frame, in the same layout as a tensor's (a receiver may take either)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype not in _NP_NAMES:
+        raise TypeError(f"cannot send arrays of {a.dtype}")
+    meta = [_NP_NAMES[a.dtype], list(a.shape), len(frames)]
+    frames.append(memoryview(a).cast("B") if a.size else memoryview(b""))  # type: ignore[arg-type]  # (ndarray is a buffer)
+    return meta
 
 
 def _type_error(where: str, value: Any, expected: str) -> ProtocolError:
@@ -194,8 +229,10 @@ def _decoder(tp: Any) -> Decoder:
         return dec_none
     if tp in (int, float, str, bool, bytes):
         return _scalar(tp)
-    if tp is torch.Tensor:
+    if _is_torch_tensor(tp):
         return _decode_tensor
+    if tp is np.ndarray:
+        return _decode_array
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum_decoder(tp)
     if _is_record(tp):
@@ -271,10 +308,11 @@ def _record_decoder(tp: type) -> Decoder:
     return dec_record
 
 
-def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
+def _frame_of(meta: Any, frames: Frames, where: str, dtypes: dict[str, Any]) -> tuple[Any, list[int], memoryview]:
+    """A tensor's or array's (dtype, shape, frame), checked against the header."""
     try:
         dtype_name, shape, index = meta
-        dtype = _DTYPES[dtype_name]
+        dtype = dtypes[dtype_name]
         if type(index) is not int or not 0 <= index < len(frames) or type(shape) is not list:
             raise ValueError("bad frame index or shape")
         if not all(type(s) is int and s >= 0 for s in shape):
@@ -282,12 +320,29 @@ def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
         frame = frames[index]
     except (ValueError, TypeError, KeyError) as exc:
         raise ProtocolError(f"{where}: bad tensor metadata {meta!r}") from exc
+    return dtype, shape, frame
+
+
+def _check_size(shape: list[int], itemsize: int, frame: memoryview, where: str) -> int:
     numel = 1
     for s in shape:
         numel *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if numel * itemsize != frame.nbytes:
         raise ProtocolError(f"{where}: shape {shape} does not match a frame of {frame.nbytes} bytes")
-    if numel == 0:
+    return numel
+
+
+def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
+    import torch
+
+    dtype, shape, frame = _frame_of(meta, frames, where, _torch_dtypes())
+    if _check_size(shape, torch.empty((), dtype=dtype).element_size(), frame, where) == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(frame, dtype=dtype).view(shape)
+
+
+def _decode_array(meta: Any, frames: Frames, where: str) -> np.ndarray:
+    dtype, shape, frame = _frame_of(meta, frames, where, _NP_DTYPES)
+    if _check_size(shape, dtype.itemsize, frame, where) == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(frame, dtype=dtype).reshape(shape)

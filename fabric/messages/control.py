@@ -13,8 +13,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fabric.messages.base import Message, register
-from fabric.routing import RoutingTable
+from fabric.routing import EwAddress, RoutingTable
 
 
 class Role(enum.StrEnum):
@@ -68,13 +70,16 @@ class ClusterView:
     table: RoutingTable | None
     workers: list[WorkerInfo]
     dead: list[str]
+    seq: int = 0  # the orchestrator's broadcast number (a `ViewDelta` names the one it applies to)
 
     def serving(self, role: Role) -> list[WorkerInfo]:
         return [w for w in self.workers if w.role is role and w.serving]
 
     @property
-    def version(self) -> tuple[int, int]:
-        return self.generation, self.table.epoch if self.table else 0
+    def version(self) -> tuple[int, int, int]:
+        """Views are ordered by (generation, epoch, seq): a worker's death changes no epoch but is
+        a newer view all the same (a restarted orchestrator must rebuild from the newest)."""
+        return self.generation, self.table.epoch if self.table else 0, self.seq
 
 
 @register
@@ -96,6 +101,7 @@ class Register(Message):
     experts: list[list[int]] = field(default_factory=list)  # EW: the (layer, expert) pairs it has loaded
     ready: bool = False  # serving (EW: experts loaded; AW: connected to the EWs of a table)
     info: dict[str, Any] = field(default_factory=dict)
+    view_version: list[int] = field(default_factory=list)  # instead of `view`: its (generation, epoch, seq)
 
 
 @register
@@ -104,6 +110,18 @@ class Registered(Message):
     kind = "registered"
     worker_id: str
     generation: int  # this orchestrator's fencing token: a worker follows no older one
+    send_view: bool = False  # your view is newer than any this orchestrator holds: send it (`ViewReport`)
+
+
+@register
+@dataclass
+class ViewReport(Message):
+    """Worker -> a (re)started orchestrator that asked for it: the newest view this worker holds.
+    Registrations carry only the view's version, so that a restarted orchestrator decodes one
+    whole view (or a few) rather than one per worker: 256 of them took ~0.5 s of its CPU."""
+
+    kind = "view_report"
+    view: ClusterView
 
 
 @register
@@ -171,6 +189,47 @@ class RoutingUpdate(Message):
 
     kind = "routing_update"
     view: ClusterView
+
+
+@dataclass(frozen=True)
+class TableDelta:
+    """What changed in the routing table: the slots whose occupant changed and the addresses that
+    came and went (a death: one of each, whatever the cluster's size), and the [L_moe, E, C]
+    placement or the active counts only when they changed (a scale, a balancing step)."""
+
+    epoch: int
+    changed: list[int]  # slot indices whose occupant changed (every slot with a new placement)...
+    occupants: list[str]  # ...and their occupants now ("" vacant)
+    added: list[EwAddress]  # addresses new (or changed) in this table
+    removed: list[str]  # EWs no longer addressed
+    slots: list[str] | None = None  # with `placement`: a new placement (None: unchanged)
+    placement: np.ndarray | None = None
+    active: np.ndarray | None = None
+    active_changed: bool = False
+
+
+@register
+@dataclass
+class ViewDelta(Message):
+    """Orchestrator -> a worker that holds view `base` (the previous broadcast): the next view, as
+    its differences (fabric/view_delta.py). A worker without that view asks for a whole one."""
+
+    kind = "view_delta"
+    generation: int
+    base: int
+    seq: int
+    table: TableDelta | None  # None: the same table
+    workers: list[WorkerInfo]  # new or changed
+    gone: list[str]  # no longer listed
+    dead: list[str]  # newly declared dead
+
+
+@register
+@dataclass
+class ViewRequest(Message):
+    """Worker -> orchestrator: a delta did not apply to my view; send me a whole one."""
+
+    kind = "view_request"
 
 
 @register

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fabric.errors import ModelFormatError
 
+if TYPE_CHECKING:
+    import torch
+
 ARCHS = ("mixtral", "qwen3_moe")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # (torch is imported where a dtype is used: the orchestrator never needs it)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 
     @property
     def moe_layers(self) -> list[int]:

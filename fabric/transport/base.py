@@ -121,6 +121,10 @@ class Transport(abc.ABC):
     send_timeout: float = DEFAULT_SEND_TIMEOUT  # the send deadline of every connection it makes
     secret: bytes | None = None  # the cluster secret: every connection, made or accepted, proves it first
 
+    def abort_all(self) -> None:  # noqa: B027 - optional
+        """Cuts every listener and connection of this transport at once, as the kernel does when a
+        process is killed (a simulation's fault injection, fabric/sim_host.py)."""
+
     async def _dialed(self, conn: Connection) -> Connection:
         """A connection this transport made, once the listener has proved itself (if a secret is set)."""
         if self.secret is not None:

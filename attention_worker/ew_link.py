@@ -1,0 +1,121 @@
+"""One AW's link to one EW (Tarragon §4.2): a control and a data channel, the futures of the calls
+in flight on it, and what tells whether the EW is alive: its traffic, answers to probes, and
+results. The engine (attention_worker/forwarding.py) owns the links and their one watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.messages.expert import ExpertError, ExpertResult, Ping, Pong
+from fabric.routing import EwAddress
+from fabric.transport.base import Connection
+
+
+class ExpertCallError(FabricError):
+    """The EW refused a call (e.g. the expert is not hosted there)."""
+
+    recoverable = True
+
+
+@dataclass
+class EwLink:
+    addr: EwAddress
+    control: Connection
+    data: Connection
+    pending: dict[int, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    dead: bool = False
+    last_heard: float = field(default_factory=time.monotonic)  # any message from this EW
+    last_data: float = field(default_factory=time.monotonic)  # an expert result (or error) from this EW
+    sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
+    latency: float = 0.0  # smoothed call latency (EWMA), the yardstick of "silent too long"
+    probes: int = 0  # pings sent since it was last heard
+    closing: bool = False  # closed by this AW (a table without it): its end is no news
+    on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
+
+    async def read_loop(self) -> None:
+        """Data channel: routes results to the futures of their calls. Traffic is the implicit
+        heartbeat."""
+        error: FabricError = PeerDeadError(self.addr.worker_id)
+        try:
+            while True:
+                msg = await self.data.recv()
+                self.last_heard = self.last_data = now = time.monotonic()
+                call_id = getattr(msg, "call_id", -1)
+                sent = self.sent_at.pop(call_id, None)
+                if sent is not None:
+                    self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
+                fut = self.pending.pop(call_id, None)
+                if fut is None or fut.done():
+                    continue
+                if isinstance(msg, ExpertResult):
+                    fut.set_result(msg.y)
+                elif isinstance(msg, ExpertError):
+                    fut.set_exception(ExpertCallError(msg.message))
+        except (PeerDeadError, ProtocolError) as exc:
+            error = exc
+        finally:
+            self.fail(error)
+
+    async def control_loop(self) -> None:
+        """Control channel: pongs (and anything else) refresh `last_heard`."""
+        try:
+            while True:
+                if isinstance(await self.control.recv(), Pong):
+                    self.last_heard = time.monotonic()
+        except (PeerDeadError, ProtocolError) as exc:
+            self.fail(exc)
+
+    def check(self, now: float, interval: float, misses: int, deadline: float, nonce: int) -> FabricError | None:
+        """One look at a link with calls outstanding (the engine's watcher calls it every tick):
+        returns why the EW is dead, or None after pinging it if it has been silent too long.
+
+        Probes: silent for `interval`, ping on the control channel; `misses` probes without an
+        answer declare the EW dead (a hung process: its connections stay open, so only probes
+        can tell). "Without an answer" also means silent for longer than 10x the link's smoothed
+        call latency, as TCP's retransmission timeout scales with the measured RTT: on a loaded
+        CPU host a busy but healthy EW can be silent for tens of milliseconds, and a false verdict
+        would retire it for good. Stall: no result for `deadline` (the send deadline) although
+        the EW may answer probes: its data path is stuck (a reader that stopped reading);
+        definitive, whatever its control channel says."""
+        if now - self.last_data > deadline:
+            return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
+                                                         "with calls outstanding")
+        silent = now - self.last_heard
+        if interval <= 0 or silent < max(interval, self.latency):  # not due before a usual answer
+            self.probes = 0
+            return None
+        if self.probes >= misses and silent > max(interval * (misses + 1), 10 * self.latency):
+            return PeerDeadError(self.addr.worker_id, f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms")
+        try:
+            self.control.send_nowait(Ping(nonce))
+        except PeerDeadError as exc:
+            return exc
+        self.probes += 1
+        return None
+
+    def fail(self, error: FabricError) -> None:
+        """Marks the link dead and fails every call waiting on it (they are then replayed); the
+        engine hears of it at once (the EW is no longer routed to, whether calls were out or not)."""
+        was_dead, self.dead = self.dead, True
+        if not was_dead and not self.closing and self.on_dead is not None:
+            self.on_dead(self, error)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self.pending.clear()
+        self.sent_at.clear()
+
+    async def close(self) -> None:
+        self.closing = True
+        for t in self.tasks:
+            t.cancel()
+        await self.control.close()
+        await self.data.close()

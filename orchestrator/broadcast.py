@@ -1,0 +1,86 @@
+"""Publishing the cluster view to every worker link, as cheaply as deployment scale needs.
+
+    whole view   to a link that has not seen the previous broadcast (a new or re-registered worker,
+                 one that asked with `ViewRequest`): `RoutingUpdate`
+    delta        to every other link: `ViewDelta` from the previous broadcast (fabric/view_delta.py),
+                 packed once for all of them; a death's is O(EWs + 1 worker) bytes, not the table
+    coalescing   `publish(soon=True)` (registrations, readiness) waits `COALESCE_S` so that a burst
+                 (every worker registering again with a restarted orchestrator) goes out as one
+                 broadcast; a death's goes at once
+
+Each broadcast is logged (epoch, seq, wall time, when the last link took it, bytes) for
+`GET /cluster` and the scale experiment, which measures how long the last AW takes to apply it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fabric.control_link import pack
+from fabric.messages.control import ClusterView, RoutingUpdate
+from fabric.view_delta import diff
+from orchestrator.links import WorkerLink
+
+COALESCE_S = 0.01
+LOG_LENGTH = 64
+
+
+class Broadcaster:
+    def __init__(self, links: dict[str, WorkerLink], view: Callable[[int], ClusterView | None]) -> None:
+        self.links = links  # the orchestrator's, live
+        self.view = view  # seq -> the cluster's view now (None before the first table)
+        self.seq = 0
+        self.last: ClusterView | None = None
+        self.log: collections.deque[dict[str, Any]] = collections.deque(maxlen=LOG_LENGTH)
+        self._due: asyncio.TimerHandle | None = None
+
+    def publish(self, soon: bool = False) -> dict[str, Any] | None:
+        """Broadcasts now (returns the broadcast's log record), or `soon` (coalesced)."""
+        if soon:
+            if self._due is None:
+                self._due = asyncio.get_running_loop().call_later(COALESCE_S, self.flush)
+            return None
+        return self.flush()
+
+    def flush(self) -> dict[str, Any] | None:
+        if self._due is not None:
+            self._due.cancel()
+            self._due = None
+        view = self.view(self.seq + 1)
+        if view is None:
+            return None
+        self.seq += 1
+        prev, self.last = self.last, view
+        delta = diff(prev, view) if prev is not None else None
+        delta_data = pack(delta) if delta is not None else b""
+        whole_data = b""
+        record: dict[str, Any] = {"seq": view.seq, "epoch": view.table.epoch if view.table else 0, "at": time.time(),
+                                  "sent_at": None, "deltas": 0, "wholes": 0}
+        cpu0 = time.process_time()
+
+        def sent() -> None:  # (the last link's write ends the broadcast; the CPU meanwhile is its cost, mostly)
+            record["sent_at"] = time.time()
+            record["send_cpu_ms"] = 1e3 * (time.process_time() - cpu0)
+
+        for link in list(self.links.values()):
+            if delta is not None and prev is not None and link.view_seq == prev.seq:
+                link.send_packed(delta_data, sent)
+                record["deltas"] += 1
+            else:
+                whole_data = whole_data or pack(RoutingUpdate(view))
+                link.send_packed(whole_data, sent)
+                record["wholes"] += 1
+            link.view_seq = view.seq
+        record.update(delta_bytes=len(delta_data), whole_bytes=len(whole_data) or len(pack(RoutingUpdate(view))))
+        self.log.append(record)
+        return record
+
+    def send_whole(self, link: WorkerLink) -> None:
+        """The last broadcast view, whole, to one link (it asked, or has just registered)."""
+        if self.last is not None:
+            link.send(RoutingUpdate(self.last))
+            link.view_seq = self.last.seq
