@@ -68,12 +68,13 @@ class ForwardingEngine:
         self.applied: dict[int, float] = {}  # table epoch -> when this AW switched to it (wall clock)
         self._calls_out = asyncio.Event()  # set when a call goes out on an idle link: the watcher wakes
         self._watcher: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # links the watcher cut, closing
 
     def offer_table(self, table: RoutingTable) -> bool:
         """Records a newer table (returns False for a stale one); the main loop applies it between
         steps, or a step blocked on an expert with no live copy applies it at once."""
         newest = self.next_table or self.table
-        if newest is not None and table.epoch <= newest.epoch:
+        if newest is not None and table.version <= newest.version:  # (a newer orchestrator's table wins)
             return False
         self.next_table = table
         self._table_arrived.set()
@@ -156,7 +157,7 @@ class ForwardingEngine:
         await data.send(Hello(self.aw_id, "data"))
         link = EwLink(addr, control, data, on_dead=self._link_died)
         link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
-        if self._watcher is None:
+        if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
         if self._active:
             control.send_nowait(AwActivity(True))
@@ -187,13 +188,18 @@ class ForwardingEngine:
             for link in busy:
                 if not link.pending or link.dead:
                     continue
-                sent = link.probes
-                error = link.check(now, self.probe_interval, self.probe_misses, link.data.send_timeout, next(nonce))
-                self.probes_sent += link.probes > sent
-                if error is not None:
-                    link.fail(error)
-                    await link.data.close()
-                    await link.control.close()
+                try:
+                    sent = link.probes
+                    error = link.check(now, self.probe_interval, self.probe_misses, link.data.send_timeout,
+                                       next(nonce))
+                    self.probes_sent += link.probes > sent
+                    if error is not None:
+                        link.fail(error)
+                        # (closed beside this loop: a close may wait on a stuck peer, the other links may not)
+                        self._closing.add(asyncio.create_task(link.close()))
+                        self._closing = {t for t in self._closing if not t.done()}
+                except Exception:  # one link's trouble must not stop the watching of the others
+                    log.exception("checking the link to %s failed", link.addr.worker_id)
 
     async def set_active(self, active: bool) -> None:
         """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
@@ -218,6 +224,7 @@ class ForwardingEngine:
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         if not link.pending:
             link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
+            link.probes = 0
             self._calls_out.set()
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()

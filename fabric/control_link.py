@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import ssl
 import time
@@ -30,8 +31,10 @@ from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
 
-MIN_BACKOFF = 0.05  # seconds between reconnection attempts, doubling up to MAX_BACKOFF
-MAX_BACKOFF = 1.0
+MIN_BACKOFF = 0.05  # seconds between reconnection attempts, doubling up to MAX_BACKOFF, each with jitter
+MAX_BACKOFF = 0.25  # (a restarted orchestrator serves ~0.5 s after the old one died: a 1 s cap cost up to 0.8 s
+#                     more before every worker was back; a refused connection costs next to nothing)
+STALE_BACKOFF = 1.0  # after finding a stale orchestrator
 HEARTBEAT = 5.0  # websocket pings: a hung orchestrator is noticed within 1.5x this
 REGISTER_TIMEOUT = 10.0
 
@@ -111,7 +114,7 @@ class ControlLink:
                         last_warning = now
                         log.warning("no orchestrator at %s for %.0f s (%s); serving on, still trying", self.url,
                                     now - down_since, exc)
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # (jitter: no thundering herd)
                     delay = min(MAX_BACKOFF, delay * 2)
                     continue
                 delay = MIN_BACKOFF
@@ -120,7 +123,7 @@ class ControlLink:
                     if self.fenced is not None:
                         return
                 except _Stale:
-                    delay = MAX_BACKOFF
+                    delay = STALE_BACKOFF
                 except (PeerDeadError, ProtocolError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                     if self.leaving:
                         return

@@ -31,7 +31,7 @@ from fabric import view_delta
 from fabric.auth import check_bind
 from fabric.config import RoleConfig
 from fabric.control_link import ControlLink, Registration
-from fabric.errors import ConfigError, PeerDeadError
+from fabric.errors import ConfigError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import (
     ClusterView,
@@ -171,7 +171,11 @@ class Runtime:
                 self.stop.set()
                 continue
             if isinstance(msg, ViewDelta):
-                view = view_delta.apply(self.view, msg)
+                try:
+                    view = view_delta.apply(self.view, msg)
+                except ProtocolError as exc:  # (an inconsistent result: as good as the wrong base)
+                    log.warning("a view delta did not apply (%s); asking for the whole view", exc)
+                    view = None
                 if view is None:  # not the view it was made from (say, one sent before a reconnection)
                     await self._send_quietly(ViewRequest())
                     continue

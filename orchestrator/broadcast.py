@@ -37,6 +37,7 @@ class Broadcaster:
         self.last: ClusterView | None = None
         self.log: collections.deque[dict[str, Any]] = collections.deque(maxlen=LOG_LENGTH)
         self._due: asyncio.TimerHandle | None = None
+        self._packed: tuple[ClusterView, bytes] | None = None  # the last whole view packed
 
     def publish(self, soon: bool = False) -> dict[str, Any] | None:
         """Broadcasts now (returns the broadcast's log record), or `soon` (coalesced)."""
@@ -57,9 +58,8 @@ class Broadcaster:
         prev, self.last = self.last, view
         delta = diff(prev, view) if prev is not None else None
         delta_data = pack(delta) if delta is not None else b""
-        whole_data = b""
         record: dict[str, Any] = {"seq": view.seq, "epoch": view.table.epoch if view.table else 0, "at": time.time(),
-                                  "sent_at": None, "deltas": 0, "wholes": 0}
+                                  "sent_at": None, "deltas": 0, "wholes": 0, "delta_bytes": len(delta_data)}
         cpu0 = time.process_time()
 
         def sent() -> None:  # (the last link's write ends the broadcast; the CPU meanwhile is its cost, mostly)
@@ -71,16 +71,27 @@ class Broadcaster:
                 link.send_packed(delta_data, sent)
                 record["deltas"] += 1
             else:
-                whole_data = whole_data or pack(RoutingUpdate(view))
-                link.send_packed(whole_data, sent)
+                link.send_packed(self._whole(view), sent)
                 record["wholes"] += 1
             link.view_seq = view.seq
-        record.update(delta_bytes=len(delta_data), whole_bytes=len(whole_data) or len(pack(RoutingUpdate(view))))
         self.log.append(record)
         return record
+
+    def _whole(self, view: ClusterView) -> bytes:
+        """`view` packed whole, once per broadcast however many links need it."""
+        if self._packed is None or self._packed[0] is not view:
+            self._packed = (view, pack(RoutingUpdate(view)))
+        return self._packed[1]
+
+    def log_json(self) -> list[dict[str, Any]]:
+        """The broadcast log for `GET /cluster`, with the size the whole view would have had (packed
+        here, when asked, not on the failover path)."""
+        if self.last is not None and self.log and "whole_bytes" not in self.log[-1]:
+            self.log[-1]["whole_bytes"] = len(self._whole(self.last))
+        return list(self.log)
 
     def send_whole(self, link: WorkerLink) -> None:
         """The last broadcast view, whole, to one link (it asked, or has just registered)."""
         if self.last is not None:
-            link.send(RoutingUpdate(self.last))
+            link.send_packed(self._whole(self.last))
             link.view_seq = self.last.seq

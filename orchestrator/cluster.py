@@ -103,6 +103,8 @@ class Cluster:
             return None
         if reg.view is not None:
             self.epoch = max(self.epoch, reg.view.table.epoch if reg.view.table else 0)
+        elif len(reg.view_version) >= 2:  # (the view itself comes only if asked for: its epoch counts now)
+            self.epoch = max(self.epoch, reg.view_version[1])
         state = WorkerState.ALIVE if reg.ready or reg.role in (Role.GATEWAY, Role.STORE) else WorkerState.STARTING
         experts = [(int(u[0]), int(u[1])) for u in reg.experts if len(u) == 2]
         if not wid:

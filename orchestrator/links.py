@@ -47,7 +47,8 @@ class WorkerLink:
         try:
             while True:
                 data, on_sent = await self._queue.get()
-                await asyncio.wait_for(self.ws.send_bytes(data), self.send_timeout)
+                async with asyncio.timeout(self.send_timeout):  # (no task per message, as wait_for made)
+                    await self.ws.send_bytes(data)
                 if on_sent is not None:
                     on_sent()
                 self._queue.task_done()

@@ -35,7 +35,6 @@ from fabric.errors import AuthError, FabricError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
-    ClusterView,
     Fenced,
     Leaving,
     LinkProbe,
@@ -59,6 +58,7 @@ from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.provisioner import NoProvisioner, Provisioner
+from orchestrator.recovery import Recovery
 from orchestrator.scaling import Scaler
 
 log = logging.getLogger("orchestrator")
@@ -84,7 +84,6 @@ class Orchestrator:
         self.provisioner: Provisioner = NoProvisioner()  # set by `serve` once the port is bound
         self.shutting_down = False
         self.recovered = asyncio.Event()
-        self.newest_view: ClusterView | None = None  # the newest view a registering worker reported
         self._probes: dict[int, asyncio.Future[None]] = {}
         self._confirming: dict[str, asyncio.Task[None]] = {}
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
@@ -97,9 +96,7 @@ class Orchestrator:
         self.scaler = Scaler(self)
         self.traffic: dict[str, int] = {"bytes_in": 0, "messages_in": 0, "bytes_out": 0, "messages_out": 0}
         self.broadcaster = Broadcaster(self.links, lambda seq: self.cluster.view(seq) if self.cluster.table else None)
-        self.started_at = time.time()
-        self.recovery: dict[str, Any] = {}  # how the take-over went (GET /cluster)
-        self.last_rejoin_at = 0.0  # when the last worker of an earlier orchestrator registered again
+        self.recovery = Recovery()
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
 
     def _spawn(self, coro: Any) -> None:
@@ -112,13 +109,10 @@ class Orchestrator:
         """Waits for the workers of an earlier orchestrator (if any) to register again, bounded
         by the recovery grace, then rebuilds the cluster from the newest view they reported."""
         deadline = asyncio.get_running_loop().time() + self.cfg.recovery_grace_s
-        while asyncio.get_running_loop().time() < deadline and not self._all_back():
+        while asyncio.get_running_loop().time() < deadline and not self.recovery.all_back(self.cluster.workers):
             await asyncio.sleep(0.02)
-        view = self.newest_view
-        self.recovery = {"started_at": self.started_at, "done_at": time.time(), "all_back": self._all_back(),
-                         "last_rejoin_at": self.last_rejoin_at,
-                         "workers_back": len(self.cluster.workers),
-                         "workers_expected": sum(1 for w in view.workers if w.serving) if view else 0}
+        view = self.recovery.newest
+        self.recovery.done(self.cluster.workers)
         replace = self.cluster.rebuild(view)
         self.recovered.set()
         if view is not None:
@@ -131,14 +125,6 @@ class Orchestrator:
             self._replace(role, dead)
         await self._place()
         self._broadcast()
-
-    def _newer_view(self, view: ClusterView | None) -> None:
-        if view is not None and (self.newest_view is None or view.version > self.newest_view.version):
-            self.newest_view = view
-
-    def _all_back(self) -> bool:
-        view = self.newest_view
-        return view is not None and all(w.id in self.cluster.workers for w in view.workers if w.serving)
 
     # -- worker links -------------------------------------------------------------------------
     async def worker_link(self, request: web.Request) -> web.WebSocketResponse:
@@ -161,11 +147,6 @@ class Orchestrator:
                 mark_failed()
                 self.stop.set()
                 return ws
-            self._newer_view(reg.view)
-            # Only a worker whose view may be newer than the newest received sends it (`ViewReport`):
-            # in a re-registration storm a few do, not every worker.
-            send_view = bool(reg.view_version) and (self.newest_view is None or
-                                                    tuple(reg.view_version) > self.newest_view.version)
             if len(msgpack.packb(reg.info, use_bin_type=True)) > MAX_INFO_BYTES:
                 raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
             if reg.worker_id:
@@ -177,8 +158,6 @@ class Orchestrator:
             else:
                 await self.recovered.wait()  # new ids only once the earlier orchestrator's are known
             rec = self.cluster.add(reg)
-            if reg.worker_id and not self.recovered.is_set():
-                self.last_rejoin_at = time.time()
             if rec is None:
                 log.warning("%s (pid %d) registered again, but it was declared dead: fenced", reg.worker_id, reg.pid)
                 await ws.send_bytes(pack(Fenced("it was declared dead earlier")))
@@ -198,6 +177,8 @@ class Orchestrator:
                     self.cluster.reserved.add(rec.id)
             log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
                      rec.role.value, rec.pid, rec.host, rec.port)
+            # (its view itself only if it may be the newest: recovery/Recovery)
+            send_view = self.recovery.registered(rec.id, reg, not self.recovered.is_set())
             link.send(Registered(rec.id, self.generation, send_view))
             if self.recovered.is_set():
                 await self._joined(rec, link)
@@ -218,6 +199,8 @@ class Orchestrator:
         except TimeoutError:
             log.error("closing link from %s: no registration within 10 s", request.remote)
         finally:
+            if rec is not None:
+                self.recovery.gone(rec.id)
             if rec is not None and link is not None and self.links.get(rec.id) is link:
                 del self.links[rec.id]
                 if leaving:
@@ -346,7 +329,7 @@ class Orchestrator:
 
     async def _handle(self, worker_id: str, msg: Message) -> None:
         if isinstance(msg, ViewReport):
-            self._newer_view(msg.view)
+            self.recovery.reported(msg.view, worker_id)
         elif isinstance(msg, WorkerReady):
             await self.recovered.wait()
             self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)

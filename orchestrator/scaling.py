@@ -94,7 +94,7 @@ class Scaler:
         nodes = {s: str(c.workers[w].info.get("node") or w) for s, w in holder.items()}
         copies = 1 + min(getattr(c.planner, "shadows", 0), len(slots) - 1)
         cfg = c.model
-        unit_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate * cfg.torch_dtype.itemsize
+        unit_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate * cfg.itemsize
         resident = {s: c.workers[w].loaded for s, w in holder.items()}
         plan = replan(c.placement, slots, copies, unit_bytes, nodes, resident)
         try:

@@ -37,8 +37,8 @@ def make_app(orch: Orchestrator) -> web.Application:
         body["recovering"] = not orch.recovered.is_set()
         body["replacements_started"] = orch.replacements_started
         body["scaled"] = orch.scaler.history
-        body["control"] = {**orch.traffic, "links": len(orch.links), "broadcasts": list(orch.broadcaster.log)}
-        body["recovery"] = orch.recovery
+        body["control"] = {**orch.traffic, "links": len(orch.links), "broadcasts": orch.broadcaster.log_json()}
+        body["recovery"] = orch.recovery.summary
         return web.json_response(body)
 
     async def post_shutdown(request: web.Request) -> web.Response:

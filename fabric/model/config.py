@@ -46,6 +46,11 @@ class ModelConfig:
     dtype: str
 
     @property
+    def itemsize(self) -> int:
+        """Bytes per weight element (no torch needed: the orchestrator plans with it)."""
+        return {"float32": 4, "bfloat16": 2}[self.dtype]
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 

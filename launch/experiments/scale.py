@@ -244,7 +244,8 @@ def _ew_death(cl: SimCluster, orch_pid: int, idle_cpu: float) -> dict[str, Any]:
             "update_median_ms": 1e3 * statistics.median(applied) if applied else math.inf,
             "update_sent_ms": 1e3 * (pub["sent_at"] - pub["at"]) if pub and pub.get("sent_at") else math.inf,
             "update_delta_bytes": pub["delta_bytes"] if pub else 0,
-            "update_whole_bytes": pub["whole_bytes"] if pub else 0,
+            # (a whole view's size is logged for the newest broadcast only: the view after the death)
+            "update_whole_bytes": c["control"]["broadcasts"][-1].get("whole_bytes", 0) if pub else 0,
             "aws_that_found_it": found_by_link,
             # (the orchestrator's own account: deciding and publishing, then writing to every link)
             "orch_cpu_ms_per_death": (pub.get("decide_cpu_ms", 0) + pub.get("send_cpu_ms", 0)) if pub else math.nan,
