@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 
 MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
-IDLE_TICK = 0.1  # seconds between a prober's checks while nothing is in flight
 REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
 
@@ -78,7 +77,7 @@ class AwClient:
         self.conn = conn
         self.requests: dict[str, Pending] = {}
         self.reader: asyncio.Task[None] | None = None
-        self.prober: asyncio.Task[None] | None = None
+        self.probes = 0  # pings sent since it was last heard
         self.last_heard = time.monotonic()
         self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
         self.dead_reason: str | None = None
@@ -94,34 +93,28 @@ class AwClient:
             self.gap = g if not self.gap else 0.875 * self.gap + 0.125 * g
         self.last_heard = now
 
-    async def probe_loop(self, interval: float, misses: int, on_dead: Callable[[AwClient, str], None]) -> None:
-        """A hung AW (SIGSTOP) keeps its connection open: while requests are in flight and the link
-        has been silent for `interval` and the usual gap between its messages, ping; after `misses`
-        unanswered probes and a silence over 5x
-        the usual gap between its messages and over `MIN_SILENCE` (a busy AW answers between
-        layers, but its first step warms torch up, and on a loaded host it may not be scheduled for
-        a while), the AW is declared dead and its requests resume elsewhere. A false verdict
-        costs a re-prefill of its requests, not tokens."""
-        sent = 0
-        nonce = itertools.count(1)
-        while not self.conn.closed:
-            await asyncio.sleep(interval if self.requests else max(interval, IDLE_TICK))  # idle: tick slower
-            silent = time.monotonic() - self.last_heard
-            # An AW is silent for a whole step between its outputs: no probe before that is due.
-            if not self.requests or silent < max(interval, self.gap):
-                sent = 0
-                continue
-            if sent >= misses and silent > max(interval * (misses + 1), 5 * self.gap, MIN_SILENCE):
-                self.dead_reason = f"no answer to {sent} probes in {silent * 1e3:.0f} ms"
-                log.warning("%s is hung: %s", self.worker_id, self.dead_reason)
-                on_dead(self, self.dead_reason)
-                await self.conn.close()
-                return
-            try:
-                self.conn.send_nowait(Ping(next(nonce)))
-            except PeerDeadError:
-                return
-            sent += 1
+    def check(self, now: float, interval: float, misses: int, nonce: int) -> str | None:
+        """One look at an AW with requests in flight (the pool's watcher calls it every tick): why
+        it is hung, or None after pinging it if it has been silent too long. A hung AW (SIGSTOP)
+        keeps its connection open: while requests are in flight and the link has been silent for
+        `interval` and the usual gap between its messages, ping; after `misses` unanswered probes
+        and a silence over 5x the usual gap between its messages and over `MIN_SILENCE` (a busy AW
+        answers between layers, but its first step warms torch up, and on a loaded host it may not
+        be scheduled for a while), the AW is declared dead and its requests resume elsewhere. A
+        false verdict costs a re-prefill of its requests, not tokens."""
+        silent = now - self.last_heard
+        # An AW is silent for a whole step between its outputs: no probe before that is due.
+        if silent < max(interval, self.gap):
+            self.probes = 0
+            return None
+        if self.probes >= misses and silent > max(interval * (misses + 1), 5 * self.gap, MIN_SILENCE):
+            return f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms"
+        try:
+            self.conn.send_nowait(Ping(nonce))
+        except PeerDeadError:
+            return None  # (its reader finds the connection gone)
+        self.probes += 1
+        return None
 
     @property
     def outstanding_work(self) -> int:
@@ -158,7 +151,7 @@ class AwClient:
                         p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
         except (PeerDeadError, ProtocolError) as exc:
             reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
-            if self.dead_reason is None:  # (a hung one was reported by its prober)
+            if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
                 on_lost(self, str(exc))
         finally:
             for p in self.requests.values():
@@ -205,6 +198,9 @@ class AwPool:
         self.resume = "restore"
         self.changed = asyncio.Event()  # set whenever an AW joins or a suspect slot frees up
         self._turn = 0
+        self._requests_out = asyncio.Event()  # set when an idle AW gets a request: the watcher wakes
+        self._watcher: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _lost(self, client: AwClient, reason: str) -> None:
         """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears it."""
@@ -212,9 +208,44 @@ class AwPool:
             self.on_dead(client.worker_id, reason)
 
     def _hung(self, client: AwClient, reason: str) -> None:
+        client.dead_reason = reason
+        log.warning("%s is hung: %s", client.worker_id, reason)
         self.dead.add(client.worker_id)
         if self.on_dead is not None:
             self.on_dead(client.worker_id, reason)
+        self._closing = {t for t in self._closing if not t.done()}
+        self._closing.add(asyncio.create_task(client.conn.close()))
+
+    def _track(self, client: AwClient, request_id: str, pending: Pending) -> None:
+        """A request in flight on `client`: its silence counts from now if it was idle."""
+        if not client.requests:
+            client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
+            client.probes = 0
+            self._requests_out.set()
+        client.requests[request_id] = pending
+
+    async def _watch(self) -> None:
+        """The one liveness watcher of every AW this gateway talks to: it ticks only while some AW
+        has requests in flight, and looks only at those (`AwClient.check`); an idle gateway of
+        hundreds of AWs costs nothing."""
+        nonce = itertools.count(1)
+        while True:
+            busy = [c for c in self.clients.values() if c.requests and not c.conn.closed and c.dead_reason is None]
+            if not busy:
+                self._requests_out.clear()
+                await self._requests_out.wait()
+                continue
+            await asyncio.sleep(self.probe_interval)
+            now = time.monotonic()
+            for client in busy:
+                if not client.requests or client.conn.closed or client.dead_reason is not None:
+                    continue
+                try:
+                    reason = client.check(now, self.probe_interval, self.probe_misses, next(nonce))
+                    if reason is not None:
+                        self._hung(client, reason)
+                except Exception:  # one AW's trouble must not stop the watching of the others
+                    log.exception("checking %s failed", client.worker_id)
 
     @property
     def ready(self) -> bool:
@@ -232,15 +263,10 @@ class AwPool:
         todo = [w for wid, w in alive.items() if wid not in self.clients or self.clients[wid].conn.closed]
         await asyncio.gather(*(self._connect(w) for w in todo))
         for wid in [w for w in self.clients if w in self.dead]:
-            client = self.clients.pop(wid)
-            if client.prober is not None:
-                client.prober.cancel()
-            await client.conn.close()
+            await self.clients.pop(wid).conn.close()
 
     async def _connect(self, w: WorkerInfo) -> None:
-        old = self.clients.pop(w.id, None)
-        if old is not None and old.prober is not None:  # closed by our probes, then vouched for
-            old.prober.cancel()
+        self.clients.pop(w.id, None)  # (closed: by our watcher, then vouched for; or gone)
         try:
             conn = await self.transport.connect(w.host, w.port, timeout=5.0)
         except PeerDeadError as exc:
@@ -248,8 +274,8 @@ class AwPool:
             return
         client = AwClient(w.id, conn)
         client.reader = asyncio.create_task(client.read_loop(self._lost))
-        if self.probe_interval > 0:
-            client.prober = asyncio.create_task(client.probe_loop(self.probe_interval, self.probe_misses, self._hung))
+        if self.probe_interval > 0 and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._watch())
         self.clients[w.id] = client
         log.info("connected to %s at %s:%s", w.id, w.host, w.port)
         self._changed()
@@ -286,9 +312,7 @@ class AwPool:
             except TimeoutError:
                 pass
         pending = Pending(submit, work=len(submit.prompt_ids) + submit.max_tokens - len(submit.output_ids))
-        if not client.requests:
-            client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
-        client.requests[submit.request_id] = pending
+        self._track(client, submit.request_id, pending)
         client.submitted_since += pending.work
         if suspect:
             client.suspect = submit.request_id
@@ -313,7 +337,7 @@ class AwPool:
         for client in self.live():
             p = Pending(submit, work=submit.max_tokens)
             p.attach = asyncio.get_running_loop().create_future()
-            client.requests[submit.request_id] = p
+            self._track(client, submit.request_id, p)
             try:
                 client.conn.send_nowait(Attach(submit))
             except PeerDeadError:
@@ -352,8 +376,9 @@ class AwPool:
                 pass
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for c in self.clients.values():
-            for task in (c.reader, c.prober):
-                if task is not None:
-                    task.cancel()
+            if c.reader is not None:
+                c.reader.cancel()
             await c.conn.close()
