@@ -22,6 +22,7 @@ from fabric.messages.base import Message
 from fabric.messages.control import PeerAlive, Role, RoutingUpdate
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
+from fabric.transport.base import LISTEN_BACKLOG
 from gateway.aw_pool import AwPool
 from gateway.server import Gateway
 
@@ -76,7 +77,7 @@ class GatewayService(Service):
         assert self.runtime is not None
         tls = self.cfg.tls
         self.site = web.TCPSite(self.http, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None,
-                                ssl_context=tls.server if tls is not None else None)
+                                ssl_context=tls.server if tls is not None else None, backlog=LISTEN_BACKLOG)
         await self.site.start()
         log.info("%s serving http%s://%s:%d/v1 (model %s%s)", self.runtime.worker_id, "s" if tls else "", self.cfg.host, self.cfg.port,
                  self.gateway.model_name, ", port shared" if self.cfg.reuse_port else "")

@@ -14,6 +14,7 @@ from fabric import auth
 from fabric.config import OrchestratorConfig
 from fabric.messages.control import Role
 from fabric.notify import notifier
+from fabric.transport.base import LISTEN_BACKLOG
 from orchestrator.balancer import balance_loop
 from orchestrator.main import Orchestrator
 from orchestrator.provisioner import make_provisioner
@@ -80,7 +81,8 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     runner = web.AppRunner(make_app(orch), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     tls = cfg.tls
-    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server if tls is not None else None)
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server if tls is not None else None,
+                       backlog=LISTEN_BACKLOG)  # (every worker registers again at once after a restart)
     await site.start()
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port

@@ -106,6 +106,12 @@ class Listener(abc.ABC):
 
 Handler = Callable[[Connection], Awaitable[None]]
 
+# Connections a listener queues before accepting them (the kernel caps it at net.core.somaxconn).
+# asyncio's default of 100 (aiohttp's 128) drops the SYNs of a burst: 256 workers re-registering
+# with a restarted orchestrator, or 128 AWs dialing an EW twice each, and the dropped ones retry
+# only after TCP's 1 s initial timeout.
+LISTEN_BACKLOG = 4096
+
 
 class Transport(abc.ABC):
     name: str = ""

@@ -23,7 +23,15 @@ import numpy as np
 
 from fabric.errors import PeerDeadError, PeerStalledError, ProtocolError
 from fabric.tls import Tls
-from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
+from fabric.transport.base import (
+    DEFAULT_SEND_TIMEOUT,
+    LISTEN_BACKLOG,
+    Connection,
+    Handler,
+    Listener,
+    Transport,
+    guarded,
+)
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
 
 COALESCE_BYTES = 1 << 20
@@ -314,7 +322,8 @@ class TcpTransport(Transport):
                 transport._handlers.add(task)
                 task.add_done_callback(transport._handlers.discard)
 
-        server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port, ssl=self._server_ssl)
+        server = await asyncio.get_running_loop().create_server(_ServerPipe, host, port, ssl=self._server_ssl,
+                                                                backlog=LISTEN_BACKLOG)
         self._servers.append(server)
         return TcpListener(server, accepted)
 
