@@ -303,7 +303,9 @@ class AttentionWorker:
             "replays": self.refe.replays if self.refe else 0,
             "expert_waits": self.refe.expert_waits if self.refe else 0,
             "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
-            "suspected_at": dict(self.refe.suspected_at) if self.refe else {},
+            "suspected_at": dict(self.refe.suspected_at) if self.refe else {},  # EW -> when this AW found it dead
+            "probes_sent": self.refe.probes_sent if self.refe else 0,
+            "epochs_applied": {str(e): t for e, t in self.refe.applied.items()} if self.refe else {},
             **(self.ckpt.stats() if self.ckpt else {}),
             "restore_join_s": round(self.restore_join_s, 3),
             "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,

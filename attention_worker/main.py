@@ -174,13 +174,11 @@ class AttentionService(Service):
     def stats(self) -> dict[str, Any] | None:
         if self.aw.refe is None:
             return None
-        w, refe, rt = self.weights, self.aw.refe, self.runtime
+        w, rt = self.weights, self.runtime
         return {**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
                 "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
-                # (what the scale experiment reads: when each EW was found dead, each epoch arrived and applied)
-                "probes_sent": refe.probes_sent, "ews_dead_at": dict(refe.suspected_at),
-                "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()},
-                "epochs_applied": {str(e): t for e, t in refe.applied.items()}}
+                # (what the scale experiment reads: when each epoch's view arrived; see also the engine's)
+                "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}}
 
     def abort(self) -> None:
         self.transport.abort_all()

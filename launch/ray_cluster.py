@@ -23,104 +23,36 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import queue
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from typing import Any
 
-from fabric.errors import ConfigError, FabricError
+from fabric.errors import FabricError
 from fabric.messages.base import decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import RESOURCE_FIELDS, ServeConfig
-from launch.flags import to_argv
 from launch.launcher import COMMAND, STOP_ORDER, Launcher, Proc, say
 from launch.ray_host import RoleHost, node_label
+from launch.ray_hosts import Host, RemoteProc, host_spec, join_ray, kill_node, sealed_secrets
 from launch.ray_placement import NodeState, choose_node, spread_notes
-from launch.sealing import seal
 
 log = logging.getLogger("moe-fabric")
 
 START_TIMEOUT = 120.0  # seconds for a host actor to come up (Ray starts a worker process for it)
 
 
-@dataclass
-class Host:
-    """One fabric process and the actor that hosts it."""
-
-    name: str
-    role: Role
-    restart: bool
-    resources: dict[str, float]
-    actor: Any
-    node_id: str = ""
-    node_ip: str = ""
-    public_key: bytes = b""
-    pid: int = 0
-    replaces: str = ""
-    boot_nice: int = 0  # a replacement boots this much nicer
-    ready: bool = False
-    initial: bool = True  # one of the processes `serve` starts (readiness waits for these)
-    exit_ref: Any = None
-    ready_ref: Any = None
-    gone: bool = False
-    code: int | None = None
-
-
-class RemoteProc:
-    """`Proc` over a host actor: signals go to the process wherever it runs."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-        self.pid = host.pid
-        self.node_id = host.node_id
-
-    def send_signal(self, sig: int) -> None:
-        import ray
-
-        ray.get(self.host.actor.signal.remote(int(sig)), timeout=10)
-
-    def poll(self) -> int | None:
-        return (self.host.code if self.host.code is not None else -9) if self.host.gone else None
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{self.host.name} still runs")
-            time.sleep(0.05)
-        return code
-
-
 class RaySupervisor(Launcher):
     def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
                  extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
         super().__init__(cfg, model, log_dir, extra_args, extra_env)
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
-        loopback = address.startswith("127.") if address else cfg.host.startswith("127.")
-        if loopback:  # every node on loopback: Ray must not advertise this machine's other addresses
-            from launch.loopback_ray import keep_ray_on_loopback
-
-            keep_ray_on_loopback()
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("--cluster ray needs Ray: pip install 'moe-fabric[ray]'") from None
+        ray, self._started_ray = join_ray(cfg)  # (here, in the caller's thread: Ray wants the main one)
         self.resources = {role: cfg.resources(f) for role, f in RESOURCE_FIELDS.items()}
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:  # here, in the caller's thread (Ray wants the main thread for its set-up)
-            kwargs: dict[str, Any] = {} if address else {"include_dashboard": False}
-            if loopback:
-                kwargs["_node_ip_address"] = "127.0.0.1"
-            ray.init(address=address, namespace=f"moe-fabric-{uuid.uuid4().hex[:8]}", log_to_driver=False,
-                     logging_level=logging.WARNING, **kwargs)
         self.remote_host = ray.remote(RoleHost)
         self.hosts: list[Host] = []
         self.actors: list[Any] = []  # every actor this driver made (killed at the end, whatever happened)
@@ -185,33 +117,6 @@ class RaySupervisor(Launcher):
             if node is not None:
                 node.take(host.role, host.resources, -1)
 
-    # -- what a host runs ---------------------------------------------------------------------
-    def _spec(self, host: Host) -> dict[str, Any]:
-        c, cfg = self.configs, self.cfg
-        role_cfg: Any = {Role.ORCHESTRATOR: c.orchestrator, Role.GATEWAY: c.gateway, Role.ATTENTION: c.attention,
-                         Role.EXPERT: c.expert, Role.STORE: c.store}[host.role]
-        command = COMMAND[host.role]
-        extra = self.extra.get(command, [])
-        again = replace(role_cfg, boot_nice=cfg.restart_boot_nice) if host.restart else role_cfg
-        if host.role is Role.ORCHESTRATOR:
-            # The first orchestrator has no one to wait for; a restarted one waits for the workers.
-            role_cfg = replace(role_cfg, recovery_grace_s=0.0)
-        if host.boot_nice:
-            role_cfg = replace(role_cfg, boot_nice=host.boot_nice)
-        return {"name": host.name, "role": host.role.value, "command": command, "restart": host.restart,
-                "argv": [*to_argv(role_cfg), *extra], "argv_again": [*to_argv(again), *extra],
-                "env": self.extra_env.get(host.name, {}), "watchdog_s": cfg.watchdog_s,
-                "restart_delay_s": cfg.restart_delay_s, "log_dir": self.log_dir,
-                "provision": host.role is Role.ORCHESTRATOR and cfg.provisioner == "auto"}
-
-    def _box(self, host: Host) -> bytes | None:
-        secrets = {}
-        if self.secret is not None:
-            secrets["cluster_secret"] = self.secret.decode()
-        if host.role is Role.GATEWAY and self.cfg.api_key:
-            secrets["api_key"] = self.cfg.api_key
-        return seal(host.public_key, json.dumps(secrets).encode()) if secrets else None
-
     def _hello(self, host: Host, timeout: float) -> None:
         import ray
 
@@ -229,7 +134,8 @@ class RaySupervisor(Launcher):
         import ray
 
         orchestrator = f"{self.orchestrator_ip}:{self.orchestrator_port}"
-        info = ray.get(host.actor.start.remote(self._spec(host), self._box(host), orchestrator), timeout=60)
+        info = ray.get(host.actor.start.remote(host_spec(self, host), sealed_secrets(self, host), orchestrator),
+                       timeout=60)
         host.pid = info["pid"]
 
     def _arm(self, host: Host) -> None:
@@ -272,7 +178,7 @@ class RaySupervisor(Launcher):
         orch = next(h for h in hosts if h.role is Role.ORCHESTRATOR)
         self.orchestrator_ip = orch.node_ip
         self._start(orch)
-        refs = [h.actor.start.remote(self._spec(h), self._box(h), f"{orch.node_ip}:{self.orchestrator_port}")
+        refs = [h.actor.start.remote(host_spec(self, h), sealed_secrets(self, h), f"{orch.node_ip}:{self.orchestrator_port}")
                 for h in hosts if h is not orch]
         for h, info in zip([h for h in hosts if h is not orch], ray.get(refs, timeout=START_TIMEOUT)):
             h.pid = info["pid"]
@@ -472,30 +378,9 @@ class RaySupervisor(Launcher):
             return [(h.name, RemoteProc(h)) for h in self.hosts if h.pid]
 
     def kill_node(self, node_id: str) -> None:
-        """Kills a whole node of a Ray cluster: its raylet (SIGKILL), and with it every worker
-        process there and every fabric process they host. (On a loopback cluster the test or the
-        experiment removes the node through `LoopbackRay` instead.)"""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        ref = ray.remote(_kill_own_raylet).options(
-            num_cpus=0, max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(ref, timeout=30)
+        kill_node(node_id)
 
     def node_of(self, name: str) -> str:
         """The Ray node id where the process `name` runs now."""
         with self.lock:
             return next(h.node_id for h in self.hosts if h.name == name)
-
-
-def _kill_own_raylet() -> None:
-    """(A Ray task.) Its worker process's parent is the node's raylet."""
-    import signal
-
-    parent = os.getppid()
-    with open(f"/proc/{parent}/cmdline", "rb") as f:
-        if b"raylet" not in f.read():
-            raise FabricError(f"the parent of this Ray worker (pid {parent}) is not a raylet")
-    os.kill(parent, signal.SIGKILL)

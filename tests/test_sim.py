@@ -102,7 +102,7 @@ def test_many_simulated_workers_per_process_fail_over_token_for_token(hf_models:
         died: list[float] = []
         assert _killing(cl, fabric, lambda: died.append(cl.kill_worker(ew["id"], ew["pid"]))) == reference
         c = wait_for(cl, "every AW's stats to name the dead EW", lambda c: all(
-            ew["id"] in w["stats"].get("ews_dead_at", {}) for w in c["workers"]
+            ew["id"] in w["stats"].get("suspected_at", {}) for w in c["workers"]
             if w["role"] == "attention" and w["state"] == "alive"))
         mates = [w for w in c["workers"] if w["pid"] == ew["pid"] and w["id"] != ew["id"]]
         assert len(mates) == 3 and all(w["state"] == "alive" for w in mates)  # its process-mates serve on

@@ -92,7 +92,6 @@ class Workload:
         self.run = Run("scale", url, tokens, lambda i: [1 + (i * 7919 + j * 104729) % 30000 for j in range(8)],
                        duration=1e9, concurrency=streams, deadline=300.0, tag="scale")
         self.stopping = asyncio.Event()
-        self.offset = 0.0  # wall clock - run clock
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="workload", daemon=True)
 
     async def _main(self) -> None:
@@ -109,8 +108,6 @@ class Workload:
 
     def start(self) -> None:
         self.thread.start()
-        time.sleep(0.2)
-        self.offset = time.time() - self.run.now()
 
     def median_gap(self) -> float:
         """The median gap between a stream's tokens so far (the step time streams see)."""
@@ -126,7 +123,7 @@ class Workload:
 
     def resumed_after(self, at: float, timeout: float) -> list[float]:
         """Seconds from wall time `at` to the next token of every stream that was running then."""
-        t = at - self.offset
+        t = self.run.now() - (time.time() - at)  # (wall-clock `at` on the run's clock)
         deadline = time.monotonic() + timeout
         while True:
             running = [s for s in list(self.run.streams) if s.times and s.times[0] < t and not (s.done and
@@ -173,7 +170,6 @@ def measure(shape: str, n: int, args: argparse.Namespace, root: Path) -> dict[st
         time.sleep(2.0)  # the last links settle
         c = cl.cluster()
         orch_pid = cl.orchestrator.proc.pid if cl.orchestrator else 0
-        hosts = {h.proc.pid: h for h in cl.hosts}
         per_host: dict[int, int] = {}
         for w in c["workers"]:
             if w["role"] in ("attention", "expert"):
@@ -213,7 +209,6 @@ def measure(shape: str, n: int, args: argparse.Namespace, root: Path) -> dict[st
         streams = load.run.streams
         out["requests"] = len(streams)
         out["requests_failed"] = sum(1 for s in streams if s.error)
-        _ = hosts
     return out
 
 
@@ -230,14 +225,14 @@ def _ew_death(cl: SimCluster, orch_pid: int, idle_cpu: float) -> dict[str, Any]:
     rerouted, applied = [], []
     for w in _aws(c):
         st = w["stats"]
-        found = st.get("ews_dead_at", {}).get(ew["id"])
+        found = st.get("suspected_at", {}).get(ew["id"])
         app = st.get("epochs_applied", {}).get(str(pub["epoch"])) if pub else None
         seen = st.get("epochs_seen", {}).get(str(pub["epoch"])) if pub else None
         times = [t for t in (found, app) if t is not None]
         rerouted.append(min(times) - at if times else math.inf)
         if pub is not None:
             applied.append((min(t for t in (app, seen) if t is not None) if (app or seen) else math.inf) - pub["at"])
-    found_by_link = sum(1 for w in _aws(c) if ew["id"] in w["stats"].get("ews_dead_at", {}))
+    found_by_link = sum(1 for w in _aws(c) if ew["id"] in w["stats"].get("suspected_at", {}))
     return {"ew_reroute_ms": 1e3 * max(rerouted), "ew_reroute_median_ms": 1e3 * statistics.median(rerouted),
             "ew_declared_ms": 1e3 * (pub["at"] - at) if pub else math.inf,
             "update_ms": 1e3 * max(applied) if applied else math.inf,

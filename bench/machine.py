@@ -1,0 +1,79 @@
+"""What a benchmark measures of the machine and its processes: the compute and memory-bandwidth
+limits of a decode step, and the CPU seconds of a process tree."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from fabric.model.config import ModelConfig
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
+    """Best fp32 GFLOP/s of an [m, k] x [k, n] matmul; small shapes loop so one timing lasts ~0.1 s."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    flops = 2.0 * m * k * n
+    inner = max(1, int(2e8 // flops))
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t) / inner)
+    return flops / best / 1e9
+
+
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and every descendant of it now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds these processes have used so far (those still running)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Best bytes/s of a large tensor copy (a read and a write of every byte)."""
+    src = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def step_bytes(mcfg: ModelConfig, c: int) -> float:
+    """Weight bytes one decode step of `c` sequences must read: attention, routers, dense MLPs and
+    the LM head, plus the experts its tokens route to (uniform routing: E (1 - (1 - k/E)^c)
+    distinct experts per MoE layer)."""
+    d, e, k = mcfg.hidden_size, mcfg.num_experts, mcfg.top_k
+    attn = d * mcfg.num_heads * mcfg.head_dim * 2 + d * mcfg.num_kv_heads * mcfg.head_dim * 2
+    expert = 3 * d * mcfg.expert_intermediate
+    touched = e * (1 - (1 - k / e) ** c)
+    moe = len(mcfg.moe_layers)
+    params = (mcfg.num_layers * attn + moe * (d * e + touched * expert)
+              + len(mcfg.dense_layers) * 3 * d * mcfg.dense_intermediate + d * mcfg.vocab_size)
+    return params * torch.tensor([], dtype=mcfg.torch_dtype).element_size()
