@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_datapath import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 from common import bench_parser, ensure_bench_model, save_figure
+from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
 from launch.config import ServeConfig
 from launch.experiments.workload import Run

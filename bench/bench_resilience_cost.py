@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_datapath import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 from common import scan_logs
+from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model

@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench_datapath import fabric_round, make_prompts  # bench/ is on sys.path as a script
 from machine import cpu_seconds
+from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model

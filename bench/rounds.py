@@ -1,0 +1,69 @@
+"""One benchmark round against an OpenAI completions endpoint (the fabric's, vLLM's): seeded
+token-id prompts, every stream at once, greedy, `ignore_eos`; tok/s, TTFT and time between tokens.
+The benchmarks share it (`python bench/<script>.py`: bench/ is on sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import aiohttp
+import torch
+from common import percentile
+
+from fabric.tls import Tls
+
+Stats = dict[str, float]
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts: list[list[int]] = torch.randint(3, vocab, (n, length), generator=gen).tolist()  # 0-2 are special
+    return prompts
+
+
+def summarize(n_tokens: int, wall: float, gaps: list[float], ttfts: list[float] | None = None) -> Stats:
+    return {"ttft_ms": statistics.median(ttfts) * 1e3 if ttfts else float("nan"),"tok_s": n_tokens / wall, "tbt_p50_ms": percentile(gaps, 50) * 1e3, "tbt_p99_ms": percentile(gaps, 99) * 1e3,
+            "tokens": n_tokens, "wall_s": wall}
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> tuple[list[float], list[int]]:
+    """One streaming completion; returns the arrival time of every token chunk and the token ids."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    times: list[float] = []
+    out: list[int] = []
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            now = time.perf_counter()
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line[6:] == b"[DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            ids = chunk["choices"][0].get("token_ids") or []
+            if ids:
+                times.append(now)
+                out.extend(ids)
+    return times, out
+
+
+async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None) -> Stats:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=0, ssl=tls.client if tls is not None else True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
+    n = sum(len(ids) for _, ids in results)
+    if n != len(prompts) * tokens:
+        raise RuntimeError(f"expected {len(prompts) * tokens} tokens, got {n}")
+    end = max(times[-1] for times, _ in results)
+    gaps = [b - a for times, _ in results for a, b in zip(times, times[1:], strict=False)]
+    return {**summarize(n, end - t0, gaps, [times[0] - t0 for times, _ in results]), "ids": [ids for _, ids in results]}
