@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from common import scan_logs  # bench/ is on sys.path when run as a script
@@ -54,25 +54,33 @@ HF = "transformers generate"
 VLLM = "vLLM CPU"
 LIMIT = "compute limit"
 BW_LIMIT = "memory-bandwidth limit"
+class FabricSpec(NamedTuple):
+    """One fabric of the run (2 AWs + 2 EWs)."""
+
+    transport: str
+    gateways: int
+    sched: str = "auto"
+    security: str = "secret"  # secret = authenticated, the default; none = `--no-auth`; tls = authenticated inside TLS
+    kernel: str = "auto"  # the workers' --kernel
+    pin: bool = True  # serve --pin-workers
+
+
 @contextlib.contextmanager
-def running_fabric(model: Path, transport: str, sched: str, gateways: int, log_root: str,
-                   warm: list[list[list[int]]] | None = None,
-                   security: str = "secret", kernel: str = "auto") -> Iterator[tuple[str, Tls | None, Fabric]]:
-    """A fabric (2 AWs + 2 EWs, `gateways` gateways) up and warmed (a short round with each batch
-    of prompts in `warm`: a fabric's first round at a new concurrency ran up to 2x slower); yields
-    its completions URL and TLS (`security`: secret = authenticated, the default; none =
-    `--no-auth`; tls = authenticated inside TLS; `kernel`: the workers' --kernel)."""
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{transport}-{sched}-{gateways}gw-{security}-{kernel}-", dir=log_root)
-    tls = write_self_signed(Path(log_dir), days=2) if security == "tls" else None
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=gateways, transport=transport,
-                      port=free_port(), ready_timeout=300, sched=sched, auth=security != "none",
-                      tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None)
+def running_fabric(model: Path, spec: FabricSpec, log_root: str,
+                   warm: list[list[list[int]]] | None = None) -> Iterator[tuple[str, Tls | None, Fabric]]:
+    """A fabric up and warmed (a short round with each batch of prompts in `warm`: a fabric's first
+    round at a new concurrency ran up to 2x slower); yields its completions URL and TLS."""
+    log_dir = tempfile.mkdtemp(prefix=f"fabric-{'-'.join(map(str, spec))}-", dir=log_root)
+    tls = write_self_signed(Path(log_dir), days=2) if spec.security == "tls" else None
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=spec.gateways,
+                      transport=spec.transport, port=free_port(), ready_timeout=300, sched=spec.sched,
+                      auth=spec.security != "none", tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None,
+                      pin_workers=spec.pin)
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
-    kernels = {role: ["--kernel", kernel] for role in ("attention-worker", "expert-worker")}
+    kernels = {role: ["--kernel", spec.kernel] for role in ("attention-worker", "expert-worker")}
     with Fabric(cfg, log_dir=log_dir, extra_args=kernels) as fabric:
-        print(f"  fabric {transport} (sched {sched}, {security}): ready in {time.perf_counter() - t:.1f}s "
-              f"(logs in {log_dir})", flush=True)
+        print(f"  fabric {spec}: ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
             asyncio.run(fabric_round(url, batch, 16, tls))
         yield url, tls, fabric
@@ -209,6 +217,8 @@ def main() -> None:
     ap.add_argument("--torch-matmul", action="store_true",
                     help="add a fabric whose workers use torch's matmul (--kernel torch) beside the default (the "
                          "skinny GEMM kernel where it runs)")
+    ap.add_argument("--unpinned", action="store_true",
+                    help="add a fabric whose workers float over the CPUs beside the default (serve --pin-workers)")
     ap.add_argument("--vllm", action="store_true",
                     help=f"add vLLM's CPU build ({VLLM_VERSION}, installed on first use into bench/.venv-vllm) as the "
                          "baseline: rows and per-round ratios against it")
@@ -243,21 +253,22 @@ def main() -> None:
         hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     counts = [int(g) for g in args.gateways.split(",") if g.strip()]
-    # name -> (transport, sched, gateways, security, expert kernel)
-    fabrics = {f"fabric {t}": (t, "auto", counts[0], "secret", "auto") for t in transports}
+    t0, g0 = transports[0], counts[0]
+    fabrics = {f"fabric {t}": FabricSpec(t, g0) for t in transports}
     for g in counts[1:]:
-        fabrics[f"fabric {transports[0]}, {g} gateway{'s' if g > 1 else ''}"] = (transports[0], "auto", g, "secret", "auto")
+        fabrics[f"fabric {t0}, {g} gateway{'s' if g > 1 else ''}"] = FabricSpec(t0, g)
     if args.other_sched:
         for t in transports:
             other = "normal" if auto_sched(t) == "batch" else "batch"
-            fabrics[f"fabric {t}, --sched {other}"] = (t, other, counts[0], "secret", "auto")
+            fabrics[f"fabric {t}, --sched {other}"] = FabricSpec(t, g0, sched=other)
     for sec in [x.strip() for x in args.security.split(",") if x.strip()]:
         if sec not in ("none", "tls"):
             ap.error(f"--security takes none and tls, not {sec!r}")
-        fabrics[f"fabric {transports[0]}, {'no auth' if sec == 'none' else 'TLS'}"] = (transports[0], "auto", counts[0], sec,
-                                                                                     "auto")
+        fabrics[f"fabric {t0}, {'no auth' if sec == 'none' else 'TLS'}"] = FabricSpec(t0, g0, security=sec)
     if args.torch_matmul:
-        fabrics[f"fabric {transports[0]}, --kernel torch"] = (transports[0], "auto", counts[0], "secret", "torch")
+        fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch")
+    if args.unpinned:
+        fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, *([VLLM] if args.vllm else []), HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
@@ -272,10 +283,9 @@ def main() -> None:
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
         tlss: dict[str, Tls | None] = {}
-        for name, (t, sched, gws, sec, kernel) in fabrics.items():
+        for name, spec in fabrics.items():
             try:
-                urls[name], tlss[name], fab = stack.enter_context(running_fabric(model, t, sched, gws, log_root, warm, sec,
-                                                                                 kernel))
+                urls[name], tlss[name], fab = stack.enter_context(running_fabric(model, spec, log_root, warm))
                 pids[name] = lambda fab=fab: [p.pid for _, p in fab.procs]
             except Exception as exc:  # keep the other systems' numbers; the table shows gaps
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")

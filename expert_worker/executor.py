@@ -90,14 +90,20 @@ class ExpertExecutor:
                 if n:
                     groups.setdefault((p.call.layer, e), []).append((ci, start, n))
                 start += n
-        for unit, parts in groups.items():
-            gate_up_t, down_t = self.experts[unit]
-            xs = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
-            x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [N, D]
-            y = self.gemm.swiglu_ffn(x, gate_up_t, down_t) if self.gemm else swiglu_ffn_t(x, gate_up_t, down_t)  # [N, D]
-            self.tokens_by_expert[unit] += x.shape[0]
+        units = list(groups)
+        xs = []  # [N, D] per unit
+        for unit in units:
+            parts = groups[unit]
+            x = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
+            xs.append(x[0] if len(x) == 1 else torch.cat(x))
+            self.tokens_by_expert[unit] += xs[-1].shape[0]
+        if self.gemm is not None:  # every expert in one call to the kernel's module
+            ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
+        else:
+            ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
+        for unit, y in zip(units, ys):  # y [N, D]
             offset = 0
-            for ci, s, n in parts:
+            for ci, s, n in groups[unit]:
                 outs[ci][s : s + n] = y[offset : offset + n]
                 offset += n
         return outs

@@ -37,6 +37,12 @@ from fabric.transport.base import Connection, Listener
 
 log = logging.getLogger("expert_worker")
 
+# A decode-sized batch (a few ms of experts) runs on the event loop: handing it to the compute
+# thread and back costs two wake-ups a layer, 8-11 % of the fabric's CPU at 16 streams
+# (docs/performance.md). A larger one (a prefill) runs in the thread, so that liveness probes
+# (every 10 ms by default) are answered while it does.
+INLINE_ROWS = 64
+
 
 class ExpertWorker(Service):
     role = Role.EXPERT
@@ -260,9 +266,10 @@ class ExpertWorker(Service):
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
             t0 = time.perf_counter()
-            # In a thread (torch releases the GIL): the loop keeps answering liveness probes and
-            # receiving the next calls while the experts run.
-            outputs = await asyncio.get_running_loop().run_in_executor(self.compute, self.executor.run, batch)
+            if sum(p.rows for p in batch) <= INLINE_ROWS:
+                outputs = self.executor.run(batch)
+            else:  # in a thread (the GIL released): the loop keeps answering liveness probes meanwhile
+                outputs = await asyncio.get_running_loop().run_in_executor(self.compute, self.executor.run, batch)
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):

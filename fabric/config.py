@@ -39,6 +39,17 @@ def req(help: str, *, metavar: str | None = None) -> Any:
     return field(metadata={"help": help, "metavar": metavar})
 
 
+def parse_cpus(value: str) -> set[int]:
+    """A CPU list as `taskset -c` takes it ("0", "0,2", "0-3,6") -> the CPU numbers."""
+    cpus: set[int] = set()
+    for part in value.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ConfigError(f"expected a CPU list such as 0 or 0,2 or 0-3, got {value!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def parse_hostport(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -162,6 +173,8 @@ class WorkerConfig(RoleConfig):
                                 "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
+    cpus: str | None = opt(None, "run this worker (all its threads) on these CPUs only: a list as taskset -c takes it, "
+                                 "e.g. 0 or 0-3 (serve --pin-workers sets it)", metavar="LIST")
     sim_workers: int = opt(1, "--compute sim: host this many workers in this one process, each with its own identity, "
                               "sockets and tasks (a deployment-scale simulation on a few cores)")
     sim_control: bool = opt(False, "read `kill WORKER_ID` lines on stdin: that worker dies as on SIGKILL (its sockets "
@@ -173,6 +186,8 @@ class WorkerConfig(RoleConfig):
             raise ConfigError("threads must be >= 1")
         if self.sim_workers < 1:
             raise ConfigError("sim_workers must be >= 1")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
         if self.sim_workers > 1 and (self.compute != "sim" or self.port != 0 or self.standby):
             raise ConfigError("--sim-workers > 1 needs --compute sim and --port 0 (each worker listens on a port of "
                               "its own), and no --standby")

@@ -64,6 +64,7 @@ class Child:
     backoff: float = 0.0
     due: float | None = None  # when to start it again
     killed: bool = False  # the watchdog killed it (it may take a moment to go)
+    cpus: str | None = None  # --pin-workers: the CPU it runs on
 
 
 class Supervisor(Launcher):
@@ -73,6 +74,7 @@ class Supervisor(Launcher):
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
         self._replacements = 0
+        self._free_cpus: dict[Role, list[str]] = {}  # --pin-workers: CPUs of dead workers, for their replacements
 
     # -- the processes ------------------------------------------------------------------------
     def plan(self) -> list[Child]:
@@ -85,6 +87,12 @@ class Supervisor(Launcher):
         out += [Child(f"{COMMAND[role]}-s{i}", role, False, standby=True)
                 for role in (Role.EXPERT, Role.ATTENTION) for i in range(cfg.standby_workers)]
         out += [Child(f"gateway-{i}", Role.GATEWAY, True) for i in range(cfg.gateways)]
+        if cfg.pin_workers:
+            cpus = sorted(os.sched_getaffinity(0))
+            for role in (Role.ATTENTION, Role.EXPERT):  # AW i and EW i on CPU i (standbys float)
+                serving = [c for c in out if c.role is role and not c.standby]
+                for i, child in enumerate(serving):
+                    child.cpus = str(cpus[i % len(cpus)])
         return out
 
     def _argv(self, child: Child, pass_fd: int | None) -> list[str]:
@@ -101,6 +109,8 @@ class Supervisor(Launcher):
             cfg = replace(cfg, boot_nice=child.boot_nice)
         if child.standby:
             cfg = replace(cfg, standby=True)
+        if child.cpus is not None:
+            cfg = replace(cfg, cpus=child.cpus)
         command = COMMAND[child.role]
         return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, [])]
 
@@ -126,6 +136,7 @@ class Supervisor(Launcher):
         out: IO[bytes] | None = None
         if self.log_dir:
             suffix = f".{child.incarnation}" if child.incarnation else ""
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.log_dir) / f"{child.name}{suffix}.log", "wb")  # noqa: SIM115
         try:
             # A session of its own: a terminal's Ctrl-C reaches only the supervisor, which then
@@ -213,8 +224,11 @@ class Supervisor(Launcher):
         if self.stop_requested.is_set():
             return
         self._replacements += 1
+        with self.lock:
+            free = self._free_cpus.get(msg.role)
+            cpus = free.pop(0) if free and not msg.standby else None
         child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
-                      boot_nice=msg.boot_nice, standby=msg.standby)
+                      boot_nice=msg.boot_nice, standby=msg.standby, cpus=cpus)
         self._spawn(child)
         with self.lock:
             self.children.append(child)
@@ -266,6 +280,8 @@ class Supervisor(Launcher):
             self._tell_orchestrator(WorkerExited(pid, code))
             with self.lock:
                 self.children.remove(child)
+                if child.cpus is not None:  # its replacement gets its CPU
+                    self._free_cpus.setdefault(child.role, []).append(child.cpus)
             return
         young = now - child.started < YOUNG
         child.backoff = min(MAX_BACKOFF, child.backoff * 2 if young and child.backoff else self.cfg.restart_delay_s)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attention_worker.sampler import GREEDY_BELOW, greedy, sample, token_logprobs
-from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig
+from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig, parse_cpus
+from fabric.errors import ConfigError
 from gateway.protocol import ApiError
 from gateway.streaming import Position
 from launch.cli import build_parser
@@ -20,11 +21,11 @@ from launch.flags import add_flags, from_args, to_argv
 
 @pytest.mark.parametrize("cfg", [
     AttentionWorkerConfig(model="/m", orchestrator="h:1", probe_misses=5, checkpoint="off", dtype="bfloat16"),
-    ExpertWorkerConfig(model="/m", orchestrator="h:1", gather="threshold", max_wait_ms=3.5, watch_pid=7),
+    ExpertWorkerConfig(model="/m", orchestrator="h:1", gather="threshold", max_wait_ms=3.5, watch_pid=7, cpus="0-1,3"),
     GatewayConfig(model="/m", orchestrator="h:1", reuse_port=True, stream_resume_grace_s=0.0, port=0,
                   cluster_secret_file="/s", public_metrics=True, tls_cert="/c", tls_key="/k"),
     OrchestratorConfig(model="/m", expert_workers=3, recovery_grace_s=0.5, generation=9, cluster_secret_file="/s"),
-    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False),
+    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False, pin_workers=True),
     ServeConfig(cluster_secret_file="/s", tls_cert="/c", tls_key="/k"),
 ], ids=["attention", "expert", "gateway", "orchestrator", "serve", "serve-secured"])
 def test_a_config_survives_its_flags(cfg: object) -> None:
@@ -39,6 +40,15 @@ def test_every_subcommand_parses_its_defaults() -> None:
     assert parser.parse_args(["serve"]).gateways == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["expert-worker", "--model", "m", "--orchestrator", "h:1", "--gather", "fifo"])
+
+
+def test_cpu_lists_parse_as_taskset_takes_them() -> None:
+    assert parse_cpus("0") == {0} and parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus(" 3 , 1") == {1, 3}
+    for bad in ("", "a", "2-1", "1-", "-1", "0,,1"):
+        with pytest.raises(ConfigError, match="CPU list"):
+            parse_cpus(bad)
+    with pytest.raises(ConfigError, match="CPU list"):
+        ExpertWorkerConfig(model="/m", orchestrator="h:1", cpus="x")
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-38, 5e-324, GREEDY_BELOW / 2, math.nan])

@@ -24,8 +24,14 @@ def all_pids(fabric: Fabric) -> set[int]:
 
 def test_expert_worker_sigkill_is_replaced_twice(hf_models: dict[str, Path], tmp_path: Path) -> None:
     """SIGKILL an EW, then its replacement (a double fault): each time the shadows take over at
-    once, a new EW loads the lost slot's experts and joins, and redundancy is back to 2 copies."""
-    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
+    once, a new EW loads the lost slot's experts and joins, and redundancy is back to 2 copies.
+    Workers are pinned (--pin-workers): AW i and EW i on CPU i, a replacement on its dead one's."""
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3, pin_workers=True) as fabric:
+        cpus = sorted(os.sched_getaffinity(0))
+        for role, n in (("attention-worker", 2), ("expert-worker", 3)):
+            for i in range(n):
+                assert os.sched_getaffinity(fabric.pid(f"{role}-{i}")) == {cpus[i % len(cpus)]}, f"{role}-{i}"
+        assert os.sched_getaffinity(fabric.pid("gateway-0")) == set(cpus)  # the rest float
         first = fabric.cluster()
         assert first["redundancy"]["copies_min"] == 2 and first["redundancy"]["copies_wanted"] == 2
         reference, outputs, pid = kill_mid_decode(fabric, "expert-worker-1", signal.SIGKILL)
@@ -34,6 +40,7 @@ def test_expert_worker_sigkill_is_replaced_twice(hf_models: dict[str, Path], tmp
         cluster = wait_for(fabric, "a replacement EW", lambda c: replacement_of(c, dead["id"]) is not None)
         new = replacement_of(cluster, dead["id"])
         assert new is not None and sorted(new["experts"]) == sorted(dead["experts"])
+        assert os.sched_getaffinity(new["pid"]) == {cpus[1 % len(cpus)]}  # expert-worker-1's CPU
         assert cluster["redundancy"]["copies_min"] == 2 and cluster["redundancy"]["slots_vacant"] == 0
         assert all(dead["id"] not in ews for _, _, ews in cluster["routing"]["replicas"])
         assert any(new["id"] in ews for _, _, ews in cluster["routing"]["replicas"])

@@ -22,13 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("skinny_gemm.cpp")
 COLS = 64  # output columns per packed block
-MAX_ROWS = 48  # more rows than this (a prefill) go through torch's batched matmul over the blocks
 
 
 def build_dir() -> Path:
@@ -82,15 +80,16 @@ class SkinnyGemm:
         return self.ops.pack(w_t)
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W -> [M, N]."""
-        if x.shape[0] <= MAX_ROWS:
-            return self.ops.mm(x, packed)
-        return torch.matmul(x, packed).transpose(0, 1).reshape(x.shape[0], -1)  # [NB, M, 64] -> [M, N]
+        """x [M, K] @ W -> [M, N] (more than 48 rows, a prefill: torch's batched matmul over the blocks)."""
+        return self.ops.mm(x, packed)
 
     def swiglu_ffn(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """`fabric.model.ops.swiglu_ffn_t` over packed gate_up ([D, 2I]) and down ([I, D]) weights."""
-        gate, up = self.mm(x, gate_up).chunk(2, dim=-1)  # [M, I] each
-        return self.mm(F.silu(gate) * up, down)
+        return self.ops.ffn_batch([x], [gate_up], [down])[0]
+
+    def swiglu_ffns(self, xs: list[torch.Tensor], gate_ups: list[torch.Tensor], downs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`swiglu_ffn` of each (x, gate_up, down), in one call (the GIL released throughout)."""
+        return self.ops.ffn_batch(xs, gate_ups, downs)
 
 
 def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:

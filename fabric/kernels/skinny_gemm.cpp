@@ -43,7 +43,7 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + m * ldy + j * 16, acc[m][j]);
 }
 
-torch::Tensor mm(const torch::Tensor& x_in, const torch::Tensor& w) {
+torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "mm: x must be a [M, K] float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(2) == kCols && w.is_contiguous(),
               "mm: w must be packed by pack()");
@@ -74,9 +74,35 @@ torch::Tensor mm(const torch::Tensor& x_in, const torch::Tensor& w) {
   return y;
 }
 
+constexpr int64_t kMaxRows = 48;  // more rows (a prefill): ATen's batched matmul over the packed blocks
+
+torch::Tensor packed_mm(const torch::Tensor& x, const torch::Tensor& w) {
+  if (x.size(0) <= kMaxRows) return skinny(x, w);
+  return at::matmul(x, w).transpose(0, 1).reshape({x.size(0), -1});  // [NB, M, 64] -> [M, N]
+}
+
+// A gathered batch of experts, one call: y_i [M_i, D] = (silu(x_i @ G_i) * (x_i @ U_i)) @ Down_i,
+// with [G_i U_i] = gate_up_i packed ([2I/64, D, 64]) and Down_i packed ([D/64, I, 64]). The same
+// ATen ops as SkinnyGemm.swiglu_ffn in Python, in the same order (so the same floats), without a
+// trip through the interpreter per expert; the GIL is released for all of it.
+std::vector<torch::Tensor> ffn_batch(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gate_ups,
+                                     const std::vector<torch::Tensor>& downs) {
+  TORCH_CHECK(xs.size() == gate_ups.size() && xs.size() == downs.size(), "ffn_batch: one gate_up and down per x");
+  std::vector<torch::Tensor> ys;
+  ys.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::vector<torch::Tensor> gu = packed_mm(xs[i], gate_ups[i]).chunk(2, -1);  // [M, I] each
+    ys.push_back(packed_mm(at::silu(gu[0]) * gu[1], downs[i]));
+  }
+  return ys;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
-  m.def("mm", &mm, "x [M, K] @ packed W -> [M, N]");
+  m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N] (more than 48 rows: ATen's matmul)", py::call_guard<py::gil_scoped_release>());
+  m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
+        py::call_guard<py::gil_scoped_release>());
 }
