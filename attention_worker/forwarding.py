@@ -28,7 +28,6 @@ from fabric.transport.base import Transport
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Piece:
     """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`: its `part`-th
@@ -38,6 +37,14 @@ class Piece:
     start: int
     rows: int
     part: int
+
+
+def _rows_of(pieces: list[Piece]) -> slice | torch.Tensor:
+    """The rows of `pieces`, in order: a slice where they are one run (an EW hosting consecutive
+    experts; a view, no copy), else their indices [R']."""
+    if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
+        return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
+    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
 
 
 class ForwardingEngine:
@@ -324,11 +331,10 @@ class ForwardingEngine:
                     if addr.sync and ew not in self.dead:
                         plan.setdefault(ew, [])
             ews = list(plan)
-            idx = [torch.tensor([r for j in plan[ew] for r in range(todo[j].start, todo[j].start + todo[j].rows)],
-                                dtype=torch.long) for ew in ews]
+            idx = [_rows_of([todo[j] for j in plan[ew]]) for ew in ews]
             results = await asyncio.gather(
                 *(self.call(ew, layer, [todo[j].expert for j in plan[ew]], [todo[j].rows for j in plan[ew]],
-                            xs.index_select(0, i), replay)
+                            xs[i] if isinstance(i, slice) else xs.index_select(0, i), replay)
                   for ew, i in zip(ews, idx)),
                 return_exceptions=True,
             )

@@ -53,6 +53,7 @@ class StepMeta:
     dec_kv: torch.Tensor  # [Bd, L] cache slots each decode token attends to (padded)
     dec_mask: torch.Tensor  # [Bd, 1, 1, L] bool
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
+    all_decode: bool  # every row is a decode token, in order (dec_rows is 0..T-1)
     sample_rows: torch.Tensor  # [S]
     score_rows: torch.Tensor  # [R] rows whose logits score the prompt token after them (prompt_logprobs)
     spans: list[tuple[str, int, int]]  # (request, first token, tokens) per chunk, in row order
@@ -117,7 +118,7 @@ class ModelRunner:
             dec_mask[i, 0, 0, :] = self._mask(torch.tensor([length - 1]), lmax)[0] & (torch.arange(lmax) < length)
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
-            torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills,
+            torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills, len(dec_rows) == len(ids),
             torch.tensor(sample_rows, dtype=torch.long), torch.tensor(score_rows, dtype=torch.long),
             [(c.seq.request_id, c.start, c.n) for c in chunks],
         )
@@ -152,20 +153,27 @@ class ModelRunner:
         qkv = lw.qkv(x)  # [T, (H + 2K) d]
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
-        q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if lw.q_norm is not None and lw.k_norm is not None:
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, meta.cos, meta.sin)
-        k = apply_rope(k, meta.cos, meta.sin)
+            q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(rms_norm(q, lw.q_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
+            k = apply_rope(rms_norm(k, lw.k_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
+        else:  # RoPE on the q and k heads at once: the same product per element, half the ops
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), meta.cos, meta.sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, d], [T, K, d]
         kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
-        kc[meta.slots] = k
-        vc[meta.slots] = v
+        kc.index_copy_(0, meta.slots, k)  # (as kc[slots] = k, without advanced indexing's overhead)
+        vc.index_copy_(0, meta.slots, v)
         if self.kv_sink is not None:
             self.kv_sink(i, meta.spans, k, v)
-        out = torch.empty_like(q)  # [T, H, d]
+        if meta.all_decode:  # a pure decode step: no row to pick or put back
+            kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]
+            vd = _gather(vc, meta.dec_kv).transpose(1, 2)
+            od = F.scaled_dot_product_attention(q.contiguous().unsqueeze(2), kd, vd, attn_mask=meta.dec_mask,
+                                                enable_gqa=True)  # [Bd, H, 1, d]
+            return lw.o_proj(od.view(t, -1))
+        out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype)  # [T, H, d]
         if meta.dec_rows.numel():
             qd = q[meta.dec_rows].unsqueeze(2)  # [Bd, H, 1, d]
             kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]

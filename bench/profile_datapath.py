@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--py-spy", action="store_true", help="also sample attention-worker-0 and expert-worker-0")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--unpinned", action="store_true", help="workers float over the CPUs (default: serve --pin-workers)")
     args = ap.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_demo_model(args.model_dir, arch="mixtral", size="bench")
@@ -62,7 +63,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model_dir).vocab_size
     prompts = make_prompts(args.concurrency, 16, vocab, 0)
     cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300)
+                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned)
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
         asyncio.run(fabric_round(url, prompts, 16))  # warm
