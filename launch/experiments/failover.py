@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standby-workers", type=int, default=0, help="warm standbys of each worker role (serve's flag)")
     p.add_argument("--no-weight-store", action="store_true",
                    help="every worker reads the checkpoint (the baseline of the host-memory weight store)")
+    p.add_argument("--pin-workers", action="store_true", help="AW i and EW i on CPU i (serve's flag; --cluster local)")
 
 
 class Experiment:
@@ -108,7 +109,8 @@ class Experiment:
                                drain_timeout=0.0, ready_timeout=180, checkpoint_stores=args.checkpoint_stores,
                                checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
                                provisioner="none" if args.mode == "restart-all" else "auto",
-                               weight_store=not args.no_weight_store, standby_workers=args.standby_workers)
+                               weight_store=not args.no_weight_store, standby_workers=args.standby_workers,
+                               pin_workers=args.pin_workers)
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
         # Not the default executor: asyncio.run would wait for a fabric start before a Ctrl-C.
