@@ -36,6 +36,8 @@ SCENARIOS: dict[str, list[str]] = {
     "AW SIGINT / fabric (replacement at once)": ["--role", "attention", "--signal", "INT", "--mode", "fabric",
                                                   "--replacement-delay-ms", "0"],
     "AW SIGINT / fabric over ucx": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
+    "EW SIGINT / fabric (pinned)": ["--role", "expert", "--signal", "INT", "--mode", "fabric", "--pin-workers"],
+    "AW SIGINT / fabric (pinned)": ["--role", "attention", "--signal", "INT", "--mode", "fabric", "--pin-workers"],
     "EW SIGINT / fabric over ucx": ["--role", "expert", "--signal", "INT", "--mode", "fabric", "--transport", "ucx"],
     "EW SIGSTOP / fabric": ["--role", "expert", "--signal", "STOP", "--mode", "fabric"],
     "AW SIGSTOP / fabric": ["--role", "attention", "--signal", "STOP", "--mode", "fabric"],
@@ -126,14 +128,17 @@ def main() -> None:
     trees: list[tuple[str, Path | None]] = [("", None)]
     if args.baseline_tree is not None:
         trees.append((f" @ {args.baseline_tree.name}", args.baseline_tree.resolve()))
-    plan = [(name + suffix, name, tree) for name in chosen for suffix, tree in trees]
+    # (a baseline tree runs only the scenarios whose flags it has: --pin-workers is newer than most)
+    plan = [(name + suffix, name, tree) for name in chosen for suffix, tree in trees
+            if tree is None or "--pin-workers" not in SCENARIOS[name]]
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan}
     for rep in range(args.repeats):
         for label, name, tree in plan:
             out = (args.out / f"{label.replace(' ', '').replace('/', '-').replace('@', '-')}-{rep}").resolve()
             cmd = [sys.executable, "-m", "launch.cli", "experiment", "failover", *SCENARIOS[name],
                    "--model", str(args.model_dir.resolve()), "--out", str(out), *shlex.split(args.workload)]
-            env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None  # its packages first
+            # its packages first, and its own kernel build (bench_datapath.baseline_fabric says why)
+            env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")} if tree is not None else None
             t = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
             summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]

@@ -38,7 +38,7 @@ from fabric.transport.base import Connection, Listener
 log = logging.getLogger("expert_worker")
 
 # A decode-sized batch (a few ms of experts) runs on the event loop: handing it to the compute
-# thread and back costs two wake-ups a layer, 8-11 % of the fabric's CPU at 16 streams
+# thread and back costs two wake-ups a layer, 8-10 % of the fabric's CPU at 16 streams
 # (docs/performance.md). A larger one (a prefill) runs in the thread, so that liveness probes
 # (every 10 ms by default) are answered while it does.
 INLINE_ROWS = 64

@@ -83,7 +83,8 @@ class ServeConfig:
     pin_workers: bool = opt(False, "pin attention worker i and expert worker i to CPU i (--cluster local; modulo the "
                                    "CPUs this command may use; a replacement takes a dead one's CPU, standbys float): "
                                    "where a step's attention and expert halves take turns on few cores, two AWs or "
-                                   "two EWs then never wait for one core (1.06x tok/s at 16 streams on 2 cores)")
+                                   "two EWs then never wait for one core: on 2 cores 1.07x tok/s at 16 streams, but "
+                                   "0.91x at 64, where a worker kept off the other core waits behind the gateways)")
     sched: str = opt("auto", "CPU scheduling policy of the serving processes (batch: a woken peer does not preempt "
                              "the sender; auto: batch over tcp)", choices=SCHED_POLICIES)
     restart_delay_s: float = opt(0.5, "a dead orchestrator or gateway is started again after this (doubling while it "

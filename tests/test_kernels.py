@@ -50,6 +50,25 @@ def test_products_equal_torch(rows: int) -> None:
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_batch_of_experts_in_one_call_equals_each_alone() -> None:
+    """`swiglu_ffns` (what an EW runs per batch) gives, bit for bit, what `swiglu_ffn` gives per
+    expert, for ragged rows: 1, a register block and a remainder, none, a prefill's (torch's path)."""
+    if not AVAILABLE:
+        pytest.skip(skinny.unavailable_reason() or "")
+    g = gemm()
+    torch.manual_seed(0)
+    rows = [1, 7, 0, 60]
+    xs = [torch.randn(m, 128) for m in rows]
+    gate_ups = [g.pack(torch.randn(128, 2 * 64)) for _ in rows]
+    downs = [g.pack(torch.randn(64, 128)) for _ in rows]
+    ys = g.swiglu_ffns(xs, gate_ups, downs)
+    assert [tuple(y.shape) for y in ys] == [(m, 128) for m in rows]
+    for x, gu, d, y in zip(xs, gate_ups, downs, ys):
+        assert torch.equal(y, g.swiglu_ffn(x, gu, d))
+    with pytest.raises(RuntimeError, match="one gate_up and down per x"):
+        g.swiglu_ffns(xs, gate_ups[:1], downs)
+
+
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")
