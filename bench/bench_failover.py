@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric.model.demo import write_demo_model
+from launch.experiments import timeline as tl
 
 SCENARIOS: dict[str, list[str]] = {
     "EW SIGINT / fabric": ["--role", "expert", "--signal", "INT", "--mode", "fabric"],
@@ -66,6 +67,24 @@ SCENARIOS: dict[str, list[str]] = {
 }
 FIELDS = ["stall_s", "stall_without_failure_s", "victim_gone_s", "time_to_first_success_s", "suspected_s", "detected_s", "replacement_ready_s", "time_to_90pct_throughput_s",
           "normal_gap_s", "degraded_gap_s"]
+
+
+def stalls(res: dict[str, Any]) -> dict[str, float | None]:
+    """The stall, and the same measure on the failure-free run, by this tree's definition
+    (launch/experiments/timeline.stall) from the runs' token times, whatever tree made them: a
+    baseline tree's own figure may follow an older definition. A results file without the
+    reference run's times (an older tree) keeps the no-failure figure it reported."""
+    kill = res["metrics"]["kill_at_s"]
+    times = res.get("times")
+    if times is None:  # an older tree: the failure run's streams from their gaps and first tokens
+        after: dict[int, list[float]] = {}
+        for t, _, i in sorted(res["gaps"]):
+            after.setdefault(i, []).append(t)
+        times = [[r["first_token"], *after.get(r["index"], [])] for r in res["requests"] if r["first_token"] is not None]
+    out = {"stall_s": tl.stall(times, kill)}
+    if "reference_times" in res:
+        out["stall_without_failure_s"] = tl.stall(res["reference_times"], kill)
+    return out
 
 
 def gap_context(res: dict[str, Any]) -> dict[str, float | None]:
@@ -148,7 +167,7 @@ def main() -> None:
                 print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
                 continue
             res = json.loads((out / "results.json").read_text())
-            runs[label].append({**res["metrics"], **gap_context(res)})
+            runs[label].append({**res["metrics"], **stalls(res), **gap_context(res)})
     rows = []
     for name in runs:
         ms = runs[name]

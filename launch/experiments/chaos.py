@@ -8,7 +8,7 @@ orchestrator not recovering). A stopped process is woken `--stop-for` seconds la
 will have fenced it, or its supervisor restarted it). Greedy outputs are compared with a
 failure-free pass over the same prompts, made first.
 
-Reports, per kill, the stall (per stream the longer of its first two token gaps after the kill,
+Reports, per kill, the stall (per stream decoding at the kill the longer of its first two token gaps after it,
 the largest over the streams) and, overall, requests lost (an error, or fewer tokens than asked),
 corrupt (complete, but not the failure-free tokens) and hung (not complete within `--deadline`).
 """

@@ -9,7 +9,7 @@ lets the fabric heal itself; `--mode restart-all` is the MegaScale-Infer-like ba
 process, start a fresh fabric (weights reloaded) and resubmit each unfinished request as prompt +
 tokens received, for the tokens that remain.
 
-Metrics: the stall (per stream the longer of its first two token gaps after the kill, the largest
+Metrics: the stall (per stream decoding at the kill the longer of its first two token gaps after it, the largest
 over the streams), time to first success, when the victim's process was gone, time back to 90 % of
 the pre-failure throughput, when the orchestrator declared the victim dead and when its
 replacement (or restarted self) was ready, requests lost, and whether every output equals the
@@ -265,6 +265,9 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     result = {"config": config, "metrics": metrics, "throughput": [[round(t, 3), v] for t, v in series],
               "reference_throughput": [[round(t, 3), v] for t, v in ref_series],
               "gaps": [[round(t, 4), round(g, 5), i] for t, g, i in gaps], "log_notes": notes,
+              # every stream's token times, of both runs: what a later definition of a measure reads
+              "times": [[round(t, 4) for t in ts] for ts in times],
+              "reference_times": [[round(t, 4) for t in s.times] for s in ref.streams],
               "requests": [{k: v for k, v in asdict(s).items() if k not in ("prompt", "tokens", "times")}
                            | {"first_token": s.times[0] if s.times else None, "n_tokens": len(s.tokens)}
                            for s in fail.streams]}
