@@ -145,7 +145,9 @@ class AttentionService(Service):
                                   blocking=self.cfg.sim_workers == 1)
         else:
             assert self.weights is not None
-            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe)
+            # (the kernels' module was loaded, or built, with the weights: off the loop)
+            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe,
+                                    skinny.paged_attention_for(self.cfg.kernel, self.model.torch_dtype))
         aw.runner.kv_sink = aw.ckpt.record_layer
         self.serving = True
         table = aw.refe.next_table or aw.refe.table

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,10 @@ class StepMeta:
     sin: torch.Tensor  # [T, d]
     slots: torch.Tensor  # [T] flat cache slots of the new tokens
     dec_rows: torch.Tensor  # [Bd] rows of decode tokens
-    dec_kv: torch.Tensor  # [Bd, L] cache slots each decode token attends to (padded)
-    dec_mask: torch.Tensor  # [Bd, 1, 1, L] bool
+    dec_tables: torch.Tensor  # [Bd, Tb] block tables of the decode tokens' sequences (padded with -1)
+    dec_lens: torch.Tensor  # [Bd] tokens each decode token sees the KV of (its own included)
+    dec_kv: torch.Tensor | None  # [Bd, L] cache slots each decode token attends to (padded); torch's path only
+    dec_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool; torch's path only
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
     all_decode: bool  # every row is a decode token, in order (dec_rows is 0..T-1)
     sample_rows: torch.Tensor  # [S]
@@ -60,11 +63,16 @@ class StepMeta:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine) -> None:
+    def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
+                 paged: Any | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.kv = kv
         self.refe = refe
+        # The compiled module whose `paged_decode` reads each decode token's K/V from its blocks
+        # (fabric/kernels/paged_attention.cpp), or None: gather into a padded copy, then SDPA.
+        self.paged = paged
+        self.scale = cfg.head_dim ** -0.5  # (SDPA's default, which torch's path uses)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         self.expert_wait_s = 0.0  # wall time spent awaiting expert calls (cumulative, for stats)
         self.forward_s = 0.0
@@ -110,15 +118,20 @@ class ModelRunner:
             score_rows.extend(row + p - c.start for p in c.seq.scores(c.start, c.n))
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype)
-        lmax = max(dec_lens, default=0)
-        dec_kv = torch.zeros(len(dec_rows), lmax, dtype=torch.long)
-        dec_mask = torch.zeros(len(dec_rows), 1, 1, lmax, dtype=torch.bool)
-        for i, (length, table) in enumerate(zip(dec_lens, dec_tables)):
-            dec_kv[i, :length] = torch.tensor(self.kv.slots(table, 0, length), dtype=torch.long)
-            dec_mask[i, 0, 0, :] = self._mask(torch.tensor([length - 1]), lmax)[0] & (torch.arange(lmax) < length)
+        widest = max((len(t) for t in dec_tables), default=0)
+        tables = torch.tensor([t + [-1] * (widest - len(t)) for t in dec_tables], dtype=torch.long).view(len(dec_tables), widest)
+        dec_kv = dec_mask = None
+        if self.paged is None:  # torch's path: every decode token's slots and mask, padded to the longest
+            lmax = max(dec_lens, default=0)
+            dec_kv = torch.zeros(len(dec_rows), lmax, dtype=torch.long)
+            dec_mask = torch.zeros(len(dec_rows), 1, 1, lmax, dtype=torch.bool)
+            for i, (length, table) in enumerate(zip(dec_lens, dec_tables)):
+                dec_kv[i, :length] = torch.tensor(self.kv.slots(table, 0, length), dtype=torch.long)
+                dec_mask[i, 0, 0, :] = self._mask(torch.tensor([length - 1]), lmax)[0] & (torch.arange(lmax) < length)
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
-            torch.tensor(dec_rows, dtype=torch.long), dec_kv, dec_mask, prefills, len(dec_rows) == len(ids),
+            torch.tensor(dec_rows, dtype=torch.long), tables, torch.tensor(dec_lens, dtype=torch.long), dec_kv,
+            dec_mask, prefills, len(dec_rows) == len(ids),
             torch.tensor(sample_rows, dtype=torch.long), torch.tensor(score_rows, dtype=torch.long),
             [(c.seq.request_id, c.start, c.n) for c in chunks],
         )
@@ -147,6 +160,18 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - t0
         return logits[:s], logits[s:]
 
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """The decode tokens' attention: q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""
+        if self.paged is not None:
+            return self.paged.paged_decode(q, kc, vc, meta.dec_tables, meta.dec_lens, self.kv.blocks.block_size,
+                                           self.scale, self.cfg.sliding_window or 0)
+        assert meta.dec_kv is not None and meta.dec_mask is not None
+        kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]
+        vd = _gather(vc, meta.dec_kv).transpose(1, 2)
+        od = F.scaled_dot_product_attention(q.contiguous().unsqueeze(2), kd, vd, attn_mask=meta.dec_mask,
+                                            enable_gqa=True)  # [Bd, H, 1, d]
+        return od.squeeze(2)
+
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
@@ -168,18 +193,10 @@ class ModelRunner:
         if self.kv_sink is not None:
             self.kv_sink(i, meta.spans, k, v)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
-            kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]
-            vd = _gather(vc, meta.dec_kv).transpose(1, 2)
-            od = F.scaled_dot_product_attention(q.contiguous().unsqueeze(2), kd, vd, attn_mask=meta.dec_mask,
-                                                enable_gqa=True)  # [Bd, H, 1, d]
-            return lw.o_proj(od.view(t, -1))
+            return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
         out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype)  # [T, H, d]
         if meta.dec_rows.numel():
-            qd = q[meta.dec_rows].unsqueeze(2)  # [Bd, H, 1, d]
-            kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]
-            vd = _gather(vc, meta.dec_kv).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, enable_gqa=True)
-            out[meta.dec_rows] = od.squeeze(2)
+            out[meta.dec_rows] = self._decode(q[meta.dec_rows], kc, vc, meta)
         for row, n, kv_slots, mask in meta.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             kp = _gather(kc, kv_slots).transpose(0, 1).unsqueeze(0)  # [1, K, L, d]

@@ -163,8 +163,9 @@ class WorkerConfig(RoleConfig):
     dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
     threads: int = opt(1, "torch intra-op threads")
     kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
-                      "lm_head): auto (the AVX-512 skinny GEMM for fp32 weights where the CPU has AVX-512 and it "
-                      "builds, else torch) or torch", choices=("auto", "torch"))
+                      "lm_head) and the AW's decode attention over its paged KV cache: auto (the fabric's AVX-512 "
+                      "kernels for fp32 where the CPU has AVX-512 and they build, else torch) or torch",
+                      choices=("auto", "torch"))
     weight_store: str | None = opt(None, "map weights from this host's weight store (`moe-fabric weight-store --dir`) "
                                          "instead of reading the checkpoint; read it where the store has another "
                                          "model or layout", metavar="DIR")

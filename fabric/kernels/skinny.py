@@ -1,7 +1,9 @@
 """The skinny fp32 GEMM of `skinny_gemm.cpp` for expert FFNs: a decode step gives each expert a few
 rows, and torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what reading W once allows on
 CPUs it does not tune for (2.3x slower than this kernel at 4-8 rows on this project's AMD EPYC VM;
-docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
+docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64]. The same
+compiled module carries the AW's paged decode attention (`paged_attention.cpp`,
+`paged_attention_for`).
 
 Built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use (about 20 s;
 `scripts/_venv.sh` builds it at install: `python -m fabric.kernels.skinny`), and only where the CPU
@@ -25,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("skinny_gemm.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("skinny_gemm.cpp", "paged_attention.cpp")]  # one module
 COLS = 64  # output columns per packed block
 
 
@@ -56,7 +58,7 @@ def load() -> Any | None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        module = load_extension(name="moe_fabric_skinny", sources=[str(SOURCE)], build_directory=str(out),
+        module = load_extension(name="moe_fabric_skinny", sources=[str(p) for p in SOURCES], build_directory=str(out),
                                 extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
     except Exception as exc:  # no compiler, no headers: serve with torch's matmul instead
         log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)
@@ -98,6 +100,12 @@ def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:
         return None
     ops = load()
     return SkinnyGemm(ops) if ops is not None else None
+
+
+def paged_attention_for(kernel: str, dtype: torch.dtype) -> Any | None:
+    """The module whose `paged_decode` (paged_attention.cpp) an AW with `--kernel kernel` runs its
+    decode attention with over a cache of `dtype`, or None (torch: gather, then SDPA)."""
+    return load() if kernel == "auto" and dtype == torch.float32 else None
 
 
 class Projection:

@@ -99,10 +99,19 @@ std::vector<torch::Tensor> ffn_batch(const std::vector<torch::Tensor>& xs, const
 
 }  // namespace
 
+// paged_attention.cpp (the same module)
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
+                           int64_t window);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
   m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N] (more than 48 rows: ATen's matmul)", py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode", &paged_decode,
+        "decode attention over the paged KV cache: q [B, H, d], caches [blocks * S, K, d], tables [B, T], lens [B], "
+        "block size, scale, sliding window (0: none) -> [B, H, d]",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,112 @@
+"""The AW's paged decode attention kernel (fabric/kernels/paged_attention.cpp) against torch's way
+(gather each sequence's K/V, SDPA with a mask): GQA, sliding windows, ragged lengths, blocks
+scattered over the cache, padded tables; bad tables refused; and a model runner's steps with the
+kernel equal to its steps without (prefill chunks mixed with decodes, over a real checkpoint)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_worker.kv_cache import KVCache
+from attention_worker.model_runner import Chunk, ModelRunner
+from attention_worker.request import Sequence
+from fabric.kernels import skinny
+from fabric.model.attention_weights import AttentionWeights
+from fabric.model.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(skinny.unavailable_reason() is not None, reason=skinny.unavailable_reason() or "")
+
+
+def ops() -> object:
+    module = skinny.paged_attention_for("auto", torch.float32)
+    assert module is not None, "the kernels' module must build where the CPU has AVX-512"
+    return module
+
+
+def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: list[list[int]], lens: list[int], s: int,
+              window: int) -> torch.Tensor:
+    """q [B, H, d] -> [B, H, d], one sequence at a time through SDPA."""
+    out = []
+    for b, length in enumerate(lens):
+        slots = torch.tensor([tables[b][p // s] * s + p % s for p in range(length)])
+        k, v = (c[slots].transpose(0, 1).unsqueeze(0) for c in (kc, vc))  # [1, K, L, d]
+        mask = torch.ones(length, dtype=torch.bool)
+        if window:
+            mask &= torch.arange(length) > length - 1 - window
+        o = F.scaled_dot_product_attention(q[b][None, :, None], k, v, attn_mask=mask[None, None, None], enable_gqa=True)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "s", "window"),
+                         [(8, 4, 64, 16, 0), (4, 4, 32, 8, 5), (12, 2, 80, 16, 0), (8, 1, 40, 4, 3), (4, 2, 16, 16, 0)])
+def test_paged_decode_equals_torch(heads: int, kv_heads: int, d: int, s: int, window: int) -> None:
+    rng = random.Random(heads * 1000 + d)
+    torch.manual_seed(d)
+    blocks = 64
+    kc, vc = torch.randn(blocks * s, kv_heads, d), torch.randn(blocks * s, kv_heads, d)
+    lens = [1, s, s + 1, 7 * s - 1, *[rng.randint(1, 9 * s) for _ in range(4)]]
+    tables = [rng.sample(range(blocks), -(-n // s)) for n in lens]  # scattered, each sequence its own blocks
+    widest = max(len(t) for t in tables) + 1  # (padded with -1: a table never read past its length)
+    padded = torch.tensor([t + [-1] * (widest - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, d)
+    got = ops().paged_decode(q, kc, vc, padded, torch.tensor(lens), s, 1 / math.sqrt(d), window)  # type: ignore[attr-defined]
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, s, window), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_tables_are_refused() -> None:
+    kc = torch.zeros(4 * 16, 2, 16)
+    q = torch.zeros(1, 4, 16)
+    paged = ops().paged_decode  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged(q, kc, kc, torch.tensor([[4]]), torch.tensor([3]), 16, 0.25, 0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged(q, kc, kc, torch.tensor([[-1]]), torch.tensor([3]), 16, 0.25, 0)
+    with pytest.raises(RuntimeError, match="has length"):
+        paged(q, kc, kc, torch.tensor([[0]]), torch.tensor([17]), 16, 0.25, 0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        paged(torch.zeros(1, 3, 16), kc, kc, torch.tensor([[0]]), torch.tensor([3]), 16, 0.25, 0)
+
+
+class NoExperts:
+    """A REFE whose experts add nothing: the steps compared differ only in their attention."""
+
+    async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_step_with_the_kernel_equals_torchs(arch: str, hf_models: dict[str, Path]) -> None:
+    cfg = ModelConfig.from_dir(str(hf_models[arch]))
+    weights = AttentionWeights.load(hf_models[arch], cfg)
+    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), NoExperts(), paged)  # type: ignore[arg-type]
+               for paged in (ops(), None)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 5, 13, 30)]
+    seqs = [[Sequence(f"r{i}", p, [], 12, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate(prompts)]
+            for _ in runners]
+
+    def step(runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
+        for c in chunks:
+            assert runner.kv.blocks.grow(c.seq.block_table, c.start + c.n)
+        logits, _ = asyncio.run(runner.forward(chunks))
+        for c in chunks:
+            c.seq.num_computed += c.n
+            if c.samples:
+                c.seq.append(7)  # (the same token for both runners)
+        return logits
+
+    for t in range(8):  # prompts in chunks of at most 8 tokens beside the others' decodes, then decodes
+        outs = []
+        for runner, ss in zip(runners, seqs):
+            chunks = [Chunk(q, q.num_computed, min(8, q.num_tokens - q.num_computed)) for q in ss]
+            outs.append(step(runner, chunks))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4, msg=f"step {t}")
+    assert all(q.num_computed == q.num_tokens - 1 for q in seqs[0])
