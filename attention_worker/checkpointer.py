@@ -26,6 +26,7 @@ import torch
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
+from fabric.device import HostCopies, done, to_device, to_host
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import KvAppend, KvDone, KvFetch, KvPut, KvRestore, KvSync, StoreHello
@@ -58,7 +59,8 @@ class Checkpointer:
         self.pause_every = pause_every
         self.store_id: str | None = None
         self.link: Connection | None = None
-        self.queue: deque[Message] = deque()
+        self.queue: deque[tuple[Message, Callable[[], bool]]] = deque()  # (message, is its KV in host memory yet)
+        self.copies = HostCopies(kv.device)  # KV segments leave the device on a side stream
         self.queued_bytes = 0
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
         self._pending_layer = 0  # the first of them
@@ -167,11 +169,11 @@ class Checkpointer:
         if not self._pending:
             return
         spans = self._pending_spans
-        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
-        v = torch.stack([vv for _, vv in self._pending])
+        k, k_done = self.copies.start(torch.stack([kk for kk, _ in self._pending]))  # [m, T, K, d]
+        v, v_done = self.copies.start(torch.stack([vv for _, vv in self._pending]))
         self._pending = []
         self._enqueue(KvAppend(next(self._seq), self._pending_layer, [s[0] for s in spans], [s[1] for s in spans],
-                               [s[2] for s in spans], k, v))
+                               [s[2] for s in spans], k, v), lambda: k_done() and v_done())
 
     def finished(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -186,12 +188,12 @@ class Checkpointer:
             for seq in running:
                 self.lags.append(seq.num_computed - self.sent_upto.get(seq.request_id, 0))
 
-    def _enqueue(self, msg: Message) -> None:
+    def _enqueue(self, msg: Message, ready: Callable[[], bool] = done) -> None:
         n = _nbytes(msg)
         if self.queued_bytes + n > MAX_QUEUE_BYTES:
             self.dropped_bytes += n
             return
-        self.queue.append(msg)
+        self.queue.append((msg, ready))
         self.queued_bytes += n
         self._wake.set()
 
@@ -209,7 +211,11 @@ class Checkpointer:
                 if self.refe.sending:
                     await self.refe.send_idle.wait()
                     continue
-                msg = self.queue.popleft()
+                msg, ready = self.queue[0]
+                if not ready():  # its KV is still on its way off the device
+                    await asyncio.sleep(0.0005)
+                    continue
+                self.queue.popleft()
                 n = _nbytes(msg)
                 self.queued_bytes -= n
                 in_gap = self.refe.in_flight > 0
@@ -231,9 +237,10 @@ class Checkpointer:
         n = seq.num_computed
         out = []
         for start in range(0, n, PUT_TOKENS):
-            slots = torch.tensor(self.kv.slots(seq.block_table, start, min(n, start + PUT_TOKENS)), dtype=torch.long)
-            k = torch.stack([layer.index_select(0, slots) for layer in self.kv.k])  # [L, c, K, d]
-            v = torch.stack([layer.index_select(0, slots) for layer in self.kv.v])
+            slots = torch.tensor(self.kv.slots(seq.block_table, start, min(n, start + PUT_TOKENS)), dtype=torch.long,
+                                 device=self.kv.device)
+            k = to_host(torch.stack([layer.index_select(0, slots) for layer in self.kv.k]))  # [L, c, K, d]
+            v = to_host(torch.stack([layer.index_select(0, slots) for layer in self.kv.v]))
             out.append(KvPut(next(self._seq), seq.request_id, start, k, v))
         return out
 
@@ -320,10 +327,11 @@ class Checkpointer:
         if end <= chunk.start:
             return 0
         c = end - chunk.start
-        slots = torch.tensor(self.kv.slots(seq.block_table, chunk.start, end), dtype=torch.long)
+        slots = torch.tensor(self.kv.slots(seq.block_table, chunk.start, end), dtype=torch.long, device=self.kv.device)
+        k, v = to_device(chunk.k[:, :c], self.kv.device), to_device(chunk.v[:, :c], self.kv.device)
         for layer in range(self.cfg.num_layers):
-            self.kv.k[layer].index_copy_(0, slots, chunk.k[layer, :c])
-            self.kv.v[layer].index_copy_(0, slots, chunk.v[layer, :c])
+            self.kv.k[layer].index_copy_(0, slots, k[layer])
+            self.kv.v[layer].index_copy_(0, slots, v[layer])
         return c
 
     def stats(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from attention_worker.request import Sequence
 from attention_worker.sampler import sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
-from fabric import faults
+from fabric import device, faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import Abort, Attach, Detach, PromptLogprobs, RequestFailed, StepOutput, Submit
@@ -46,7 +46,7 @@ class AttentionWorker:
     def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig) -> None:
         self.cfg = cfg
         self.model = model
-        self.kv = KVCache(model, cfg.block_size, cfg.kv_cache_mib << 20)
+        self.kv = KVCache(model, cfg.block_size, cfg.kv_cache_mib << 20, device.resolve(cfg.device))
         self.scheduler = Scheduler(self.kv.blocks, cfg.max_batch_tokens, cfg.max_running)
         self.refe: ForwardingEngine | None = None  # (set once the worker has its id: see main.py)
         self.ckpt: Checkpointer | None = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attention_worker.ew_link import EwLink
+from fabric.device import to_device, to_host
 from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError
 from fabric.messages.expert import AwActivity, ExpertCall, Hello
 from fabric.routing import EwAddress, RoutingTable
@@ -39,12 +40,12 @@ class Piece:
     part: int
 
 
-def _rows_of(pieces: list[Piece]) -> slice | torch.Tensor:
+def _rows_of(pieces: list[Piece], device: torch.device) -> slice | torch.Tensor:
     """The rows of `pieces`, in order: a slice where they are one run (an EW hosting consecutive
-    experts; a view, no copy), else their indices [R']."""
+    experts; a view, no copy), else their indices [R'] (on the rows' device)."""
     if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
         return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
-    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
+    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long, device=device)
 
 
 class ForwardingEngine:
@@ -238,7 +239,7 @@ class ForwardingEngine:
         self.sending += 1
         self.send_idle.clear()
         try:
-            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x, replay))
+            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, to_host(x), replay))
         except BaseException:
             # Nobody will await this call's future: take it back, or a later failure of the link
             # would set an exception on it that nobody retrieves.
@@ -331,7 +332,7 @@ class ForwardingEngine:
                     if addr.sync and ew not in self.dead:
                         plan.setdefault(ew, [])
             ews = list(plan)
-            idx = [_rows_of([todo[j] for j in plan[ew]]) for ew in ews]
+            idx = [_rows_of([todo[j] for j in plan[ew]], xs.device) for ew in ews]
             results = await asyncio.gather(
                 *(self.call(ew, layer, [todo[j].expert for j in plan[ew]], [todo[j].rows for j in plan[ew]],
                             xs[i] if isinstance(i, slice) else xs.index_select(0, i), replay)
@@ -348,7 +349,7 @@ class ForwardingEngine:
                 elif isinstance(res, BaseException):
                     raise res
                 else:
-                    y[i] = res
+                    y[i] = to_device(res, y.device)
             if not failed:
                 return y
             todo, replay = failed, True

@@ -39,13 +39,15 @@ class BlockManager:
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, block_size: int, budget_bytes: int) -> None:
+    def __init__(self, cfg: ModelConfig, block_size: int, budget_bytes: int,
+                 device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.torch_dtype.itemsize
         num_blocks = max(1, budget_bytes // per_block)
         self.blocks = BlockManager(num_blocks, block_size)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # [B*S, K, d]
-        self.k = [torch.zeros(shape, dtype=cfg.torch_dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=cfg.torch_dtype) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device) for _ in range(cfg.num_layers)]
 
     def slots(self, table: list[int], start: int, end: int) -> list[int]:
         s = self.blocks.block_size

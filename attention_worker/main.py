@@ -27,7 +27,8 @@ from attention_worker.model_runner import ModelRunner
 from attention_worker.sim_runner import SimRunner
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
-from fabric.kernels import skinny
+from fabric.kernels import choose
+from fabric.kernels.choose import DecodeAttention
 from fabric.messages.base import Message
 from fabric.messages.control import ClusterView, PeerAlive, Role, RoutingUpdate, Wake, WorkerReady
 from fabric.model.attention_weights import AttentionWeights
@@ -52,6 +53,7 @@ class AttentionService(Service):
                                         secret=cfg.secret, tls=cfg.tls)
         self.aw = AttentionWorker(cfg, self.model)
         self.weights: AttentionWeights | None = None
+        self.attention: DecodeAttention | None = None  # (chosen with the weights)
         self.listener: Listener | None = None
         self.runtime: Runtime | None = None
         self.linked = False  # connected to the EWs of a first table
@@ -73,15 +75,17 @@ class AttentionService(Service):
         """Maps the weights from the host's weight store where it has them, else reads the checkpoint
         (off the loop: the kernel may be built on first use, a store may still be publishing)."""
         t0 = time.perf_counter()
-        dtype = self.model.torch_dtype
+        dtype, where = self.model.torch_dtype, self.aw.kv.device
 
         def load() -> AttentionWeights:
-            gemm = skinny.gemm_for(self.cfg.kernel, dtype)
+            self.attention = choose.decode_attention(self.cfg.kernel, where, dtype)  # (it may build the CPU's)
+            gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
             if store is None:
-                return AttentionWeights.load(self.cfg.model, self.model, gemm)
+                return AttentionWeights.load(self.cfg.model, self.model, gemm, where)
             try:
-                w = AttentionWeights.build(lambda n: store.get(n) if store.has(n) else None, self.model, gemm)
+                w = AttentionWeights.build(lambda n: store.get(n) if store.has(n) else None, self.model, gemm,
+                                           device=where)
                 w.bytes_mapped = store.bytes_mapped
                 return w
             finally:
@@ -145,9 +149,7 @@ class AttentionService(Service):
                                   blocking=self.cfg.sim_workers == 1)
         else:
             assert self.weights is not None
-            # (the kernels' module was loaded, or built, with the weights: off the loop)
-            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe,
-                                    skinny.paged_attention_for(self.cfg.kernel, self.model.torch_dtype))
+            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe, self.attention)
         aw.runner.kv_sink = aw.ckpt.record_layer
         self.serving = True
         table = aw.refe.next_table or aw.refe.table

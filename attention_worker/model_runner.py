@@ -8,10 +8,10 @@ yields to the loop while its expert calls are in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
+from fabric.device import to_host
+from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
 from fabric.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route, swiglu_ffn
@@ -61,16 +63,25 @@ class StepMeta:
     score_rows: torch.Tensor  # [R] rows whose logits score the prompt token after them (prompt_logprobs)
     spans: list[tuple[str, int, int]]  # (request, first token, tokens) per chunk, in row order
 
+    def to(self, device: torch.device) -> StepMeta:
+        """Its tensors on `device` (built on the host; itself where that is the device)."""
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        prefills = [(row, n, slots.to(device), mask.to(device)) for row, n, slots, mask in self.prefills]
+        return dataclasses.replace(self, **moved, prefills=prefills)
+
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
-                 paged: Any | None = None) -> None:
+                 paged: DecodeAttention | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.kv = kv
         self.refe = refe
-        # The compiled module whose `paged_decode` reads each decode token's K/V from its blocks
-        # (fabric/kernels/paged_attention.cpp), or None: gather into a padded copy, then SDPA.
+        # Decode attention that reads each decode token's K/V from its blocks (the CPU's
+        # fabric/kernels/paged_attention.cpp, or Triton's), or None: gather into a padded copy, then SDPA.
         self.paged = paged
         self.scale = cfg.head_dim ** -0.5  # (SDPA's default, which torch's path uses)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
@@ -140,7 +151,7 @@ class ModelRunner:
         """Runs the step; returns logits (float32) for the chunks that sample [S, V] and for the
         rows that score prompt tokens [R, V], each in chunk order."""
         t0 = time.perf_counter()
-        meta = self.prepare(chunks)
+        meta = self.prepare(chunks).to(self.kv.device)
         h = self.w.embed[meta.ids]  # [T, D]
         for i, lw in enumerate(self.w.layers):
             h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps), meta)
@@ -156,15 +167,15 @@ class ModelRunner:
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
         last = rms_norm(h[rows], self.w.norm, self.cfg.rms_norm_eps)  # [S + R, D]
-        logits = self.w.lm_head(last).float()  # [S + R, V]
+        logits = to_host(self.w.lm_head(last).float())  # [S + R, V] (sampled on the host)
         self.forward_s += time.perf_counter() - t0
         return logits[:s], logits[s:]
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """The decode tokens' attention: q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""
         if self.paged is not None:
-            return self.paged.paged_decode(q, kc, vc, meta.dec_tables, meta.dec_lens, self.kv.blocks.block_size,
-                                           self.scale, self.cfg.sliding_window or 0)
+            return self.paged(q, kc, vc, meta.dec_tables, meta.dec_lens, self.kv.blocks.block_size, self.scale,
+                              self.cfg.sliding_window or 0)
         assert meta.dec_kv is not None and meta.dec_mask is not None
         kd = _gather(kc, meta.dec_kv).transpose(1, 2)  # [Bd, K, L, d]
         vd = _gather(vc, meta.dec_kv).transpose(1, 2)
@@ -194,7 +205,7 @@ class ModelRunner:
             self.kv_sink(i, meta.spans, k, v)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
-        out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype)  # [T, H, d]
+        out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype, device=qkv.device)  # [T, H, d]
         if meta.dec_rows.numel():
             out[meta.dec_rows] = self._decode(q[meta.dec_rows], kc, vc, meta)
         for row, n, kv_slots, mask in meta.prefills:

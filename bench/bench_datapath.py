@@ -75,11 +75,10 @@ def running_fabric(model: Path, spec: FabricSpec, log_root: str,
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=spec.gateways,
                       transport=spec.transport, port=free_port(), ready_timeout=300, sched=spec.sched,
                       auth=spec.security != "none", tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None,
-                      pin_workers=spec.pin)
+                      pin_workers=spec.pin, kernel=spec.kernel)
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()
-    kernels = {role: ["--kernel", spec.kernel] for role in ("attention-worker", "expert-worker")}
-    with Fabric(cfg, log_dir=log_dir, extra_args=kernels) as fabric:
+    with Fabric(cfg, log_dir=log_dir) as fabric:
         print(f"  fabric {spec}: ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
         for batch in warm or [[[1] * 8]]:
             asyncio.run(fabric_round(url, batch, 16, tls))

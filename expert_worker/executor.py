@@ -1,6 +1,11 @@
 """Runs a gathered batch: rows grouped by (layer, expert) across calls, each expert once.
 
-Legend: R rows of one call, N rows of one expert across calls, D hidden, I intermediate.
+Experts live on the worker's device (`--device`); calls arrive and results leave in host memory.
+With `--kernel triton`, a layer's hosted experts are stacked ([E', D, 2I], [E', I, D]) and a batch
+runs each layer's experts in one fused launch (fabric/kernels/triton_moe.py).
+
+Legend: R rows of one call, N rows of one expert across calls, D hidden, I intermediate, E' the
+experts of a layer this worker hosts.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from pathlib import Path
 import torch
 
 from expert_worker.gather import PendingCall
-from fabric.kernels import skinny
+from fabric import device as dev
+from fabric.kernels import choose, skinny
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
 from fabric.model.expert_weights import ExpertTensors, expert_kernel, expert_names, prepare_expert
@@ -18,15 +24,29 @@ from fabric.model.ops import swiglu_ffn_t
 from fabric.model.weight_store import MappedStore
 
 
+class LayerStack:
+    """One layer's hosted experts, stacked for the fused kernel: `order[i]` is the expert at index i."""
+
+    def __init__(self, order: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.order = order
+        self.index = {e: i for i, e in enumerate(order)}
+        self.gate_up = gate_up  # [E', D, 2I]
+        self.down = down  # [E', I, D]
+
+
 class ExpertExecutor:
-    def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, kernel: str = "auto", device: str = "cpu") -> None:
         self.cfg = cfg
+        self.device = torch.device(device)  # (resolved, checked, by the worker: fabric/device.py)
+        self.triton = choose.triton_module("triton_moe", self.device) if kernel == "triton" else None
+        self.stacks: dict[int, LayerStack] = {}  # --kernel triton: layer -> its hosted experts, stacked
         # (layer, expert) -> (gate_up_t, down_t) in their serving layout (fabric/model/expert_weights.py)
         self.experts: dict[tuple[int, int], ExpertTensors] = {}
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
         self.bytes_read = 0  # from the checkpoint
         self.bytes_mapped = 0  # from the host's weight store
-        self.want_kernel = expert_kernel(cfg, kernel)
+        # (the skinny GEMM is the CPU's: elsewhere, and with triton, experts keep torch's layout)
+        self.want_kernel = expert_kernel(cfg, kernel) if self.device.type == "cpu" and kernel != "triton" else "torch"
         self.gemm: skinny.SkinnyGemm | None = None  # (chosen by the first load, off the event loop: it may build)
         self.chosen = False
         # A standby's mappings of every expert in the weight store, made ahead (page tables: the
@@ -37,7 +57,7 @@ class ExpertExecutor:
     def kernel(self) -> str:
         if not self.chosen:
             return "not chosen yet (no experts loaded)"
-        return "skinny" if self.gemm is not None else "torch"
+        return "triton" if self.triton is not None else "skinny" if self.gemm is not None else "torch"
 
     def choose_kernel(self) -> str:
         """Chooses (and if need be builds) the kernel; returns the layout name the store keys on."""
@@ -51,23 +71,42 @@ class ExpertExecutor:
         self.choose_kernel()
         ckpt: Checkpoint | None = None
         mapped_before = store.bytes_mapped if store is not None else 0
+        new: dict[tuple[int, int], ExpertTensors] = {}
         for layer, expert in units:
             ahead = self.premapped.get((layer, expert))
             if ahead is not None:
-                self.experts[(layer, expert)] = ahead
+                new[(layer, expert)] = ahead
                 self.bytes_mapped += sum(t.numel() * t.element_size() for t in ahead)
             elif store is not None:
                 gate_up, down = (store.get(n) for n in expert_names(layer, expert))
-                self.experts[(layer, expert)] = (gate_up, down)
+                new[(layer, expert)] = (gate_up, down)
             else:
                 ckpt = ckpt or Checkpoint(model_dir, self.cfg.torch_dtype)
-                self.experts[(layer, expert)] = prepare_expert(ckpt, self.cfg, self.gemm, layer, expert)
+                new[(layer, expert)] = prepare_expert(ckpt, self.cfg, self.gemm, layer, expert)
             self.tokens_by_expert.setdefault((layer, expert), 0)
+        self._place(new)
         self.premapped.clear()
         if store is not None:
             self.bytes_mapped += store.bytes_mapped - mapped_before
         if ckpt is not None:
             self.bytes_read += ckpt.bytes_read
+
+    def _place(self, new: dict[tuple[int, int], ExpertTensors]) -> None:
+        """Newly loaded experts onto the device, and, for the fused kernel, the stacks of their
+        layers rebuilt (the experts then views into their stack: one copy on the device). An expert
+        is served once it is in `experts`, so it goes there last (the main loop runs batches while a
+        load is under way in its thread)."""
+        if self.triton is None:
+            self.experts.update({u: (gate_up.to(self.device), down.to(self.device))
+                                 for u, (gate_up, down) in new.items()})  # (on the CPU: themselves)
+            return
+        for layer in sorted({lyr for lyr, _ in new}):
+            have = {e: t for (lyr, e), t in [*self.experts.items(), *new.items()] if lyr == layer}
+            order = sorted(have)
+            gate_up = torch.stack([have[e][0] for e in order]).to(self.device)
+            down = torch.stack([have[e][1] for e in order]).to(self.device)
+            self.stacks[layer] = LayerStack(order, gate_up, down)
+            self.experts.update({(layer, e): (gate_up[i], down[i]) for i, e in enumerate(order)})
 
     def premap(self, store: MappedStore, units: list[tuple[int, int]]) -> None:
         """A standby's: maps every one of `units` ahead (blocking; call from a thread)."""
@@ -81,6 +120,12 @@ class ExpertExecutor:
 
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         """One output [R, D] per call, rows in the call's order."""
+        if self.device.type == "cuda":  # (the current device is per thread: a prefill runs in the compute thread)
+            with torch.cuda.device(self.device):
+                return self._run(batch)
+        return self._run(batch)
+
+    def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         outs = [torch.empty_like(p.call.x) for p in batch]
         # (layer, expert) -> list of (call index, row start, row count)
         groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -95,15 +140,38 @@ class ExpertExecutor:
         for unit in units:
             parts = groups[unit]
             x = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
-            xs.append(x[0] if len(x) == 1 else torch.cat(x))
+            xs.append(dev.to_device(x[0] if len(x) == 1 else torch.cat(x), self.device))
             self.tokens_by_expert[unit] += xs[-1].shape[0]
-        if self.gemm is not None:  # every expert in one call to the kernel's module
+        if self.triton is not None:
+            ys = self._fused(units, xs)
+        elif self.gemm is not None:  # every expert in one call to the kernel's module
             ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
         else:
             ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
+        ys = [dev.to_host(y) for y in ys]
         for unit, y in zip(units, ys):  # y [N, D]
             offset = 0
             for ci, s, n in groups[unit]:
                 outs[ci][s : s + n] = y[offset : offset + n]
                 offset += n
         return outs
+
+    def _fused(self, units: list[tuple[int, int]], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's rows through one fused launch over its stacked experts; one [N, D] per unit."""
+        assert self.triton is not None
+        ys: list[torch.Tensor | None] = [None] * len(units)
+        for layer in sorted({lyr for lyr, _ in units}):
+            stack = self.stacks[layer]
+            mine = sorted((stack.index[e], j) for j, (lyr, e) in enumerate(units) if lyr == layer)  # stack order
+            counts = [0] * len(stack.order)
+            for i, j in mine:
+                counts[i] = xs[j].shape[0]
+            y = self.triton.fused_moe(torch.cat([xs[j] for _, j in mine]), counts, stack.gate_up, stack.down)
+            y = y.to(self.cfg.torch_dtype)  # (the kernel accumulates and returns fp32)
+            start = 0
+            for i, j in mine:
+                ys[j] = y[start : start + counts[i]]
+                start += counts[i]
+        done = [y for y in ys if y is not None]
+        assert len(done) == len(units), "a unit of the batch got no rows back"
+        return done

@@ -20,10 +20,9 @@ import torch
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
 from expert_worker.sim_executor import SimExecutor
-from fabric import faults
+from fabric import device, faults
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
-from fabric.kernels import skinny
 from fabric.messages.base import Message
 from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
 from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
@@ -51,7 +50,7 @@ class ExpertWorker(Service):
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.executor = (SimExecutor(self.model, cfg.sim_expert_ms, cfg.sim_expert_row_us) if cfg.compute == "sim"
-                         else ExpertExecutor(self.model, cfg.kernel))
+                         else ExpertExecutor(self.model, cfg.kernel, str(device.resolve(cfg.device))))
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
@@ -160,8 +159,9 @@ class ExpertWorker(Service):
     def _store(self) -> MappedStore | None:
         if self.cfg.compute == "sim":
             return None
-        dtype = self.model.torch_dtype
-        return open_store(self.cfg.weight_store, self.cfg.model, dtype, skinny.gemm_for(self.cfg.kernel, dtype),
+        assert isinstance(self.executor, ExpertExecutor)
+        self.executor.choose_kernel()  # (the layout the store must have: the kernel's, on this device)
+        return open_store(self.cfg.weight_store, self.cfg.model, self.model.torch_dtype, self.executor.gemm,
                           self.cfg.weight_store_wait_s)
 
     def _load(self, units: list[tuple[int, int]]) -> None:

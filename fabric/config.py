@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,16 @@ def like(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
 def req(help: str, *, metavar: str | None = None) -> Any:
     """A required config field (a required flag)."""
     return field(metadata={"help": help, "metavar": metavar})
+
+
+KERNELS = ("auto", "torch", "triton")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(spec: str) -> None:
+    """`--device`: cpu, cuda or cuda:N (fabric/device.py resolves it when the worker starts)."""
+    if not DEVICE.fullmatch(spec):
+        raise ConfigError(f"unknown device {spec!r}; choose cpu, cuda or cuda:N")
 
 
 def parse_cpus(value: str) -> set[int]:
@@ -163,9 +174,10 @@ class WorkerConfig(RoleConfig):
     dtype: str | None = opt(None, "compute dtype (default: the checkpoint's)", choices=("float32", "bfloat16"))
     threads: int = opt(1, "torch intra-op threads")
     kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
-                      "lm_head) and the AW's decode attention over its paged KV cache: auto (the fabric's AVX-512 "
-                      "kernels for fp32 where the CPU has AVX-512 and they build, else torch) or torch",
-                      choices=("auto", "torch"))
+                      "lm_head) and the AW's decode attention over its paged KV cache: auto (on the CPU the fabric's "
+                      "AVX-512 kernels for fp32 where the CPU has AVX-512 and they build, else torch), torch, or "
+                      "triton (the EW's fused MoE and the AW's paged decode attention in Triton: on a CUDA device, "
+                      "or on the CPU under TRITON_INTERPRET=1, for tests)", choices=KERNELS)
     weight_store: str | None = opt(None, "map weights from this host's weight store (`moe-fabric weight-store --dir`) "
                                          "instead of reading the checkpoint; read it where the store has another "
                                          "model or layout", metavar="DIR")
@@ -174,6 +186,9 @@ class WorkerConfig(RoleConfig):
                                 "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
+    device: str = opt("cpu", "where weights, the KV cache and the compute live: cpu, cuda or cuda:N (the wire and the "
+                             "checkpoint store stay in host memory; serve --device cuda hands worker i GPU i modulo "
+                             "the GPUs visible)")
     cpus: str | None = opt(None, "run this worker (all its threads) on these CPUs only: a list as taskset -c takes it, "
                                  "e.g. 0 or 0-3 (serve --pin-workers sets it)", metavar="LIST")
     sim_workers: int = opt(1, "--compute sim: host this many workers in this one process, each with its own identity, "
@@ -196,8 +211,9 @@ class WorkerConfig(RoleConfig):
             raise ConfigError("weight_store_wait_s must be >= 0")
         if self.compute not in ("model", "sim"):
             raise ConfigError(f"unknown compute {self.compute!r}; choose model or sim")
-        if self.kernel not in ("auto", "torch"):
-            raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
+        check_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -256,8 +272,8 @@ class WeightStoreConfig:
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("auto", "torch"):
-            raise ConfigError(f"unknown kernel {self.kernel!r}; choose auto or torch")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
         _check_boot_nice(self.boot_nice, "boot_nice")
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
 from fabric.config import parse_cpus
+from fabric.errors import ConfigError
 from fabric.notify import notifier
 
 T = TypeVar("T")
@@ -220,6 +221,9 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -
         profiler.enable()
     try:
         asyncio.run(runner())
+    except ConfigError as exc:  # (at start-up: a flag this machine cannot honour) the reason, no traceback
+        log.error("%s cannot start: %s", role, exc)
+        return 2
     except Exception:
         log.exception("%s failed", role)
         return 1

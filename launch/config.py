@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.config import (
+    KERNELS,
     SCHED_POLICIES,
     AttentionWorkerConfig,
     CheckpointStoreConfig,
@@ -16,6 +17,7 @@ from fabric.config import (
     RoleConfig,
     WeightStoreConfig,
     WorkerConfig,
+    check_device,
     check_port,
     check_probes,
     like,
@@ -50,6 +52,8 @@ class ServeConfig:
     port: int = opt(8000, "the gateways' HTTP port")
     orchestrator_port: int = opt(0, "the orchestrator's port (0: a free one, kept across its restarts)")
     dtype: str | None = like(WorkerConfig, "dtype")
+    device: str = like(WorkerConfig, "device")
+    kernel: str = like(WorkerConfig, "kernel")
     gather: str = like(ExpertWorkerConfig, "gather")
     shadows_per_expert: int = like(OrchestratorConfig, "shadows_per_expert")
     balance_interval_s: float = like(OrchestratorConfig, "balance_interval_s")
@@ -116,6 +120,9 @@ class ServeConfig:
             raise ConfigError(f"unknown cluster {self.cluster!r}; choose local or ray")
         if self.ray_address is not None and self.cluster != "ray":
             raise ConfigError("--ray-address is for --cluster ray")
+        check_device(self.device)
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
         if self.pin_workers and self.cluster != "local":
             raise ConfigError("--pin-workers is for --cluster local")
         if self.standby_workers < 0 or (self.standby_workers and self.cluster != "local"):
@@ -148,6 +155,12 @@ class ServeConfig:
                               f"e.g. '{{\"GPU\": 1}}', got {text!r}")
         return {k: float(v) for k, v in value.items()}
 
+    @property
+    def store_kernel(self) -> str:
+        """The layout the weight store publishes: the workers' (the AVX-512 kernels' packing only where
+        they run on the CPU)."""
+        return self.kernel if self.device == "cpu" or self.kernel != "auto" else "torch"
+
     def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,
                      secret_file: str | None, weight_store_dir: str | None = None) -> RoleConfigs:
         """Every role's config, as this `serve` runs them (`transport` resolved, so all agree;
@@ -157,6 +170,8 @@ class ServeConfig:
                       send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                       tls_cert=self.tls_cert, tls_key=self.tls_key)
         probes: dict[str, Any] = dict(probe_interval_ms=self.probe_interval_ms, probe_misses=self.probe_misses)
+        workers: dict[str, Any] = dict(dtype=self.dtype, weight_store=weight_store_dir, compute=self.compute,
+                                       device=self.device, kernel=self.kernel)
         return RoleConfigs(
             orchestrator=OrchestratorConfig(
                 model=model, expert_workers=self.expert_workers, host=self.host, port=orchestrator_port,
@@ -166,10 +181,8 @@ class ServeConfig:
                 supervisor_fd=0 if self.provisioner == "auto" else None,  # the real fd is known at spawn time
                 recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
-            expert=ExpertWorkerConfig(**common, dtype=self.dtype, gather=self.gather, weight_store=weight_store_dir,
-                                      compute=self.compute, sim_expert_ms=self.sim_expert_ms),
-            attention=AttentionWorkerConfig(**common, dtype=self.dtype, checkpoint=self.checkpoint,
-                                            weight_store=weight_store_dir, compute=self.compute,
+            expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms),
+            attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
                                             sim_attention_ms=self.sim_attention_ms, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
@@ -178,7 +191,8 @@ class ServeConfig:
                 drain_timeout=self.drain_timeout, routing=self.routing, resume=self.resume,
                 stream_resume_grace_s=self.stream_resume_grace_s, public_metrics=self.public_metrics, **probes),
             weight_store=WeightStoreConfig(model=model, dir=weight_store_dir, dtype=self.dtype, remove_on_exit=True,
-                                           watch_pid=supervisor_pid) if weight_store_dir else None,
+                                           kernel=self.store_kernel, watch_pid=supervisor_pid)
+            if weight_store_dir else None,
         )
 
 

@@ -65,6 +65,7 @@ class Child:
     due: float | None = None  # when to start it again
     killed: bool = False  # the watchdog killed it (it may take a moment to go)
     cpus: str | None = None  # --pin-workers: the CPU it runs on
+    device: str | None = None  # --device cuda: the GPU it runs on (cuda:N)
 
 
 class Supervisor(Launcher):
@@ -74,7 +75,9 @@ class Supervisor(Launcher):
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
         self._replacements = 0
-        self._free_cpus: dict[Role, list[str]] = {}  # --pin-workers: CPUs of dead workers, for their replacements
+        # CPUs (--pin-workers) and GPUs (--device cuda) of dead workers, for their replacements
+        self._free_places: dict[Role, list[tuple[str | None, str | None]]] = {}
+        self._devices_given = 0  # --device cuda: workers handed a GPU so far (worker i gets GPU i mod the GPUs)
 
     # -- the processes ------------------------------------------------------------------------
     def plan(self) -> list[Child]:
@@ -93,7 +96,20 @@ class Supervisor(Launcher):
                 serving = [c for c in out if c.role is role and not c.standby]
                 for i, child in enumerate(serving):
                     child.cpus = str(cpus[i % len(cpus)])
+        for child in out:
+            if child.role in (Role.ATTENTION, Role.EXPERT):
+                child.device = self._next_device()
         return out
+
+    def _next_device(self) -> str | None:
+        """--device cuda: the next worker's GPU, round-robin over those visible; else None (the
+        workers' config says where they run)."""
+        if self.cfg.device != "cuda":
+            return None
+        from fabric.device import worker_device  # (torch: only where GPUs are asked for)
+
+        self._devices_given += 1
+        return worker_device("cuda", self._devices_given - 1)
 
     def _argv(self, child: Child, pass_fd: int | None) -> list[str]:
         c = self.configs
@@ -111,6 +127,8 @@ class Supervisor(Launcher):
             cfg = replace(cfg, standby=True)
         if child.cpus is not None:
             cfg = replace(cfg, cpus=child.cpus)
+        if child.device is not None:
+            cfg = replace(cfg, device=child.device)
         command = COMMAND[child.role]
         return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, [])]
 
@@ -225,10 +243,12 @@ class Supervisor(Launcher):
             return
         self._replacements += 1
         with self.lock:
-            free = self._free_cpus.get(msg.role)
-            cpus = free.pop(0) if free and not msg.standby else None
+            free = self._free_places.get(msg.role)
+            cpus, device = free.pop(0) if free and not msg.standby else (None, None)
+        if device is None and msg.role is not Role.STORE:
+            device = self._next_device()
         child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
-                      boot_nice=msg.boot_nice, standby=msg.standby, cpus=cpus)
+                      boot_nice=msg.boot_nice, standby=msg.standby, cpus=cpus, device=device)
         self._spawn(child)
         with self.lock:
             self.children.append(child)
@@ -280,8 +300,8 @@ class Supervisor(Launcher):
             self._tell_orchestrator(WorkerExited(pid, code))
             with self.lock:
                 self.children.remove(child)
-                if child.cpus is not None:  # its replacement gets its CPU
-                    self._free_cpus.setdefault(child.role, []).append(child.cpus)
+                if child.cpus is not None or child.device is not None:  # its replacement gets its CPU, its GPU
+                    self._free_places.setdefault(child.role, []).append((child.cpus, child.device))
             return
         young = now - child.started < YOUNG
         child.backoff = min(MAX_BACKOFF, child.backoff * 2 if young and child.backoff else self.cfg.restart_delay_s)

@@ -87,7 +87,7 @@ def test_a_step_with_the_kernel_equals_torchs(arch: str, hf_models: dict[str, Pa
     cfg = ModelConfig.from_dir(str(hf_models[arch]))
     weights = AttentionWeights.load(hf_models[arch], cfg)
     runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), NoExperts(), paged)  # type: ignore[arg-type]
-               for paged in (ops(), None)]
+               for paged in (ops().paged_decode, None)]  # type: ignore[attr-defined]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 5, 13, 30)]
     seqs = [[Sequence(f"r{i}", p, [], 12, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate(prompts)]

@@ -44,18 +44,24 @@ class AttentionWeights:
     bytes_mapped: int = 0  # from the weight store
 
     @classmethod
-    def load(cls, model_dir: str | Path, cfg: ModelConfig, gemm: SkinnyGemm | None = None) -> AttentionWeights:
+    def load(cls, model_dir: str | Path, cfg: ModelConfig, gemm: SkinnyGemm | None = None,
+             device: torch.device | None = None) -> AttentionWeights:
         """Read from the checkpoint: only the tensors an AW needs."""
         ckpt = Checkpoint(model_dir, cfg.torch_dtype)
         tensors = dict(serving_tensors(ckpt, cfg, gemm))
-        return cls.build(tensors.get, cfg, gemm, bytes_read=ckpt.bytes_read)
+        return cls.build(tensors.get, cfg, gemm, bytes_read=ckpt.bytes_read, device=device)
 
     @classmethod
     def build(cls, get: Callable[[str], torch.Tensor | None], cfg: ModelConfig, gemm: SkinnyGemm | None,
-              bytes_read: int = 0, bytes_mapped: int = 0) -> AttentionWeights:
-        """From serving tensors by name (`get` returns None for one the model does not have)."""
-        def need(name: str) -> torch.Tensor:
+              bytes_read: int = 0, bytes_mapped: int = 0, device: torch.device | None = None) -> AttentionWeights:
+        """From serving tensors by name (`get` returns None for one the model does not have), on
+        `device` (copied there from host memory; the CPU: as they are)."""
+        def on_device(name: str) -> torch.Tensor | None:
             t = get(name)
+            return t.to(device) if t is not None and device is not None and t.device != device else t
+
+        def need(name: str) -> torch.Tensor:
+            t = on_device(name)
             assert t is not None, name
             return t
 
@@ -70,8 +76,8 @@ class AttentionWeights:
                 dense = (need(f"{p}.dense.gate"), need(f"{p}.dense.up"), need(f"{p}.dense.down"))
             layers.append(LayerWeights(
                 input_norm=need(f"{p}.input_norm"), post_norm=need(f"{p}.post_norm"), qkv=proj(f"{p}.qkv"),
-                qkv_bias=get(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj"), q_norm=get(f"{p}.q_norm"),
-                k_norm=get(f"{p}.k_norm"), router=get(f"{p}.router"), dense=dense))
+                qkv_bias=on_device(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj"), q_norm=on_device(f"{p}.q_norm"),
+                k_norm=on_device(f"{p}.k_norm"), router=on_device(f"{p}.router"), dense=dense))
         return cls(need("embed"), layers, need("norm"), proj("lm_head"), bytes_read, bytes_mapped)
 
 

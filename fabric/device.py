@@ -1,0 +1,84 @@
+"""Where a worker's tensors live (`--device cpu|cuda|cuda:N`): weights, the KV cache and the compute
+on the device, the wire and the checkpoint store in host memory. The spec is checked when the
+config is made (`fabric.config.check_device`) and resolved when the worker starts (`resolve`: the
+device must exist); `to_host` and `to_device` are the moves at the boundary, no-ops on the CPU."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from fabric.config import check_device
+from fabric.errors import ConfigError
+
+
+def resolve(spec: str) -> torch.device:
+    """The torch device of `spec`, which must exist here."""
+    check_device(spec)
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}" + (", a build without CUDA" if torch.version.cuda is None else "")
+            raise ConfigError(f"--device {spec}: no CUDA device is visible to this process ({build}; "
+                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        count = torch.cuda.device_count()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise ConfigError(f"--device {spec}: only {count} CUDA device(s) are visible")
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    return device
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 on a CPU build or a machine without them)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_device(spec: str, index: int) -> str:
+    """The device of the `index`-th worker of `serve --device spec`: `cuda` hands worker i GPU i modulo
+    the GPUs visible (each its own where there are enough); `cpu` and `cuda:N` are taken as they are."""
+    if spec != "cuda":
+        return spec
+    gpus = visible_gpus()
+    if gpus == 0:
+        resolve(spec)  # (raises: no CUDA device)
+    return f"cuda:{index % gpus}"
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory (for the wire or the checkpoint store): itself where it is there already."""
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a host tensor off the wire) on `device`: itself on the CPU."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def done() -> bool:
+    return True
+
+
+class HostCopies:
+    """Copies of device tensors into pinned host memory on a side stream, so that the step that made
+    them goes on (the checkpoint lane's KV segments): `start` returns the host tensor at once and a
+    function that says whether its copy is done. On the CPU a tensor is its own copy, done at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
+        if self.stream is None or t.device.type == "cpu":
+            return t, done
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (after the kernels that wrote t)
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # (t's memory is not reused before the copy has read it)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return host, event.query

@@ -1,0 +1,53 @@
+"""Which kernels a worker runs, from its `--kernel` and `--device`: on the CPU the AVX-512 module
+(skinny.py: the GEMM and paged decode attention) or torch; `triton` the Triton kernels (on a CUDA
+device, or on the CPU under Triton's interpreter, `TRITON_INTERPRET=1`, which is how the tests run
+them); on a GPU otherwise, torch."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fabric.errors import ConfigError
+from fabric.kernels import skinny
+
+# (q [B, H, d], k_cache, v_cache [blocks * S, K, d], tables [B, T], lens [B], S, scale, window) -> [B, H, d]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, int],
+                           torch.Tensor]
+
+
+def triton_module(name: str, device: torch.device) -> Any:
+    """fabric.kernels.<name> (a Triton module) for a worker on `device`, or a ConfigError saying what
+    `--kernel triton` lacks here."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--kernel triton runs on a CUDA device (--device cuda), or on the CPU under Triton's "
+                          "interpreter (TRITON_INTERPRET=1, for tests)")
+    try:
+        return importlib.import_module(f"fabric.kernels.{name}")
+    except ImportError as exc:
+        raise ConfigError(f"--kernel triton needs the triton package (pip install 'moe-fabric[gpu]'): {exc}") from None
+
+
+def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.SkinnyGemm | None:
+    """The skinny GEMM for the few-row products (the CPU's, fp32, --kernel auto), or None: torch."""
+    return skinny.gemm_for(kernel, dtype) if device.type == "cpu" else None
+
+
+def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype) -> DecodeAttention | None:
+    """The AW's decode attention over its paged cache, or None: torch's gather + SDPA."""
+    if kernel == "triton":
+        mod = triton_module("triton_attention", device)
+
+        def run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                block_size: int, scale: float, window: int) -> torch.Tensor:
+            return mod.paged_decode_attention(q, kc, vc, tables, lens, block_size, scale, window).to(q.dtype)
+
+        return run
+    if device.type != "cpu":
+        return None
+    ops = skinny.paged_attention_for(kernel, dtype)
+    return ops.paged_decode if ops is not None else None
