@@ -78,7 +78,8 @@ class AttentionService(Service):
         dtype, where = self.model.torch_dtype, self.aw.kv.device
 
         def load() -> AttentionWeights:
-            self.attention = choose.decode_attention(self.cfg.kernel, where, dtype)  # (it may build the CPU's)
+            # (it may build the CPU's kernels)
+            self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size)
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
             if store is None:

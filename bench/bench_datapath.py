@@ -87,7 +87,7 @@ def running_fabric(model: Path, spec: FabricSpec, log_root: str,
 
 @contextlib.contextmanager
 def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
-                    warm: list[list[list[int]]] | None = None) -> Iterator[str]:
+                    warm: list[list[list[int]]] | None = None, flags: list[str] | None = None) -> Iterator[str]:
     """The fabric of another checkout (`tree`, e.g. a `git worktree` of an earlier commit) started
     with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL."""
     port = free_port()
@@ -97,7 +97,7 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
     env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
     module = "launch.cli" if (tree / "launch" / "cli.py").exists() else "fabric.cli"
     proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
-                             "--expert-workers", "2", "--transport", transport, "--port", str(port)],
+                             "--expert-workers", "2", "--transport", transport, "--port", str(port), *(flags or [])],
                             cwd=tree, env=env, stdout=subprocess.PIPE, stderr=log)
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
@@ -212,6 +212,9 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run the fabric of this checkout (e.g. `git worktree add /tmp/base COMMIT`), over the "
                          "first transport: the previous design side by side")
+    ap.add_argument("--baseline-flags", default="",
+                    help="serve flags for the baseline fabric (e.g. --pin-workers, where its tree has it; it runs "
+                         "unpinned otherwise, whatever this tree's fabric does)")
     ap.add_argument("--security", default="",
                     help="comma-separated extra fabrics over the first transport: none (serve --no-auth), tls "
                          "(TLS on every TCP link and HTTP server); the default fabric is authenticated")
@@ -295,7 +298,8 @@ def main() -> None:
             name = f"baseline {transports[0]} ({args.baseline_tree.name})"
             try:
                 urls[name] = stack.enter_context(baseline_fabric(args.baseline_tree.resolve(), model.resolve(),
-                                                                 transports[0], log_root, warm))
+                                                                 transports[0], log_root, warm,
+                                                                 shlex.split(args.baseline_flags)))
             except Exception as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"  ERROR {errors[-1]}", flush=True)

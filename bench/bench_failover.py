@@ -73,18 +73,17 @@ def stalls(res: dict[str, Any]) -> dict[str, float | None]:
     """The stall, and the same measure on the failure-free run, by this tree's definition
     (launch/experiments/timeline.stall) from the runs' token times, whatever tree made them: a
     baseline tree's own figure may follow an older definition. A results file without the
-    reference run's times (an older tree) keeps the no-failure figure it reported."""
+    reference run's times (an older tree) has no no-failure figure by it: none is shown."""
     kill = res["metrics"]["kill_at_s"]
     times = res.get("times")
     if times is None:  # an older tree: the failure run's streams from their gaps and first tokens
         after: dict[int, list[float]] = {}
-        for t, _, i in sorted(res["gaps"]):
+        for t, _, i in sorted(res["gaps"]):  # (a gap's stream is its position among the requests)
             after.setdefault(i, []).append(t)
-        times = [[r["first_token"], *after.get(r["index"], [])] for r in res["requests"] if r["first_token"] is not None]
-    out = {"stall_s": tl.stall(times, kill)}
-    if "reference_times" in res:
-        out["stall_without_failure_s"] = tl.stall(res["reference_times"], kill)
-    return out
+        times = [[r["first_token"], *after.get(pos, [])] for pos, r in enumerate(res["requests"])
+                 if r["first_token"] is not None]
+    ref = res.get("reference_times")
+    return {"stall_s": tl.stall(times, kill), "stall_without_failure_s": tl.stall(ref, kill) if ref else None}
 
 
 def gap_context(res: dict[str, Any]) -> dict[str, float | None]:

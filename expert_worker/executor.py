@@ -103,8 +103,9 @@ class ExpertExecutor:
         for layer in sorted({lyr for lyr, _ in new}):
             have = {e: t for (lyr, e), t in [*self.experts.items(), *new.items()] if lyr == layer}
             order = sorted(have)
-            gate_up = torch.stack([have[e][0] for e in order]).to(self.device)
-            down = torch.stack([have[e][1] for e in order]).to(self.device)
+            # (those already stacked are views on the device, the new ones still in host memory)
+            gate_up = torch.stack([have[e][0].to(self.device) for e in order])
+            down = torch.stack([have[e][1].to(self.device) for e in order])
             self.stacks[layer] = LayerStack(order, gate_up, down)
             self.experts.update({(layer, e): (gate_up[i], down[i]) for i, e in enumerate(order)})
 

@@ -44,6 +44,11 @@ KERNELS = ("auto", "torch", "triton")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ConfigError(f"unknown kernel {kernel!r}; choose {', '.join(KERNELS)}")
+
+
 def check_device(spec: str) -> None:
     """`--device`: cpu, cuda or cuda:N (fabric/device.py resolves it when the worker starts)."""
     if not DEVICE.fullmatch(spec):
@@ -211,9 +216,10 @@ class WorkerConfig(RoleConfig):
             raise ConfigError("weight_store_wait_s must be >= 0")
         if self.compute not in ("model", "sim"):
             raise ConfigError(f"unknown compute {self.compute!r}; choose model or sim")
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
+        check_kernel(self.kernel)
         check_device(self.device)
+        if self.compute == "sim" and self.device != "cpu":
+            raise ConfigError("--compute sim runs on the CPU: --device cpu")
 
 
 @dataclass(frozen=True)
@@ -272,8 +278,7 @@ class WeightStoreConfig:
     watch_pid: int | None = opt(None, "exit as soon as this process (the supervisor) is gone", hidden=True)
 
     def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
+        check_kernel(self.kernel)
         _check_boot_nice(self.boot_nice, "boot_nice")
 
 

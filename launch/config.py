@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.config import (
-    KERNELS,
     SCHED_POLICIES,
     AttentionWorkerConfig,
     CheckpointStoreConfig,
@@ -18,6 +17,7 @@ from fabric.config import (
     WeightStoreConfig,
     WorkerConfig,
     check_device,
+    check_kernel,
     check_port,
     check_probes,
     like,
@@ -121,8 +121,7 @@ class ServeConfig:
         if self.ray_address is not None and self.cluster != "ray":
             raise ConfigError("--ray-address is for --cluster ray")
         check_device(self.device)
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"unknown kernel {self.kernel!r}; choose {', '.join(KERNELS)}")
+        check_kernel(self.kernel)
         if self.pin_workers and self.cluster != "local":
             raise ConfigError("--pin-workers is for --cluster local")
         if self.standby_workers < 0 or (self.standby_workers and self.cluster != "local"):

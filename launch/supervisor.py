@@ -75,8 +75,8 @@ class Supervisor(Launcher):
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
         self._replacements = 0
-        # CPUs (--pin-workers) and GPUs (--device cuda) of dead workers, for their replacements
-        self._free_places: dict[Role, list[tuple[str | None, str | None]]] = {}
+        self._free_cpus: dict[Role, list[str]] = {}  # --pin-workers: CPUs of dead workers, for their replacements
+        self._free_devices: dict[Role, list[str]] = {}  # --device cuda: their GPUs
         self._devices_given = 0  # --device cuda: workers handed a GPU so far (worker i gets GPU i mod the GPUs)
 
     # -- the processes ------------------------------------------------------------------------
@@ -243,8 +243,9 @@ class Supervisor(Launcher):
             return
         self._replacements += 1
         with self.lock:
-            free = self._free_places.get(msg.role)
-            cpus, device = free.pop(0) if free and not msg.standby else (None, None)
+            free_cpus, free_devices = self._free_cpus.get(msg.role), self._free_devices.get(msg.role)
+            cpus = free_cpus.pop(0) if free_cpus and not msg.standby else None  # (standbys float over the CPUs)
+            device = free_devices.pop(0) if free_devices else None
         if device is None and msg.role is not Role.STORE:
             device = self._next_device()
         child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
@@ -300,8 +301,10 @@ class Supervisor(Launcher):
             self._tell_orchestrator(WorkerExited(pid, code))
             with self.lock:
                 self.children.remove(child)
-                if child.cpus is not None or child.device is not None:  # its replacement gets its CPU, its GPU
-                    self._free_places.setdefault(child.role, []).append((child.cpus, child.device))
+                if child.cpus is not None:  # its replacement gets its CPU
+                    self._free_cpus.setdefault(child.role, []).append(child.cpus)
+                if child.device is not None:  # and its GPU
+                    self._free_devices.setdefault(child.role, []).append(child.device)
             return
         young = now - child.started < YOUNG
         child.backoff = min(MAX_BACKOFF, child.backoff * 2 if young and child.backoff else self.cfg.restart_delay_s)

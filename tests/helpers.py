@@ -183,3 +183,18 @@ async def replay_handshake(transport: str, port: int, secret: bytes) -> None:
         raise AssertionError("a replayed handshake was accepted")
     finally:
         await replay.close()
+
+
+def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]], lens: list[int],
+                     s: int, scale: float, window: int) -> torch.Tensor:
+    """The AW's attention for one query per sequence, over slots gathered from the block table."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.zeros(q.shape)
+    for b, (table, n) in enumerate(zip(tables, lens)):
+        pos = [p for p in range(n) if (not window or p > n - 1 - window)]
+        slots = torch.tensor([table[p // s] * s + p % s for p in pos])
+        kk = k[slots].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, d]
+        vv = v[slots].repeat_interleave(heads // kv_heads, dim=1)
+        att = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kk) * scale, dim=-1)
+        out[b] = torch.einsum("hl,lhd->hd", att, vv)
+    return out

@@ -66,21 +66,25 @@ def test_serve_hands_each_worker_its_own_gpu(monkeypatch: pytest.MonkeyPatch) ->
     assert all(c.device is None for c in plan if c.role not in (Role.ATTENTION, Role.EXPERT))
     flags = sup._argv(workers[1], None)
     assert flags[flags.index("--device") + 1] == "cuda:1"
-    # A replacement takes its dead worker's GPU; without one free, the next in turn.
-    sup._free_places[Role.EXPERT] = [(None, "cuda:1")]
-    started: list[str | None] = []
+    # A replacement takes its dead worker's GPU (and CPU); without one free, the next GPU in turn;
+    # a standby takes a dead worker's GPU too, but floats over the CPUs.
+    sup._free_devices[Role.EXPERT], sup._free_cpus[Role.EXPERT] = ["cuda:1"], ["1"]
+    started: list[tuple[str | None, str | None]] = []
 
     def spawn(child: Child) -> None:  # (what is started, not the process)
-        started.append(child.device)
+        started.append((child.device, child.cpus))
         child.proc = subprocess.Popen(["true"])
 
     monkeypatch.setattr(sup, "_spawn", spawn)
     monkeypatch.setattr(sup, "_tell_orchestrator", lambda msg: None)
     sup._provision(plan[0], StartWorker(Role.EXPERT, "expert-worker-1", 0, []))
     sup._provision(plan[0], StartWorker(Role.EXPERT, "expert-worker-0", 0, []))
+    sup._free_devices[Role.EXPERT], sup._free_cpus[Role.EXPERT] = ["cuda:2"], ["0"]
+    sup._provision(plan[0], StartWorker(Role.EXPERT, "ew-9", 0, [], standby=True))
     for child in sup.children:
         assert child.proc is not None and child.proc.wait(10) == 0
-    assert started == ["cuda:1", "cuda:0"]
+    assert started == [("cuda:1", "1"), ("cuda:0", None), ("cuda:2", None)]
+    assert sup._free_cpus[Role.EXPERT] == ["0"]  # (kept for a replacement that is not a standby)
     assert ServeConfig(device="cuda").store_kernel == "torch" and ServeConfig().store_kernel == "auto"
 
 
@@ -96,9 +100,13 @@ def test_triton_needs_a_gpu_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         choose.triton_module("triton_moe", torch.device("cpu"))
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        choose.decode_attention("triton", torch.device("cpu"), torch.float32)
+        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 16)
+    with pytest.raises(ConfigError, match="power-of-two"):
+        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 12)
     assert choose.gemm("auto", torch.device("cuda", 0), torch.float32) is None  # (the AVX-512 GEMM is the CPU's)
-    assert choose.decode_attention("auto", torch.device("cuda", 0), torch.float32) is None
+    assert choose.decode_attention("auto", torch.device("cuda", 0), torch.float32, 16) is None
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        AttentionWorkerConfig(model="/m", orchestrator="h:1", compute="sim", device="cuda")
 
 
 # (the interpreter evaluates both sides of a tl.where: an empty row's 0/0 on the side not taken)

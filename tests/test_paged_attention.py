@@ -6,13 +6,13 @@ kernel equal to its steps without (prefill chunks mixed with decodes, over a rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import Chunk, ModelRunner
@@ -20,6 +20,7 @@ from attention_worker.request import Sequence
 from fabric.kernels import skinny
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
+from tests.helpers import reference_decode
 
 pytestmark = pytest.mark.skipif(skinny.unavailable_reason() is not None, reason=skinny.unavailable_reason() or "")
 
@@ -28,21 +29,6 @@ def ops() -> object:
     module = skinny.paged_attention_for("auto", torch.float32)
     assert module is not None, "the kernels' module must build where the CPU has AVX-512"
     return module
-
-
-def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: list[list[int]], lens: list[int], s: int,
-              window: int) -> torch.Tensor:
-    """q [B, H, d] -> [B, H, d], one sequence at a time through SDPA."""
-    out = []
-    for b, length in enumerate(lens):
-        slots = torch.tensor([tables[b][p // s] * s + p % s for p in range(length)])
-        k, v = (c[slots].transpose(0, 1).unsqueeze(0) for c in (kc, vc))  # [1, K, L, d]
-        mask = torch.ones(length, dtype=torch.bool)
-        if window:
-            mask &= torch.arange(length) > length - 1 - window
-        o = F.scaled_dot_product_attention(q[b][None, :, None], k, v, attn_mask=mask[None, None, None], enable_gqa=True)
-        out.append(o[0, :, 0])
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "s", "window"),
@@ -58,7 +44,8 @@ def test_paged_decode_equals_torch(heads: int, kv_heads: int, d: int, s: int, wi
     padded = torch.tensor([t + [-1] * (widest - len(t)) for t in tables])
     q = torch.randn(len(lens), heads, d)
     got = ops().paged_decode(q, kc, vc, padded, torch.tensor(lens), s, 1 / math.sqrt(d), window)  # type: ignore[attr-defined]
-    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, s, window), rtol=1e-5, atol=1e-5)
+    want = reference_decode(q, kc, vc, tables, lens, s, 1 / math.sqrt(d), window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_tables_are_refused() -> None:
@@ -82,9 +69,9 @@ class NoExperts:
         return torch.zeros_like(x)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_a_step_with_the_kernel_equals_torchs(arch: str, hf_models: dict[str, Path]) -> None:
-    cfg = ModelConfig.from_dir(str(hf_models[arch]))
+@pytest.mark.parametrize(("arch", "window"), [("mixtral", None), ("qwen3_moe", None), ("mixtral", 6)])
+def test_a_step_with_the_kernel_equals_torchs(arch: str, window: int | None, hf_models: dict[str, Path]) -> None:
+    cfg = dataclasses.replace(ModelConfig.from_dir(str(hf_models[arch])), sliding_window=window)
     weights = AttentionWeights.load(hf_models[arch], cfg)
     runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), NoExperts(), paged)  # type: ignore[arg-type]
                for paged in (ops().paged_decode, None)]  # type: ignore[attr-defined]

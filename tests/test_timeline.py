@@ -19,7 +19,8 @@ def test_stall_is_the_longest_of_the_first_two_waits_after_the_kill() -> None:
     slow = [0.0, 0.1, 0.2, 0.35, 0.9]
     assert tl.stall([slow], kill=0.15) == pytest.approx(0.15)
     assert tl.stall([[0.0, 0.1]], kill=0.5) is None
-    # A stream that began after the kill was not interrupted by it, however long its first gaps.
+    # A stream with no token yet at the kill (begun after it, or still in its prefill) had no gap
+    # the kill interrupted, however long its first gaps.
     late = [0.5, 0.9, 1.0]
     assert tl.stall([steady, late], kill=0.12) == pytest.approx(0.1)
     assert tl.stall([late], kill=0.12) is None

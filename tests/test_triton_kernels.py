@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from fabric.kernels.triton_attention import paged_decode_attention  # noqa: E402
 from fabric.kernels.triton_moe import fused_moe, tiles  # noqa: E402
 from fabric.model.ops import swiglu_ffn_t  # noqa: E402
+from tests.helpers import reference_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (the interpreter evaluates both sides of a tl.where: an empty row's 0/0 on the side not taken)
@@ -47,21 +48,6 @@ def test_fused_moe_equals_torch(counts: list[int]) -> None:
 def test_fused_moe_refuses_shapes_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe(torch.zeros(3, 8), [2], torch.zeros(1, 8, 4), torch.zeros(1, 2, 8))
-
-
-def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]], lens: list[int],
-                     s: int, scale: float, window: int) -> torch.Tensor:
-    """The AW's attention for one query per sequence, over slots gathered from the block table."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    out = torch.zeros(q.shape)
-    for b, (table, n) in enumerate(zip(tables, lens)):
-        pos = [p for p in range(n) if (not window or p > n - 1 - window)]
-        slots = torch.tensor([table[p // s] * s + p % s for p in pos])
-        kk = k[slots].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, d]
-        vv = v[slots].repeat_interleave(heads // kv_heads, dim=1)
-        att = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kk) * scale, dim=-1)
-        out[b] = torch.einsum("hl,lhd->hd", att, vv)
-    return out
 
 
 @pytest.mark.parametrize("window", [0, 5])

@@ -37,9 +37,12 @@ def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.Skinny
     return skinny.gemm_for(kernel, dtype) if device.type == "cpu" else None
 
 
-def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype) -> DecodeAttention | None:
-    """The AW's decode attention over its paged cache, or None: torch's gather + SDPA."""
+def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int) -> DecodeAttention | None:
+    """The AW's decode attention over its paged cache (of `block_size`-token blocks), or None: torch's
+    gather + SDPA."""
     if kernel == "triton":
+        if block_size & (block_size - 1):
+            raise ConfigError(f"--kernel triton needs a power-of-two --block-size, not {block_size}")
         mod = triton_module("triton_attention", device)
 
         def run(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -48,6 +48,8 @@ inline void axpy(float a, const float* x, float* y, int64_t d) {  // y += a * x
 torch::Tensor paged_decode(const torch::Tensor& q_in, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables_in, const torch::Tensor& lens_in, int64_t block_size,
                            double scale, int64_t window) {
+  TORCH_CHECK(q_in.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && tables_in.is_cpu() && lens_in.is_cpu(),
+              "paged_decode: CPU tensors only");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == torch::kFloat32, "paged_decode: q must be [B, H, d] float32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 && v_cache.is_contiguous(),
@@ -66,8 +68,9 @@ torch::Tensor paged_decode(const torch::Tensor& q_in, const torch::Tensor& k_cac
   for (int64_t b = 0; b < B; ++b)  // (checked before any read: a bad slot would read out of bounds)
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= T * block_size, "paged_decode: sequence ", b, " has length ", lp[b],
                 " for a table of ", T, " blocks");
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
+  for (int64_t b = 0; b < B; ++b)  // (the blocks the window sees: those before it may be holes, -1)
+    for (int64_t j = (window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0) / block_size;
+         j < (lp[b] + block_size - 1) / block_size; ++j)
       TORCH_CHECK(tp[b * T + j] >= 0 && (tp[b * T + j] + 1) * block_size <= slots, "paged_decode: sequence ", b,
                   " names block ", tp[b * T + j], " outside the cache");
   torch::Tensor out = torch::empty({B, H, d}, q.options());

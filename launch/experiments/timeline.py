@@ -27,8 +27,9 @@ def stall(streams: Sequence[Sequence[float]], kill: float) -> float | None:
     at the kill (its first token before it), the larger of its first two token gaps that end after
     the kill, the largest over the streams; None if no such gap. The first gap alone (the one
     spanning the kill) misses the real wait when the victim's last step was already on its way and
-    reached the client just after the signal. A stream that began after the kill has no gap the
-    kill interrupted: its first gaps, however late, would read as the kill's (a new stream's
+    reached the client just after the signal. A stream with no token yet at the kill has no gap the
+    kill interrupted (what it waited shows in its time to first token, not here), and one that
+    began after the kill would add its first gaps, however late, as the kill's (a new stream's
     second token waits for the prefill of those that arrived with it)."""
     waits = [g for times in streams if times and times[0] <= kill
              for g in [b - a for a, b in zip(times, times[1:]) if b > kill][:2]]
