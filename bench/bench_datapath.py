@@ -43,7 +43,7 @@ from machine import copy_bandwidth, cpu_seconds, matmul_gflops, step_bytes, tree
 from rounds import Stats, fabric_round, make_prompts, summarize
 from vllm_server import VLLM_VERSION, vllm_server
 
-from fabric.config import auto_sched
+from fabric.config_fields import auto_sched
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
 from fabric.tls import Tls, write_self_signed

@@ -1,6 +1,6 @@
 """Where a worker's tensors live (`--device cpu|cuda|cuda:N`): weights, the KV cache and the compute
 on the device, the wire and the checkpoint store in host memory. The spec is checked when the
-config is made (`fabric.config.check_device`) and resolved when the worker starts (`resolve`: the
+config is made (`fabric.config_fields.check_device`) and resolved when the worker starts (`resolve`: the
 device must exist); `to_host` and `to_device` are the moves at the boundary, no-ops on the CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from fabric.config import check_device
+from fabric.config_fields import check_device
 from fabric.errors import ConfigError
 
 

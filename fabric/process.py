@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
-from fabric.config import parse_cpus
+from fabric.config_fields import parse_cpus
 from fabric.errors import ConfigError
 from fabric.notify import notifier
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.config import (
-    SCHED_POLICIES,
     AttentionWorkerConfig,
     CheckpointStoreConfig,
     ExpertWorkerConfig,
@@ -16,13 +15,8 @@ from fabric.config import (
     RoleConfig,
     WeightStoreConfig,
     WorkerConfig,
-    check_device,
-    check_kernel,
-    check_port,
-    check_probes,
-    like,
-    opt,
 )
+from fabric.config_fields import SCHED_POLICIES, check_device, check_kernel, check_port, check_probes, like, opt
 from fabric.errors import ConfigError
 from fabric.messages.control import Role
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.auth import load_secret
-from fabric.config import SECRET_HELP, TLS_CERT_HELP, TLS_KEY_HELP, opt, parse_hostport, req
+from fabric.config_fields import SECRET_HELP, TLS_CERT_HELP, TLS_KEY_HELP, opt, parse_hostport, req
 from fabric.errors import ConfigError, FabricError
 from fabric.tls import Tls
 

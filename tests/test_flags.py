@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attention_worker.sampler import GREEDY_BELOW, greedy, sample, token_logprobs
-from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig, parse_cpus
+from fabric.config import AttentionWorkerConfig, ExpertWorkerConfig, GatewayConfig, OrchestratorConfig
+from fabric.config_fields import parse_cpus
 from fabric.errors import ConfigError
 from gateway.protocol import ApiError
 from gateway.streaming import Position
