@@ -70,9 +70,10 @@ class ServeConfig:
                                         "machine for this run)", metavar="ADDR")
     orchestrator_resources: str = opt("{}", "Ray resources the orchestrator takes on its node (JSON)", metavar="JSON")
     gateway_resources: str = opt("{}", "Ray resources each gateway takes (JSON)", metavar="JSON")
-    aw_resources: str = opt("{}", "Ray resources each attention worker takes (JSON; e.g. '{\"GPU\": 1}')",
-                            metavar="JSON")
-    ew_resources: str = opt("{}", "Ray resources each expert worker takes (JSON; e.g. '{\"GPU\": 1}')", metavar="JSON")
+    aw_resources: str = opt("{}", "Ray resources each attention worker takes (JSON; with --device cuda, GPU is 1 "
+                                  "unless given)", metavar="JSON")
+    ew_resources: str = opt("{}", "Ray resources each expert worker takes (JSON; with --device cuda, GPU is 1 "
+                                  "unless given)", metavar="JSON")
     store_resources: str = opt("{}", "Ray resources each checkpoint store takes (JSON)", metavar="JSON")
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
@@ -122,6 +123,13 @@ class ServeConfig:
             raise ConfigError("standby_workers must be >= 0, and standbys run with --cluster local only (for now)")
         for role in RESOURCE_FIELDS.values():
             self.resources(role)  # (checks the JSON)
+        if self.cluster == "ray" and self.device != "cpu":
+            if self.device != "cuda":
+                raise ConfigError(f"--cluster ray --device {self.device}: Ray picks each worker's GPU (it is the worker's "
+                                  "cuda:0, by CUDA_VISIBLE_DEVICES); say --device cuda")
+            if any(self.resources(f)["GPU"] <= 0 for f in ("aw_resources", "ew_resources")):
+                raise ConfigError("--cluster ray --device cuda: every worker needs a share of a GPU from Ray "
+                                  "(--aw-resources / --ew-resources '{\"GPU\": ...}' > 0; 1 unless given)")
         check_probes(self.probe_interval_ms, self.probe_misses)
         if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
             raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
@@ -146,7 +154,10 @@ class ServeConfig:
                 for k, v in value.items()):
             raise ConfigError(f"--{field_name.replace('_', '-')}: expected an object of resource name to amount >= 0, "
                               f"e.g. '{{\"GPU\": 1}}', got {text!r}")
-        return {k: float(v) for k, v in value.items()}
+        resources = {k: float(v) for k, v in value.items()}
+        if self.cluster == "ray" and self.device != "cpu" and field_name in ("aw_resources", "ew_resources"):
+            resources.setdefault("GPU", 1.0)  # (a GPU worker on Ray: Ray hands it a GPU, 1 unless given)
+        return resources
 
     @property
     def store_kernel(self) -> str:

@@ -84,6 +84,19 @@ def test_role_resources_are_checked() -> None:
         ServeConfig(ray_address="127.0.0.1:6379")  # (--cluster local)
 
 
+def test_gpu_workers_on_ray_take_a_gpu_from_ray() -> None:
+    """On Ray a GPU worker's GPU is Ray's to pick (CUDA_VISIBLE_DEVICES, which its process inherits)."""
+    cfg = ServeConfig(cluster="ray", device="cuda", ew_resources='{"GPU": 0.5}')
+    assert cfg.resources("aw_resources") == {"GPU": 1.0} and cfg.resources("ew_resources") == {"GPU": 0.5}
+    assert cfg.resources("store_resources") == {} and cfg.resources("gateway_resources") == {}
+    assert ServeConfig(cluster="ray").resources("aw_resources") == {}  # (CPU workers: no GPU asked for)
+    assert ServeConfig(device="cuda").resources("aw_resources") == {}  # (--cluster local hands GPUs out itself)
+    with pytest.raises(ConfigError, match="share of a GPU"):
+        ServeConfig(cluster="ray", device="cuda", aw_resources='{"GPU": 0}')
+    with pytest.raises(ConfigError, match="say --device cuda"):
+        ServeConfig(cluster="ray", device="cuda:1")
+
+
 def test_a_worker_follows_the_orchestrator_file(tmp_path: Path) -> None:
     """The address file wins once it exists; a half-written or missing one falls back."""
     path = tmp_path / "orchestrator"
