@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attention_worker.ew_link import EwLink
-from fabric.device import to_device, to_host
+from fabric.device import for_wire, to_device
 from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError
 from fabric.messages.expert import AwActivity, ExpertCall, Hello
 from fabric.routing import EwAddress, RoutingTable
@@ -50,8 +50,10 @@ def _rows_of(pieces: list[Piece], device: torch.device) -> slice | torch.Tensor:
 
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3,
-                 expert_wait: float = 30.0, on_dead: Callable[[str, str, bool], None] | None = None) -> None:
+                 expert_wait: float = 30.0, on_dead: Callable[[str, str, bool], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.aw_id = aw_id
+        self.device = device  # the AW's: expert calls and results cross as its memory where the link can
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
         self.expert_wait = expert_wait
@@ -163,6 +165,8 @@ class ForwardingEngine:
         data = await self.transport.connect(addr.host, addr.port)
         await control.send(Hello(self.aw_id, "control"))
         await data.send(Hello(self.aw_id, "data"))
+        if self.device is not None:
+            data.land_frames_on(self.device)
         link = EwLink(addr, control, data, on_dead=self._link_died)
         link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
         if self._watcher is None or self._watcher.done():
@@ -239,7 +243,8 @@ class ForwardingEngine:
         self.sending += 1
         self.send_idle.clear()
         try:
-            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, to_host(x), replay))
+            x_wire = for_wire(x, link.data.frames_device)  # [R, D]
+            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x_wire, replay))
         except BaseException:
             # Nobody will await this call's future: take it back, or a later failure of the link
             # would set an exception on it that nobody retrieves.

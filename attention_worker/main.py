@@ -111,7 +111,7 @@ class AttentionService(Service):
             return
         aw = self.aw
         aw.refe = ForwardingEngine(rt.worker_id, self.transport, self.cfg.probe_interval_ms / 1000, self.cfg.probe_misses,
-                                   self.cfg.expert_wait_s, rt.report_dead)
+                                   self.cfg.expert_wait_s, rt.report_dead, aw.kv.device)
         aw.ckpt = Checkpointer(rt.worker_id, self.model, aw.kv, aw.refe, self.transport, self.cfg.checkpoint,
                                self.cfg.checkpoint_pause_every, on_lost=rt.report_dead)
 

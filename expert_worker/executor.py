@@ -149,7 +149,8 @@ class ExpertExecutor:
             ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
         else:
             ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
-        ys = [dev.to_host(y) for y in ys]
+        if not outs or outs[0].device.type == "cpu":  # (the calls came as host memory; over UCX with CUDA, as the GPU's)
+            ys = [dev.to_host(y) for y in ys]
         for unit, y in zip(units, ys):  # y [N, D]
             offset = 0
             for ci, s, n in groups[unit]:

@@ -88,6 +88,8 @@ class ExpertWorker(Service):
             # channel while the first is up is an impostor (a reconnecting AW closed the old one).
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
+        if hello.channel == "data":
+            conn.land_frames_on(self.executor.device)  # (calls and results as the GPU's memory where UCX can)
         try:
             if hello.channel == "control":
                 await self._control_loop(hello.aw_id, conn)

@@ -49,8 +49,20 @@ def worker_device(spec: str, index: int) -> str:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory (for the wire or the checkpoint store): itself where it is there already."""
-    return t if t.device.type == "cpu" else t.to("cpu")
+    """`t` in host memory (for the wire or the checkpoint store): itself where it is there already,
+    else a copy in pinned memory (a DMA at the bus's speed, not staged through a pageable buffer;
+    torch caches the pinned blocks), made before this returns."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
+
+
+def for_wire(t: torch.Tensor, conn_device: torch.device | None) -> torch.Tensor:
+    """`t` as a connection carries it: as it is where the connection carries `t`'s device memory
+    (`Connection.frames_device`), else in host memory."""
+    return t if conn_device is not None and t.device == conn_device else to_host(t)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

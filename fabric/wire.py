@@ -4,7 +4,9 @@
     body    = n_frames x u64 frame_len | header (msgpack map) | frame 0 | frame 1 | ...
 
 The prefix lets a reader check every length against `WireLimits` *before* it allocates or reads
-the body, so an oversized length header costs nothing. msgpack never carries code (no pickle), and
+the body, so an oversized length header costs nothing. A frame is host bytes, or (over a UCX
+connection that carries device memory, `fabric.transport.ucx`) a flat uint8 tensor on a device;
+the bytes on the wire are the same. msgpack never carries code (no pickle), and
 the decoded header is walked once to enforce a nesting-depth limit.
 """
 
@@ -13,11 +15,18 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgpack
 
 from fabric.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+    Frame: TypeAlias = bytes | bytearray | memoryview | torch.Tensor  # (a tensor: flat uint8, on a device)
+else:
+    Frame = object  # (no torch here: the control plane's processes never import it)
 
 MAGIC = b"MoF1"
 PREFIX = struct.Struct("<4sIIQ")
@@ -41,20 +50,24 @@ class WireLimits:
 DEFAULT_LIMITS = WireLimits()
 
 
-def encode(header: dict[str, Any], frames: Sequence[memoryview | bytes] | None = None) -> list[bytes | memoryview]:
+def nbytes(frame: Frame) -> int:
+    return memoryview(frame).nbytes if isinstance(frame, (bytes, bytearray, memoryview)) else frame.nbytes
+
+
+def encode(header: dict[str, Any], frames: Sequence[Frame] | None = None) -> list[Frame]:
     """Returns the buffers of one message, in order; frames are not copied."""
     frames = list(frames or [])
     head = msgpack.packb(header, use_bin_type=True)
-    lens = [memoryview(f).nbytes for f in frames]
+    lens = [nbytes(f) for f in frames]
     lens_raw = struct.pack(f"<{len(lens)}Q", *lens)
     body_len = len(lens_raw) + len(head) + sum(lens)
     prefix = PREFIX.pack(MAGIC, len(head), len(frames), body_len)
     return [prefix, lens_raw, head, *frames]
 
 
-def encode_bytes(header: dict[str, Any], frames: Sequence[memoryview | bytes] | None = None) -> bytes:
+def encode_bytes(header: dict[str, Any], frames: Sequence[Frame] | None = None) -> bytes:
     """One contiguous buffer (for transports that send whole messages, e.g. websockets)."""
-    return b"".join(bytes(b) if isinstance(b, memoryview) else b for b in encode(header, frames))
+    return b"".join(encode(header, frames))  # type: ignore[arg-type]  # (host frames only)
 
 
 def parse_prefix(raw: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> tuple[int, int, int]:
@@ -77,15 +90,13 @@ def parse_prefix(raw: bytes | bytearray | memoryview, limits: WireLimits = DEFAU
 
 def parse_body(
     body: bytes | bytearray | memoryview, header_len: int, n_frames: int, limits: WireLimits = DEFAULT_LIMITS
-) -> tuple[dict[str, Any], list[memoryview]]:
+) -> tuple[dict[str, Any], list[Frame]]:
     """Splits a body into its decoded header and zero-copy frame views."""
     view = memoryview(body)
     table = 8 * n_frames
-    lens = struct.unpack(f"<{n_frames}Q", view[:table]) if n_frames else ()
-    if table + header_len + sum(lens) != view.nbytes:
-        raise ProtocolError("frame lengths do not add up to the body length")
+    lens = frame_lengths(view[:table], header_len, view.nbytes)
     header = decode_header(view[table : table + header_len], limits)
-    frames = []
+    frames: list[Frame] = []
     offset = table + header_len
     for n in lens:
         frames.append(view[offset : offset + n])
@@ -93,7 +104,16 @@ def parse_body(
     return header, frames
 
 
-def decode_bytes(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], list[memoryview]]:
+def frame_lengths(table: bytes | bytearray | memoryview, header_len: int, body_len: int) -> tuple[int, ...]:
+    """The frame table's lengths (u64 each), which must add up to the body with the header."""
+    n_frames = len(table) // 8
+    lens: tuple[int, ...] = struct.unpack(f"<{n_frames}Q", table) if n_frames else ()
+    if 8 * n_frames + header_len + sum(lens) != body_len:
+        raise ProtocolError("frame lengths do not add up to the body length")
+    return lens
+
+
+def decode_bytes(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], list[Frame]]:
     """Inverse of `encode_bytes`."""
     header_len, n_frames, body_len = parse_prefix(bytes(data[:PREFIX_SIZE]), limits)
     if len(data) != PREFIX_SIZE + body_len:

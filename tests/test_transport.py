@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fabric.errors import PeerDeadError
+from fabric.messages.base import encode_message
 from fabric.messages.checkpoint import KvPut
-from fabric.messages.expert import Ping
+from fabric.messages.expert import ExpertCall, ExpertResult, Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener
 
@@ -155,3 +156,89 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
             await transport.connect("127.0.0.1", port, timeout=5)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_device_memory_only_where_the_transport_carries_it(name: str) -> None:
+    """`land_frames_on` takes a CUDA device only over UCX that reports CUDA support (not here: no
+    cuda transport in its context, and tcp never), and a device tensor on a connection that
+    carries host memory is refused before a byte is sent, the connection still usable."""
+
+    async def main() -> None:
+        transport = make_transport(name)
+        got: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def handler(conn: Connection) -> None:
+            while True:
+                await got.put(await conn.recv())
+
+        listener = await transport.listen("127.0.0.1", 0, handler)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        try:
+            assert not conn.land_frames_on(torch.device("cuda")) and not conn.land_frames_on(torch.device("cpu"))
+            assert conn.frames_device is None
+            with pytest.raises(TypeError, match="carries host memory"):
+                await conn.send(ExpertCall(1, 1, 0, [0], [2], torch.empty(2, 8, device="meta")))
+            await conn.send(Ping(7))
+            msg = await asyncio.wait_for(got.get(), 10)
+            assert isinstance(msg, Ping) and msg.nonce == 7
+        finally:
+            await finish(conn, listener)
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra")
+def test_ucx_frames_land_in_buffers_of_their_own() -> None:
+    """The path a CUDA worker's expert calls and results take over UCX, run with host memory in the
+    device's place (no GPU here; the code is the same, only the buffers' memory differs): the
+    receiver reads the frame table and header, then each frame into a tensor of its own; the
+    sender posts tensor frames as they are. Every message arrives equal, in order, with frameless
+    and large ones in between and from both kinds of sender."""
+
+    msgs: list[Any] = [
+        ExpertCall(1, 1, 0, [0, 3], [2, 3], torch.randn(5, 64)),
+        Ping(2),
+        ExpertCall(3, 1, 0, [1], [3], torch.randn(3, 64).to(torch.bfloat16)),
+        ExpertCall(4, 1, 0, [], [], torch.zeros(0, 64)),
+        KvPut(5, "r", 0, torch.randn(2, 4096, 4, 64), torch.randn(2, 4096, 4, 64)),  # 8 MiB a frame
+        ExpertResult(6, torch.randn(7, 64)),
+    ]
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        transport = make_transport("ucx")
+        got: list[Any] = []
+        frames_seen: list[Any] = []
+        done = asyncio.Event()
+
+        async def handler(conn: Connection) -> None:
+            conn.frames_device = torch.device("cpu")  # (what land_frames_on sets for a CUDA device)
+            for _ in range(2 * len(msgs)):
+                msg = await conn.recv()
+                got.append(msg)
+                frames_seen.extend(v for v in vars(msg).values() if isinstance(v, torch.Tensor))
+            done.set()
+
+        listener = await transport.listen("127.0.0.1", 0, handler)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        conn.frames_device = torch.device("cpu")
+
+        async def send_all() -> None:
+            for msg in msgs:  # host tensors, as encoded
+                await conn.send(msg)
+            for msg in msgs:  # the same with every frame a tensor: a device sender's
+                header, frames = encode_message(msg)
+                await conn.send_raw(header, [torch.frombuffer(bytearray(f), dtype=torch.uint8) if f.nbytes
+                                             else torch.empty(0, dtype=torch.uint8) for f in frames])
+
+        await finish(conn, listener, send_all(), done.wait())
+        return got, frames_seen
+
+    got, frames_seen = asyncio.run(main())
+    assert [type(m) for m in got] == [type(m) for m in msgs] * 2
+    for sent, received in zip(msgs * 2, got):
+        for name, want in vars(sent).items():
+            have = getattr(received, name)
+            assert (torch.equal(have, want) and have.dtype == want.dtype) if isinstance(want, torch.Tensor) else have == want
+    # each tensor is a view of a buffer of its own, the size of its frame
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in frames_seen)

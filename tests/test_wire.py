@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from fabric.errors import ProtocolError
-from fabric.messages.base import decode_message, encode_message
+from fabric.messages.base import Message, decode_message, encode_message
+from fabric.messages.checkpoint import KvPut
 from fabric.messages.client import Submit
+from fabric.messages.control import TableDelta, ViewDelta
 from fabric.messages.expert import ExpertCall
 from fabric.wire import PREFIX_SIZE, WireLimits, decode_bytes, encode_bytes, parse_prefix
 
@@ -79,3 +82,58 @@ def test_depth_limit() -> None:
         obj = [obj]
     with pytest.raises(ProtocolError, match="deep"):
         decode_bytes(encode_bytes({"kind": "hello", "aw_id": obj}))
+
+
+def as_tensor_frames(frames: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
+    """Host frames as the flat uint8 tensors a connection that lands frames on a device hands the
+    decoder (one buffer per frame)."""
+    return [torch.frombuffer(bytearray(f), dtype=torch.uint8) if f.nbytes else torch.empty(0, dtype=torch.uint8)
+            for f in frames]
+
+
+def test_device_tensors_go_out_as_device_frames() -> None:
+    """A tensor on a device goes out as its bytes, a flat uint8 view on that device, not a copy
+    (the meta device stands in for CUDA here: its shapes and dtypes are real, its bytes nowhere)."""
+    x = torch.empty(5, 8, dtype=torch.bfloat16, device="meta")  # [R, D]
+    header, frames = encode_message(ExpertCall(1, 1, 0, [0], [5], x))
+    (frame,) = frames
+    assert isinstance(frame, torch.Tensor) and frame.device.type == "meta"
+    assert frame.dtype == torch.uint8 and frame.shape == (5 * 8 * 2,)
+    out = decode_message(header, frames)
+    assert isinstance(out, ExpertCall) and out.x.device.type == "meta" and out.x.dtype == torch.bfloat16
+    assert out.x.shape == (5, 8)
+
+
+@pytest.mark.parametrize("msg", [
+    ExpertCall(2, 1, 0, [0, 3], [2, 3], torch.randn(5, 8)),
+    ExpertCall(3, 1, 0, [1], [4], torch.randn(4, 8).to(torch.bfloat16)),
+    ExpertCall(4, 1, 0, [], [], torch.zeros(0, 8)),
+    KvPut(5, "r", 3, torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)),
+    ViewDelta(1, 0, 1, TableDelta(2, [0], ["ew-0"], [], [], ["ew-0"], np.arange(6, dtype=np.int32).reshape(1, 2, 3),
+                                  np.ones((1, 2), dtype=np.int16)), [], [], []),
+], ids=["fp32", "bf16", "empty", "two-frames", "arrays"])
+def test_frames_received_as_tensors_decode_alike(msg: Message) -> None:
+    """Frames that arrive as tensors decode to the message that host frames decode to: tensors as
+    views of their frames (on the frames' device), arrays in host memory."""
+    header, frames = encode_message(msg)
+    out = decode_message(header, as_tensor_frames(frames))
+    assert type(out) is type(msg)
+    for name, want in vars(msg).items():
+        got = getattr(out, name)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        elif isinstance(want, TableDelta):
+            assert got.placement.dtype == np.int32 and np.array_equal(got.placement, want.placement)
+            assert np.array_equal(got.active, want.active) and got.changed == want.changed
+        else:
+            assert got == want
+    if isinstance(msg, ExpertCall) and msg.x.numel():
+        frame = as_tensor_frames(frames)[0]
+        view = decode_message(header, [frame])
+        assert isinstance(view, ExpertCall) and view.x.data_ptr() == frame.data_ptr()  # a view, no copy
+
+
+def test_tensor_frames_of_the_wrong_size_are_protocol_errors() -> None:
+    header, frames = encode_message(ExpertCall(2, 1, 0, [0], [5], torch.randn(5, 8)))
+    with pytest.raises(ProtocolError, match="does not match"):
+        decode_message(header, [torch.empty(5 * 8 * 4 - 4, dtype=torch.uint8)])

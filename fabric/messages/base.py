@@ -8,6 +8,10 @@ no torch needed), each a raw frame whose dtype and shape go into the header, at 
 every value against its annotated type, so a well-formed but wrong header is a `ProtocolError`,
 never a crash later (a float where a count belongs, a string where a record belongs). A record's
 `__post_init__` may check invariants across fields; what it raises is a `ProtocolError` too.
+
+A tensor on a device (CUDA) encodes as a device frame (its bytes as a flat uint8 tensor, no copy),
+which only a connection that carries device memory sends (`Connection.frames_device`); such a
+connection's reader hands the decoder device frames, and tensors decode as views of them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from fabric.errors import ProtocolError
+from fabric.wire import Frame, nbytes
 
 if typing.TYPE_CHECKING:
     import torch
@@ -56,7 +61,7 @@ def _is_torch_tensor(tp: Any) -> bool:
     return getattr(tp, "__module__", None) == "torch" and getattr(tp, "__name__", None) == "Tensor"
 M = TypeVar("M", bound="Message")
 
-Frames = list[memoryview]
+Frames = list[Frame]  # (what a decoder gets: memoryviews, or flat uint8 tensors on a device)
 Encoder = Callable[[Any, Frames], Any]  # value -> header value (tensors appended to the frames)
 Decoder = Callable[[Any, Frames, str], Any]  # header value, frames, where (for errors) -> value
 
@@ -167,8 +172,15 @@ def _encoder(tp: Any) -> Encoder:
 def _encode_tensor(t: torch.Tensor, frames: Frames) -> list[Any]:
     t = t.contiguous()
     meta = [_torch_names()[t.dtype], list(t.shape), len(frames)]
-    frames.append(_tensor_bytes(t))
+    frames.append(_tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t))
     return meta
+
+
+def _device_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's bytes as a device frame: [nbytes] uint8, a view."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -308,7 +320,7 @@ def _record_decoder(tp: type) -> Decoder:
     return dec_record
 
 
-def _frame_of(meta: Any, frames: Frames, where: str, dtypes: dict[str, Any]) -> tuple[Any, list[int], memoryview]:
+def _frame_of(meta: Any, frames: Frames, where: str, dtypes: dict[str, Any]) -> tuple[Any, list[int], Frame]:
     """A tensor's or array's (dtype, shape, frame), checked against the header."""
     try:
         dtype_name, shape, index = meta
@@ -323,12 +335,13 @@ def _frame_of(meta: Any, frames: Frames, where: str, dtypes: dict[str, Any]) -> 
     return dtype, shape, frame
 
 
-def _check_size(shape: list[int], itemsize: int, frame: memoryview, where: str) -> int:
+def _check_size(shape: list[int], itemsize: int, frame: Frame, where: str) -> int:
     numel = 1
     for s in shape:
         numel *= s
-    if numel * itemsize != frame.nbytes:
-        raise ProtocolError(f"{where}: shape {shape} does not match a frame of {frame.nbytes} bytes")
+    size = nbytes(frame)
+    if numel * itemsize != size:
+        raise ProtocolError(f"{where}: shape {shape} does not match a frame of {size} bytes")
     return numel
 
 
@@ -336,13 +349,18 @@ def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
     import torch
 
     dtype, shape, frame = _frame_of(meta, frames, where, _torch_dtypes())
+    on_device = not isinstance(frame, (bytes, bytearray, memoryview))
     if _check_size(shape, torch.empty((), dtype=dtype).element_size(), frame, where) == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=frame.device if on_device else None)  # type: ignore[union-attr]
+    if on_device:  # a device frame: a view of it
+        return frame.view(dtype).view(shape)  # type: ignore[union-attr,call-overload]
     return torch.frombuffer(frame, dtype=dtype).view(shape)
 
 
 def _decode_array(meta: Any, frames: Frames, where: str) -> np.ndarray:
     dtype, shape, frame = _frame_of(meta, frames, where, _NP_DTYPES)
+    if not isinstance(frame, (bytes, bytearray, memoryview)):  # a device frame: arrays are the host's
+        frame = memoryview(frame.cpu().numpy())  # type: ignore[arg-type]  # (ndarray is a buffer)
     if _check_size(shape, dtype.itemsize, frame, where) == 0:
         return np.empty(shape, dtype=dtype)
     return np.frombuffer(frame, dtype=dtype).reshape(shape)

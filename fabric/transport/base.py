@@ -18,11 +18,12 @@ import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fabric import auth
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
-from fabric.messages.base import Message, decode_message, encode_message
-from fabric.wire import DEFAULT_LIMITS, WireLimits, parse_body, parse_prefix
+from fabric.messages.base import Frames, Message, decode_message, encode_message
+from fabric.wire import DEFAULT_LIMITS, Frame, WireLimits, parse_body, parse_prefix
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +32,38 @@ DEFAULT_SEND_TIMEOUT = 1.0  # seconds
 
 
 class Connection(abc.ABC):
+    # Where this connection's tensors travel: None, host memory (a device tensor must be moved to
+    # the host before it is sent); a torch device, that device's memory both ways (`land_frames_on`).
+    frames_device: Any = None
+
     def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
         self.peer = peer
         self.limits = limits
         self.send_timeout = send_timeout
         self.closed = False
 
-    async def send(self, msg: Message) -> None:
+    def land_frames_on(self, device: Any) -> bool:
+        """From now on, carries tensors as `device` memory both ways where this transport can (UCX
+        reporting CUDA support, for a CUDA device: GPUDirect RDMA where the NIC has it): sends
+        device tensors as they are and receives every frame into `device` memory. Returns whether
+        it does; where it does not, tensors cross as host memory."""
+        return False
+
+    def _encode(self, msg: Message) -> tuple[dict, Frames]:
         header, frames = encode_message(msg)
+        if self.frames_device is None and not all(isinstance(f, memoryview) for f in frames):
+            raise TypeError(f"{msg.kind}: a device tensor on a connection that carries host memory "
+                            "(fabric.device.to_host it first)")
+        return header, frames
+
+    async def send(self, msg: Message) -> None:
+        header, frames = self._encode(msg)
         await self.send_raw(header, frames)
 
     def send_nowait(self, msg: Message) -> None:
         """Queues `msg` and returns at once; raises PeerDeadError if the connection is gone. A
         peer that does not take it within the send deadline loses the connection."""
-        header, frames = encode_message(msg)
+        header, frames = self._encode(msg)
         self.post_raw(header, frames)
 
     async def recv(self) -> Message:
@@ -52,12 +71,19 @@ class Connection(abc.ABC):
         try:
             prefix = await self._read_prefix()
             header_len, n_frames, body_len = parse_prefix(prefix, self.limits)
-            body = await self._read_body(body_len)
-            header, frames = parse_body(body, header_len, n_frames, self.limits)
+            if self.frames_device is None:
+                body = await self._read_body(body_len)
+                header, frames = parse_body(body, header_len, n_frames, self.limits)
+            else:
+                header, frames = await self._read_device_frames(header_len, n_frames, body_len)
             return decode_message(header, frames)
         except ProtocolError:
             await self.close()
             raise
+
+    async def _read_device_frames(self, header_len: int, n_frames: int, body_len: int) -> tuple[dict, Frames]:
+        """A body whose frames land in `frames_device` memory (transports whose `land_frames_on` can)."""
+        raise NotImplementedError
 
     # -- the handshake (fabric/auth.py): raw bytes before the first message --------------------
     @abc.abstractmethod
@@ -79,10 +105,10 @@ class Connection(abc.ABC):
             raise AuthError(f"{self.peer}: handshake failed: {exc}") from exc
 
     @abc.abstractmethod
-    async def send_raw(self, header: dict, frames: list[memoryview]) -> None: ...
+    async def send_raw(self, header: dict, frames: list[Frame]) -> None: ...
 
     @abc.abstractmethod
-    def post_raw(self, header: dict, frames: list[memoryview]) -> None: ...
+    def post_raw(self, header: dict, frames: list[Frame]) -> None: ...
 
     @abc.abstractmethod
     async def _read_prefix(self) -> bytes | bytearray | memoryview: ...

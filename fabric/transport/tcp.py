@@ -17,7 +17,7 @@ import asyncio
 import socket
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from fabric.transport.base import (
     Transport,
     guarded,
 )
-from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
+from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode
 
 COALESCE_BYTES = 1 << 20
 SCRATCH_BYTES = 256 << 10
@@ -210,11 +210,11 @@ class TcpConnection(Connection):
             return str(self._pipe.lost) or "connection lost"
         return None
 
-    def post_raw(self, header: dict, frames: list[memoryview]) -> None:
+    def post_raw(self, header: dict, frames: list[Frame]) -> None:
         lost = self._lost()
         if lost is not None:
             raise self._error(lost)
-        parts = encode(header, frames)
+        parts = cast(list[bytes | memoryview], encode(header, frames))  # (host frames: `Connection._encode`)
         size = sum(memoryview(p).nbytes for p in parts)
         try:
             # One write per message: every write is a syscall (and on loopback, the receiver's
@@ -229,7 +229,7 @@ class TcpConnection(Connection):
             raise self._error(str(exc) or type(exc).__name__) from exc
         self._pipe.written += size
 
-    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
+    async def send_raw(self, header: dict, frames: list[Frame]) -> None:
         self.post_raw(header, frames)
         try:
             await self._pipe.drain()

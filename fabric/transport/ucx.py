@@ -13,6 +13,12 @@ TCP): each message is posted as its prefix, header and frames back to back, fram
 copy. The reader takes the 20-byte prefix, checks it against the limits, then receives exactly
 the body. The listener greets every endpoint with 4 bytes, and `connect` waits for them, so a
 peer that is not there fails the connect within its timeout.
+
+Device memory: a connection told to `land_frames_on` a CUDA device, where UCX reports CUDA support
+(its cuda_copy transport), posts device frames as they are (UCX reads GPU memory itself, over
+GPUDirect RDMA where the NIC has it) and receives each frame of a message into a buffer of its own
+on that device: the 20-byte prefix and the frame table with the header into host memory, then
+frame by frame. The bytes on the wire are those of a host message; each end picks its own memory.
 """
 
 from __future__ import annotations
@@ -21,13 +27,17 @@ import asyncio
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fabric.errors import ConfigError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.messages.base import Frames
 from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
-from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, WireLimits, encode
+from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, decode_header, encode, frame_lengths, nbytes
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # UCX's TCP transport (what streams run on without RDMA) cuts messages into 8 KiB segments by
@@ -46,6 +56,12 @@ def _lib() -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
         raise ConfigError("the ucx transport needs the [ucx] extra: pip install 'moe-fabric[ucx]'") from exc
     return lib
+
+
+def _transports(info: str) -> set[str]:
+    """The transports of a UCX context, from its printed info ("... flags -- tcp/lo")."""
+    return {line.split()[-1].split("/")[0] for line in info.splitlines()
+            if line.startswith("#") and " resource " in line and " md " in line}
 
 
 def rdma_available() -> bool:
@@ -74,6 +90,7 @@ class _Progress:
         self.Array = Array  # wraps a buffer for UCX (holds no copy)
         self.loop = loop
         context = lib.UCXContext(feature_flags=(lib.Feature.STREAM, lib.Feature.WAKEUP))
+        self.cuda = any(t.startswith("cuda") for t in _transports(context.info))  # UCX can read and write GPU memory
         self.worker = lib.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
         self.worker.init_blocking_progress_mode()
         self._pending: list[tuple[Any, asyncio.Future[None], object]] = []
@@ -181,12 +198,20 @@ class UcxConnection(Connection):
         err.__cause__ = exc
         return err
 
-    def _post_now(self, parts: Sequence[bytes | bytearray | memoryview]) -> list[tuple[Any, object]]:
+    def land_frames_on(self, device: torch.device) -> bool:
+        if device.type != "cuda" or not self._p.cuda:
+            return False
+        self.frames_device = device
+        return True
+
+    def _post_now(self, parts: Sequence[Frame]) -> list[tuple[Any, object]]:
         """Posts raw buffers, in order, without an await in between: messages from concurrent
         senders never interleave. Returns the requests to wait for."""
         self._check_open()
         array = self._p.Array
-        return [(self._ep.stream_send(array(p)), p) for p in parts if memoryview(p).nbytes]
+        if self.frames_device is not None:
+            parts = [_ucx_buffer(p) for p in parts]
+        return [(self._ep.stream_send(array(p)), p) for p in parts if nbytes(p)]
 
     async def _complete(self, reqs: list[tuple[Any, object]]) -> None:
         """Waits until UCX is done with `reqs`, at most the send deadline: a peer that takes
@@ -203,7 +228,7 @@ class UcxConnection(Connection):
         except Exception as exc:
             raise await self._dead(exc)  # noqa: B904 - _dead sets the cause
 
-    async def post(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    async def post(self, parts: Sequence[Frame]) -> None:
         """Sends raw buffers, in order, and returns once UCX is done with them (no framing)."""
         try:
             reqs = self._post_now(parts)
@@ -214,16 +239,16 @@ class UcxConnection(Connection):
         await self._complete(reqs)
 
     @staticmethod
-    def _parts(header: dict, frames: list[memoryview]) -> list[bytes | bytearray | memoryview]:
-        parts: list[bytes | bytearray | memoryview] = list(encode(header, frames))
-        if sum(memoryview(p).nbytes for p in parts) <= JOIN_BYTES:
-            return [b"".join(parts)]
+    def _parts(header: dict, frames: list[Frame]) -> list[Frame]:
+        parts = encode(header, frames)
+        if all(isinstance(f, memoryview) for f in frames) and sum(nbytes(p) for p in parts) <= JOIN_BYTES:
+            return [b"".join(parts)]  # type: ignore[arg-type]  # (host buffers)
         return parts
 
-    async def send_raw(self, header: dict, frames: list[memoryview]) -> None:
+    async def send_raw(self, header: dict, frames: list[Frame]) -> None:
         await self.post(self._parts(header, frames))
 
-    def post_raw(self, header: dict, frames: list[memoryview]) -> None:
+    def post_raw(self, header: dict, frames: list[Frame]) -> None:
         try:
             reqs = self._post_now(self._parts(header, frames))
         except PeerDeadError:
@@ -241,7 +266,7 @@ class UcxConnection(Connection):
         except PeerDeadError:
             pass  # the connection is closed: its reader and later senders find out
 
-    async def recv_into(self, buf: bytearray | memoryview) -> None:
+    async def recv_into(self, buf: bytearray | memoryview | np.ndarray | torch.Tensor) -> None:
         self._check_open()
         try:
             await self._wait(self._ep.stream_recv(self._p.Array(buf)), buf)
@@ -266,6 +291,21 @@ class UcxConnection(Connection):
         await self.recv_into(buf)
         return buf
 
+    async def _read_device_frames(self, header_len: int, n_frames: int, body_len: int) -> tuple[dict, Frames]:
+        import torch
+
+        table = 8 * n_frames
+        head = memoryview(await self._read_exactly(table + header_len))
+        lens = frame_lengths(head[:table], header_len, body_len)
+        header = decode_header(head[table:], self.limits)
+        frames: Frames = []
+        for n in lens:
+            frame = torch.empty(n, dtype=torch.uint8, device=self.frames_device)  # [n] bytes
+            if n:
+                await self.recv_into(_ucx_buffer(frame))
+            frames.append(frame)
+        return header, frames
+
     async def close(self) -> None:
         if self.closed:
             return
@@ -277,6 +317,19 @@ class UcxConnection(Connection):
             except Exception:
                 pass
             self._p.kick()
+
+
+def _ucx_buffer(part: Any) -> Any:
+    """What UCX is given for a part: a host buffer as it is, a CUDA frame as a CUDA array (once the
+    kernels that wrote it are done: UCX copies on streams of its own), a host tensor as an array."""
+    if isinstance(part, (bytes, bytearray, memoryview, np.ndarray)):
+        return part
+    if part.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(part.device).synchronize()
+        return part
+    return part.numpy()
 
 
 class UcxListener(Listener):
