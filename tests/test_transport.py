@@ -242,3 +242,15 @@ def test_ucx_frames_land_in_buffers_of_their_own() -> None:
             assert (torch.equal(have, want) and have.dtype == want.dtype) if isinstance(want, torch.Tensor) else have == want
     # each tensor is a view of a buffer of its own, the size of its frame
     assert all(t.untyped_storage().nbytes() == t.nbytes for t in frames_seen)
+
+
+@pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra")
+def test_ucx_transports_read_from_the_context() -> None:
+    """What the fabric reads of UCX's abilities (RDMA for `--transport auto`, CUDA memory for the
+    GPU path) is the transport list ucxx itself reports for a context."""
+    import ucxx
+
+    from fabric.transport.ucx_progress import _context, transports, ucx_lib
+
+    found = transports(_context(ucx_lib()))
+    assert "tcp" in found and found == set(ucxx.get_active_transports())

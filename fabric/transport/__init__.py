@@ -18,7 +18,7 @@ def resolve_transport_name(name: str) -> str:
         raise ConfigError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
     if name != "auto":
         return name
-    from fabric.transport.ucx import rdma_available
+    from fabric.transport.ucx_progress import rdma_available
 
     return "ucx" if rdma_available() else "tcp"
 

@@ -1,12 +1,6 @@
 """UCX backend on ucxx's low-level API (RDMA in production, TCP and shared memory here).
 
-One UCX worker per event loop, progressed by that loop itself (`_Progress`): the worker's event
-file descriptor is watched with `add_reader`, every posted request is tracked until UCX completes
-it, and the worker is re-armed once it has nothing left to do. There is no progress thread and no
-notifier thread. ucxx's asyncio layer completes each request on its notifier thread, which hands it
-to the loop (`run_coroutine_threadsafe`, then a blocking wait of up to 10 ms for the loop to run
-it); with a loop busy in torch work that cost 1-6 ms per round trip in the fabric, and its
-blocking progress mode kept idle workers at ~20% of a core.
+One UCX worker per event loop, progressed by that loop itself (`fabric/transport/ucx_progress.py`).
 
 A connection is a UCX endpoint used as a byte stream (the stream API, ordered per endpoint like
 TCP): each message is posted as its prefix, header and frames back to back, frames without a
@@ -24,136 +18,27 @@ frame by frame. The bytes on the wire are those of a host message; each end pick
 from __future__ import annotations
 
 import asyncio
-import os
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabric.errors import ConfigError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.errors import PeerDeadError, PeerStalledError, ProtocolError
 from fabric.messages.base import Frames
 from fabric.transport.base import DEFAULT_SEND_TIMEOUT, Connection, Handler, Listener, Transport, guarded
+from fabric.transport.ucx_progress import Progress, progress_of_loop, ucx_lib
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, decode_header, encode, frame_lengths, nbytes
 
 if TYPE_CHECKING:
     import torch
-
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# UCX's TCP transport (what streams run on without RDMA) cuts messages into 8 KiB segments by
-# default: an 8 MiB message took 8 ms each way here, 2.3 ms with 256 KiB. RDMA transports ignore these.
-os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "256k")
-os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "256k")
 
 GREETING = b"MoFU"
 JOIN_BYTES = 64 << 10  # messages up to this size are posted as one buffer (one UCX request)
 ZEROFILL_BYTES = 256 << 10  # larger receive buffers are not zero-filled: UCX writes every byte
 
 
-def _lib() -> Any:
-    try:
-        import ucxx._lib.libucxx as lib
-    except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise ConfigError("the ucx transport needs the [ucx] extra: pip install 'moe-fabric[ucx]'") from exc
-    return lib
-
-
-def _transports(info: str) -> set[str]:
-    """The transports of a UCX context, from its printed info ("... flags -- tcp/lo")."""
-    return {line.split()[-1].split("/")[0] for line in info.splitlines()
-            if line.startswith("#") and " resource " in line and " md " in line}
-
-
-def rdma_available() -> bool:
-    """True when UCX reports an RDMA-capable transport (InfiniBand/RoCE verbs, mlx5, EFA...)."""
-    try:
-        import ucxx
-
-        transports = ucxx.get_active_transports()
-    except Exception:  # no ucxx, or UCX cannot start here: not RDMA-capable either way
-        return False
-    return any(t.split("_")[0] in {"rc", "ud", "dc", "ib", "srd"} for t in transports)
-
-
-class _Progress:
-    """Drives one UCX worker from one asyncio loop.
-
-    Contract: `track(request, keep)` returns a future that completes when UCX completes the
-    request (with the request's error, if any); `keep` (the request's buffers) stays referenced
-    until then. UCX callbacks (new endpoints, endpoint errors) run inside `progress`, on the loop.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        lib = _lib()
-        from ucxx._lib.arr import Array
-
-        self.Array = Array  # wraps a buffer for UCX (holds no copy)
-        self.loop = loop
-        context = lib.UCXContext(feature_flags=(lib.Feature.STREAM, lib.Feature.WAKEUP))
-        self.cuda = any(t.startswith("cuda") for t in _transports(context.info))  # UCX can read and write GPU memory
-        self.worker = lib.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
-        self.worker.init_blocking_progress_mode()
-        self._pending: list[tuple[Any, asyncio.Future[None], object]] = []
-        self._soon = False
-        loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
-        self.kick()
-
-    def kick(self) -> None:
-        """Progress at the loop's next turn (after posting work, or while UCX is busy)."""
-        if not self._soon:
-            self._soon = True
-            self.loop.call_soon(self.progress)
-
-    def progress(self) -> None:
-        self._soon = False
-        worker = self.worker
-        while worker.progress_once():
-            pass
-        if self._pending:
-            still = []
-            for entry in self._pending:
-                req, fut, _ = entry
-                if not req.completed:
-                    still.append(entry)
-                elif not fut.done():
-                    _settle(req, fut)
-            self._pending = still
-        # Armed, the event fd wakes the loop on UCX's next event; busy means events are pending.
-        if not worker.arm():
-            self.kick()
-
-    def track(self, req: Any, keep: object) -> asyncio.Future[None]:
-        fut = self.loop.create_future()
-        if req.completed:  # small sends often complete as they are posted
-            _settle(req, fut)
-        else:
-            self._pending.append((req, fut, keep))
-            self.kick()
-        return fut
-
-
-def _settle(req: Any, fut: asyncio.Future[None]) -> None:
-    try:
-        req.check_error()
-    except Exception as exc:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(None)
-
-
-_PROGRESS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Progress] = weakref.WeakKeyDictionary()
-
-
-def _progress() -> _Progress:
-    loop = asyncio.get_running_loop()
-    p = _PROGRESS.get(loop)
-    if p is None:
-        p = _PROGRESS[loop] = _Progress(loop)
-    return p
-
-
 class UcxConnection(Connection):
-    def __init__(self, ep: Any, progress: _Progress, peer: str, limits: WireLimits, send_timeout: float) -> None:
+    def __init__(self, ep: Any, progress: Progress, peer: str, limits: WireLimits, send_timeout: float) -> None:
         super().__init__(peer, limits, send_timeout)
         self._ep = ep
         self._p = progress
@@ -355,11 +240,11 @@ class UcxTransport(Transport):
         self.limits = limits
         self.send_timeout = send_timeout
         self.secret = secret
-        self._lib = _lib()
+        self._lib = ucx_lib()
         self._tasks: set[asyncio.Task[None]] = set()  # connection handlers, referenced until done
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        progress = _progress()
+        progress = progress_of_loop()
         lst = UcxListener()
         handler = self._accepting(handler)
 
@@ -393,7 +278,7 @@ class UcxTransport(Transport):
         await guarded(handler, conn)
 
     async def connect(self, host: str, port: int, timeout: float = 10.0) -> Connection:
-        progress = _progress()
+        progress = progress_of_loop()
         peer = f"ucx://{host}:{port}"
         try:
             ep = self._lib.UCXEndpoint.create(progress.worker, host, port, True)
