@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attention_worker.ew_link import EwLink
-from fabric.device import for_wire, to_device
+from fabric.device import for_wire, settled, to_device
 from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError
 from fabric.messages.expert import AwActivity, ExpertCall, Hello
 from fabric.routing import EwAddress, RoutingTable
@@ -244,6 +244,8 @@ class ForwardingEngine:
         self.send_idle.clear()
         try:
             x_wire = for_wire(x, link.data.frames_device)  # [R, D]
+            if x_wire.device.type != "cpu":
+                await settled(x_wire.device)  # (the transport reads it outside the stream's order)
             await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x_wire, replay))
         except BaseException:
             # Nobody will await this call's future: take it back, or a later failure of the link

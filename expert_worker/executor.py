@@ -149,13 +149,16 @@ class ExpertExecutor:
             ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
         else:
             ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
-        if not outs or outs[0].device.type == "cpu":  # (the calls came as host memory; over UCX with CUDA, as the GPU's)
+        on_host = not outs or outs[0].device.type == "cpu"  # (the calls came as host memory; over UCX with CUDA, as the GPU's)
+        if on_host:
             ys = [dev.to_host(y) for y in ys]
         for unit, y in zip(units, ys):  # y [N, D]
             offset = 0
             for ci, s, n in groups[unit]:
                 outs[ci][s : s + n] = y[offset : offset + n]
                 offset += n
+        if not on_host:  # the results leave as device memory, which the transport reads outside the stream's order
+            torch.cuda.current_stream(self.device).synchronize()
         return outs
 
     def _fused(self, units: list[tuple[int, int]], xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ device must exist); `to_host` and `to_device` are the moves at the boundary, no-
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 
@@ -68,6 +69,18 @@ def for_wire(t: torch.Tensor, conn_device: torch.device | None) -> torch.Tensor:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` (a host tensor off the wire) on `device`: itself on the CPU."""
     return t if t.device == device else t.to(device, non_blocking=True)
+
+
+async def settled(device: torch.device) -> None:
+    """Waits until the kernels queued so far on `device`'s current stream are done, without holding
+    up the event loop (a thread waits on a CUDA event); at once on the CPU. Before a transport
+    reads or writes device memory outside the stream's order (UCX)."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    if not event.query():
+        await asyncio.to_thread(event.synchronize)
 
 
 def done() -> bool:

@@ -180,7 +180,7 @@ def _device_bytes(t: torch.Tensor) -> torch.Tensor:
     """A device tensor's bytes as a device frame: [nbytes] uint8, a view."""
     import torch
 
-    return t.reshape(-1).view(torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

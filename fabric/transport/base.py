@@ -44,9 +44,10 @@ class Connection(abc.ABC):
 
     def land_frames_on(self, device: Any) -> bool:
         """From now on, carries tensors as `device` memory both ways where this transport can (UCX
-        reporting CUDA support, for a CUDA device: GPUDirect RDMA where the NIC has it): sends
-        device tensors as they are and receives every frame into `device` memory. Returns whether
-        it does; where it does not, tensors cross as host memory."""
+        reporting CUDA support, for a CUDA device): sends device tensors as they are and receives
+        every frame into `device` memory. Returns whether it does; where it does not, tensors cross
+        as host memory. A device tensor given to `send` must be done (`fabric.device.settled`):
+        the transport reads it outside the stream's order."""
         return False
 
     def _encode(self, msg: Message) -> tuple[dict, Frames]:

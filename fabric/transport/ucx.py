@@ -9,10 +9,13 @@ the body. The listener greets every endpoint with 4 bytes, and `connect` waits f
 peer that is not there fails the connect within its timeout.
 
 Device memory: a connection told to `land_frames_on` a CUDA device, where UCX reports CUDA support
-(its cuda_copy transport), posts device frames as they are (UCX reads GPU memory itself, over
-GPUDirect RDMA where the NIC has it) and receives each frame of a message into a buffer of its own
-on that device: the 20-byte prefix and the frame table with the header into host memory, then
-frame by frame. The bytes on the wire are those of a host message; each end picks its own memory.
+(its cuda_copy transport), posts device frames as they are (UCX reads GPU memory itself: no copy
+through torch into host memory) and receives each frame of a message into a buffer of its own on
+that device: the 20-byte prefix and the frame table with the header into host memory, then frame
+by frame. The bytes on the wire are those of a host message; each end picks its own memory. How
+UCX moves them is its choice: streams use its eager protocols, so whether a transfer is GPUDirect
+RDMA or staged through UCX's bounce buffers depends on the NIC and UCX's build (zero-copy
+rendezvous needs the tag or active-message API; not measured, no GPU here).
 """
 
 from __future__ import annotations
@@ -62,12 +65,18 @@ class UcxConnection(Connection):
                 fut.set_exception(cls(self.peer, self._lost))
 
     async def _wait(self, req: Any, keep: object) -> None:
-        fut = self._p.track(req, keep)
-        self._waiting.add(fut)
+        await self._wait_all([(req, keep)])
+
+    async def _wait_all(self, reqs: list[tuple[Any, object]]) -> None:
+        """Waits for UCX to complete `reqs`, each tracked at once: a wait cut short leaves every
+        buffer referenced until UCX is done with it (or the endpoint's close cancels it)."""
+        futs = [self._p.track(req, keep) for req, keep in reqs]
+        self._waiting.update(futs)
         try:
-            await fut
+            for fut in futs:
+                await fut
         finally:
-            self._waiting.discard(fut)
+            self._waiting.difference_update(futs)
 
     def _check_open(self) -> None:
         if self.closed or self._lost:
@@ -86,7 +95,9 @@ class UcxConnection(Connection):
     def land_frames_on(self, device: torch.device) -> bool:
         if device.type != "cuda" or not self._p.cuda:
             return False
-        self.frames_device = device
+        import torch
+
+        self.frames_device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         return True
 
     def _post_now(self, parts: Sequence[Frame]) -> list[tuple[Any, object]]:
@@ -103,8 +114,7 @@ class UcxConnection(Connection):
         nothing for that long is dead (its endpoint is closed)."""
         try:
             async with asyncio.timeout(self.send_timeout):
-                for req, keep in reqs:
-                    await self._wait(req, keep)
+                await self._wait_all(reqs)
         except TimeoutError:
             self._stalled = True
             reason = f"the peer took no data for {self.send_timeout * 1e3:.0f} ms"
@@ -179,17 +189,23 @@ class UcxConnection(Connection):
     async def _read_device_frames(self, header_len: int, n_frames: int, body_len: int) -> tuple[dict, Frames]:
         import torch
 
+        from fabric.device import settled
+
         table = 8 * n_frames
         head = memoryview(await self._read_exactly(table + header_len))
         lens = frame_lengths(head[:table], header_len, body_len)
         header = decode_header(head[table:], self.limits)
-        frames: Frames = []
-        for n in lens:
-            frame = torch.empty(n, dtype=torch.uint8, device=self.frames_device)  # [n] bytes
-            if n:
+        try:
+            frames = [torch.empty(n, dtype=torch.uint8, device=self.frames_device) for n in lens]  # [n] bytes each
+        except torch.OutOfMemoryError as exc:
+            raise ProtocolError(f"no {self.frames_device} memory for a message of {body_len} bytes: {exc}") from exc
+        # The allocator may hand out blocks that kernels queued before now still read; UCX writes
+        # outside the stream's order, so it waits for them (without holding up the loop).
+        await settled(self.frames_device)
+        for frame in frames:
+            if frame.nbytes:
                 await self.recv_into(_ucx_buffer(frame))
-            frames.append(frame)
-        return header, frames
+        return header, [*frames]
 
     async def close(self) -> None:
         if self.closed:
@@ -205,14 +221,10 @@ class UcxConnection(Connection):
 
 
 def _ucx_buffer(part: Any) -> Any:
-    """What UCX is given for a part: a host buffer as it is, a CUDA frame as a CUDA array (once the
-    kernels that wrote it are done: UCX copies on streams of its own), a host tensor as an array."""
-    if isinstance(part, (bytes, bytearray, memoryview, np.ndarray)):
-        return part
-    if part.device.type == "cuda":
-        import torch
-
-        torch.cuda.current_stream(part.device).synchronize()
+    """What UCX is given for a part: a host buffer as it is, a CUDA frame as a CUDA array (UCX reads
+    it outside the stream's order: whoever sends one waits for the kernels that wrote it first,
+    `fabric.device.settled`), a host tensor as an array."""
+    if isinstance(part, (bytes, bytearray, memoryview, np.ndarray)) or part.device.type == "cuda":
         return part
     return part.numpy()
 
