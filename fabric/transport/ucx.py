@@ -65,7 +65,12 @@ class UcxConnection(Connection):
                 fut.set_exception(cls(self.peer, self._lost))
 
     async def _wait(self, req: Any, keep: object) -> None:
-        await self._wait_all([(req, keep)])
+        fut = self._p.track(req, keep)
+        self._waiting.add(fut)
+        try:
+            await fut
+        finally:
+            self._waiting.discard(fut)
 
     async def _wait_all(self, reqs: list[tuple[Any, object]]) -> None:
         """Waits for UCX to complete `reqs`, each tracked at once: a wait cut short leaves every
