@@ -113,8 +113,14 @@ class AttentionWorker:
                     and -1 <= msg.logprobs <= 20 and -1 <= msg.prompt_logprobs <= 20 and len(msg.stop_token_ids) <= 64):
                 raise RequestError("sampling parameters out of range (temperature 0..2, top_p (0, 1], top_k -1..vocab, "
                                    "logprobs and prompt_logprobs -1..20, at most 64 stop token ids)")
-            if self._find(msg.request_id) is not None:
-                raise RequestError(f"request {msg.request_id} is already running here")
+            old = self._find(msg.request_id)
+            if old is not None or msg.request_id in self.sessions.parked:
+                if self._take_over(msg, conn, mine):
+                    return
+                if old is not None and old.client is not None and not old.client.closed:
+                    raise RequestError(f"request {msg.request_id} is already running here")
+                if old is not None:  # a detached copy that disagrees with the resume: the gateway's stream wins
+                    self._remove(msg.request_id)
             seq = Sequence.from_submit(msg, conn)
             # A request that has yet to score its prompt prefills it whole (no KV restore skips it).
             if msg.restore_from and self.ckpt is not None and not seq.scores(0, seq.num_tokens):
@@ -128,6 +134,23 @@ class AttentionWorker:
             return
         mine.add(msg.request_id)
         self.work.set()
+
+    def _take_over(self, msg: Submit, conn: Connection, mine: set[str]) -> bool:
+        """Resumes `msg` onto the copy that still runs (or finished) here detached: its tokens past
+        those the gateway has go out at once, the rest as they come (`Sessions.take_over`)."""
+        taken = self.sessions.take_over(conn, msg)
+        if taken is None:
+            return False
+        log.info("%s: resumed onto its own detached run here (%d tokens ahead)", msg.request_id, len(taken.outputs))
+        for other in self.owned.values():
+            other.discard(msg.request_id)
+        mine.add(msg.request_id)
+        if taken.prompt is not None:
+            conn.send_nowait(PromptLogprobs(msg.request_id, taken.prompt))
+        if taken.outputs:
+            conn.send_nowait(StepOutput(taken.outputs, self.scheduler.outstanding_work()))
+        self.work.set()
+        return True
 
     def _add(self, seq: Sequence) -> None:
         try:

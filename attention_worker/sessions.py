@@ -117,6 +117,34 @@ class Sessions:
             return Attached(rid, True, parked.outputs(), 0, parked.prompt)
         return Attached(rid, False, [])
 
+    def take_over(self, conn: Connection, submit: Submit) -> Attached | None:
+        """A Submit that resumes a request this AW still runs detached (or parked): a gateway that
+        found this AW hung while it was only slow, and then picked it again. Binds the request to
+        `conn` and returns its outputs past the `submit.output_ids` the gateway has (and its prompt
+        scores if the gateway has no token yet), as an Attach would, so that nothing is computed
+        twice; None if it is not detached here as the same generation with those tokens."""
+        rid, have = submit.request_id, submit.output_ids
+        seq = self.find(rid)
+        if seq is not None:
+            if (seq.client is not None and not seq.client.closed) or seq.submit is None:
+                return None
+            tokens, found_submit, outputs, prompt = [row[1] for row in seq.outputs], seq.submit, seq.outputs, seq.prompt_scores
+        elif rid in self.parked:
+            parked = self.parked[rid]
+            tokens, found_submit, outputs, prompt = parked.tokens, parked.submit, parked.outputs(), parked.prompt
+            if len(tokens) <= len(have):
+                return None  # (nothing left to send: a fresh run ends it)
+        else:
+            return None
+        if not found_submit.same_request(submit) or tokens[: len(have)] != have:
+            return None
+        if seq is not None:
+            seq.client, seq.detached_until = conn, None
+        else:
+            del self.parked[rid]
+        self.attaches += 1
+        return Attached(rid, True, list(outputs[len(have):]), found_submit.deaths, prompt if not have else None)
+
     def expire(self, running: list[Sequence], now: float | None = None) -> None:
         """Aborts detached requests past their grace and drops parked outputs past theirs."""
         now = time.monotonic() if now is None else now

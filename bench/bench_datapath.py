@@ -15,6 +15,12 @@ TLS on every TCP link and HTTP server (a self-signed cluster certificate) beside
 
     python bench/bench_datapath.py --transports tcp --concurrency 1,16 --security none,tls --repeats 5
 
+`--step-budgets 256,2048` adds a fabric per AW step budget (`serve --max-batch-tokens`): a burst of
+prompts is prefilled in chunks of that many tokens beside the decodes, so the budget trades TTFT
+against the gaps between tokens while the burst is prefilled (the TBT p99 of a round):
+
+    python bench/bench_datapath.py --transports tcp --concurrency 64,128 --tokens 64 --step-budgets 128,256,1024,2048
+
 `--torch-matmul` adds a fabric whose workers run torch's matmul (`--kernel torch`) instead of the
 skinny GEMM kernel (fabric/kernels/skinny.py); `--vllm` adds vLLM's CPU build as the baseline.
 """
@@ -27,18 +33,16 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from common import scan_logs  # bench/ is on sys.path when run as a script
+from fabrics import FabricSpec, baseline_fabric, running_fabric
 from machine import copy_bandwidth, cpu_seconds, matmul_gflops, step_bytes, tree_pids
 from rounds import Stats, fabric_round, make_prompts, summarize
 from vllm_server import VLLM_VERSION, vllm_server
@@ -46,78 +50,13 @@ from vllm_server import VLLM_VERSION, vllm_server
 from fabric.config_fields import auto_sched
 from fabric.model.config import ModelConfig
 from fabric.model.demo import write_demo_model
-from fabric.tls import Tls, write_self_signed
+from fabric.tls import Tls
 from launch.config import ServeConfig
-from launch.local import Fabric, free_port
 
 HF = "transformers generate"
 VLLM = "vLLM CPU"
 LIMIT = "compute limit"
 BW_LIMIT = "memory-bandwidth limit"
-class FabricSpec(NamedTuple):
-    """One fabric of the run (2 AWs + 2 EWs)."""
-
-    transport: str
-    gateways: int
-    sched: str = "auto"
-    security: str = "secret"  # secret = authenticated, the default; none = `--no-auth`; tls = authenticated inside TLS
-    kernel: str = "auto"  # the workers' --kernel
-    pin: bool = True  # serve --pin-workers
-
-
-@contextlib.contextmanager
-def running_fabric(model: Path, spec: FabricSpec, log_root: str,
-                   warm: list[list[list[int]]] | None = None) -> Iterator[tuple[str, Tls | None, Fabric]]:
-    """A fabric up and warmed (a short round with each batch of prompts in `warm`: a fabric's first
-    round at a new concurrency ran up to 2x slower); yields its completions URL and TLS."""
-    log_dir = tempfile.mkdtemp(prefix=f"fabric-{'-'.join(map(str, spec))}-", dir=log_root)
-    tls = write_self_signed(Path(log_dir), days=2) if spec.security == "tls" else None
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=spec.gateways,
-                      transport=spec.transport, port=free_port(), ready_timeout=300, sched=spec.sched,
-                      auth=spec.security != "none", tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None,
-                      pin_workers=spec.pin, kernel=spec.kernel)
-    url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
-    t = time.perf_counter()
-    with Fabric(cfg, log_dir=log_dir) as fabric:
-        print(f"  fabric {spec}: ready in {time.perf_counter() - t:.1f}s (logs in {log_dir})", flush=True)
-        for batch in warm or [[[1] * 8]]:
-            asyncio.run(fabric_round(url, batch, 16, tls))
-        yield url, tls, fabric
-
-
-@contextlib.contextmanager
-def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
-                    warm: list[list[list[int]]] | None = None, flags: list[str] | None = None) -> Iterator[str]:
-    """The fabric of another checkout (`tree`, e.g. a `git worktree` of an earlier commit) started
-    with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL."""
-    port = free_port()
-    log = open(Path(log_root) / f"baseline-{transport}.log", "wb")  # noqa: SIM115
-    # Its packages before this checkout's, and its own kernel build (the build directory is keyed
-    # by the environment, which both share; one source replacing the other's build would rebuild).
-    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
-    module = "launch.cli" if (tree / "launch" / "cli.py").exists() else "fabric.cli"
-    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
-                             "--expert-workers", "2", "--transport", transport, "--port", str(port), *(flags or [])],
-                            cwd=tree, env=env, stdout=subprocess.PIPE, stderr=log)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "moe-fabric ready" not in line:
-            raise RuntimeError(f"the baseline fabric did not start: {line!r} (log: {log.name})")
-        print(f"  baseline fabric {transport} from {tree}: ready (log {log.name})", flush=True)
-        for batch in warm or [[[1] * 8]]:
-            asyncio.run(fabric_round(url, batch, 16))
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
 def load_hf(model: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -221,6 +160,10 @@ def main() -> None:
     ap.add_argument("--torch-matmul", action="store_true",
                     help="add a fabric whose workers use torch's matmul (--kernel torch) beside the default (the "
                          "skinny GEMM kernel where it runs)")
+    ap.add_argument("--step-budgets", default="",
+                    help="comma-separated step token budgets (serve --max-batch-tokens): a fabric over the first "
+                         f"transport per budget beside the default ({ServeConfig().max_batch_tokens}); the trade "
+                         "between TTFT and the time between tokens while prompts are prefilled")
     ap.add_argument("--unpinned", action="store_true",
                     help="add a fabric whose workers float over the CPUs beside the default (serve --pin-workers)")
     ap.add_argument("--vllm", action="store_true",
@@ -273,6 +216,8 @@ def main() -> None:
         fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch")
     if args.unpinned:
         fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False)
+    for budget in [int(b) for b in args.step_budgets.split(",") if b.strip()]:
+        fabrics[f"fabric {t0}, --max-batch-tokens {budget}"] = FabricSpec(t0, g0, max_batch_tokens=budget)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, *([VLLM] if args.vllm else []), HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}

@@ -17,167 +17,17 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from fabric.errors import PeerDeadError, ProtocolError
-from fabric.messages.client import (
-    Abort,
-    Attach,
-    Attached,
-    Detach,
-    PromptLogprobs,
-    PromptScores,
-    RequestFailed,
-    StepOutput,
-    Submit,
-)
+from fabric.errors import PeerDeadError
+from fabric.messages.client import Abort, Attach, Attached, Detach, Submit
 from fabric.messages.control import WorkerInfo
-from fabric.messages.expert import Ping, Pong
-from fabric.transport.base import Connection, Transport
+from fabric.transport.base import Transport
+from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
 
 log = logging.getLogger(__name__)
 
 
-MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung
-REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
-
-
-@dataclass
-class Event:
-    """One item of a request's stream: a token (with finish reason when it is the last) or an error."""
-
-    token: int | None = None
-    finish_reason: str | None = None
-    logprob: float | None = None
-    top: list[list[float]] | None = None
-    error: str | None = None
-    status: int = 0
-    retryable: bool = False  # the AW was lost: the request can resume on another AW
-    prompt: PromptScores | None = None  # with the first token, if the request scores its prompt
-
-
-def token_event(row: list[object]) -> Event:
-    _, token, finish, logprob, top = row
-    return Event(token=token, finish_reason=finish, logprob=logprob, top=top)  # type: ignore[arg-type]
-
-
-@dataclass
-class Pending:
-    submit: Submit
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    work: int = 0
-    attach: asyncio.Future[Attached] | None = None  # an Attach waiting for its answer
-    prompt: PromptScores | None = None  # arrived ahead of the first token, which takes it along
-
-
-class AwClient:
-    def __init__(self, worker_id: str, conn: Connection) -> None:
-        self.worker_id = worker_id
-        self.conn = conn
-        self.requests: dict[str, Pending] = {}
-        self.reader: asyncio.Task[None] | None = None
-        self.probes = 0  # pings sent since it was last heard
-        self.last_heard = time.monotonic()
-        self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
-        self.dead_reason: str | None = None
-        self.suspect: str | None = None  # the suspect request in flight here, until it produces a token
-        self.reported_load = 0  # the AW's outstanding work at its last step output (all gateways')
-        self.reported_at = 0.0
-        self.submitted_since = 0  # work this gateway submitted since that report
-
-    def _heard(self) -> None:
-        now = time.monotonic()
-        if self.requests:
-            g = now - self.last_heard
-            self.gap = g if not self.gap else 0.875 * self.gap + 0.125 * g
-        self.last_heard = now
-
-    def check(self, now: float, interval: float, misses: int, nonce: int) -> str | None:
-        """One look at an AW with requests in flight (the pool's watcher calls it every tick): why
-        it is hung, or None after pinging it if it has been silent too long. A hung AW (SIGSTOP)
-        keeps its connection open: while requests are in flight and the link has been silent for
-        `interval` and the usual gap between its messages, ping; after `misses` unanswered probes
-        and a silence over 5x the usual gap between its messages and over `MIN_SILENCE` (a busy AW
-        answers between layers, but its first step warms torch up, and on a loaded host it may not
-        be scheduled for a while), the AW is declared dead and its requests resume elsewhere. A
-        false verdict costs a re-prefill of its requests, not tokens."""
-        silent = now - self.last_heard
-        # An AW is silent for a whole step between its outputs: no probe before that is due.
-        if silent < max(interval, self.gap):
-            self.probes = 0
-            return None
-        if self.probes >= misses and silent > max(interval * (misses + 1), 5 * self.gap, MIN_SILENCE):
-            return f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms"
-        try:
-            self.conn.send_nowait(Ping(nonce))
-        except PeerDeadError:
-            return None  # (its reader finds the connection gone)
-        self.probes += 1
-        return None
-
-    @property
-    def outstanding_work(self) -> int:
-        """This AW's outstanding work as far as this gateway knows: its own requests', or the
-        AW's last report plus what this gateway sent since, whichever is more."""
-        own = sum(p.work for p in self.requests.values())
-        if not self.requests and time.monotonic() - self.reported_at > REPORT_TTL:
-            return own  # nothing of ours there for a while: that report is stale
-        return max(own, self.reported_load + self.submitted_since)
-
-    async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
-        reason = "attention worker connection lost"
-        try:
-            while True:
-                msg = await self.conn.recv()
-                self._heard()
-                if isinstance(msg, Pong):
-                    continue
-                if isinstance(msg, StepOutput):
-                    self.reported_load, self.submitted_since, self.reported_at = msg.load, 0, time.monotonic()
-                    for row in msg.outputs:
-                        p = self.requests.get(row[0])
-                        if p is not None:
-                            self._deliver(row[0], p, row)
-                elif isinstance(msg, PromptLogprobs):
-                    p = self.requests.get(msg.request_id)
-                    if p is not None:
-                        p.prompt = msg.scores
-                elif isinstance(msg, Attached):
-                    self._attached(msg)
-                elif isinstance(msg, RequestFailed):
-                    p = self.requests.pop(msg.request_id, None)
-                    if p is not None:
-                        p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
-        except (PeerDeadError, ProtocolError) as exc:
-            reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
-            if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
-                on_lost(self, str(exc))
-        finally:
-            for p in self.requests.values():
-                if p.attach is not None and not p.attach.done():
-                    p.attach.set_result(Attached(p.submit.request_id, False, []))
-                p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
-            self.requests.clear()
-
-    def _deliver(self, rid: str, p: Pending, row: list[object]) -> None:
-        p.work = max(0, p.work - 1)
-        if row[2] is not None:  # finished
-            del self.requests[rid]
-        ev = token_event(row)
-        ev.prompt, p.prompt = p.prompt, None
-        p.queue.put_nowait(ev)
-
-    def _attached(self, msg: Attached) -> None:
-        p = self.requests.get(msg.request_id)
-        if p is None or p.attach is None or p.attach.done():
-            return
-        if not msg.found:
-            del self.requests[msg.request_id]
-        p.attach.set_result(msg)
-        p.prompt = msg.prompt
-        for row in msg.outputs:  # everything so far, then StepOutputs as usual
-            self._deliver(msg.request_id, p, row)
 
 
 class AwPool:
@@ -192,6 +42,7 @@ class AwPool:
         self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
         self.dead: set[str] = set()  # AWs this gateway found hung or the orchestrator declared dead
+        self.min_silence: dict[str, float] = {}  # AW -> its silence floor, where false verdicts raised it
         # How a dead AW's requests resume elsewhere: "restore" (from the checkpoint store, replay
         # if it has nothing), "parallel" (replay: re-prefill prompt + emitted tokens) or
         # "sequential" (replay, one emitted token per step; a baseline).
@@ -215,6 +66,18 @@ class AwPool:
             self.on_dead(client.worker_id, reason)
         self._closing = {t for t in self._closing if not t.done()}
         self._closing.add(asyncio.create_task(client.conn.close()))
+
+    def vouched(self, worker_id: str) -> None:
+        """The orchestrator says `worker_id` answers: if this gateway found it hung, it was only
+        slow (a long step, a loaded host). It is used again, and found hung from now on only after
+        twice the silence that was too little (up to MAX_SILENCE), so a slow AW is not given up
+        on over and over, each time re-prefilling its requests elsewhere."""
+        if worker_id in self.dead:
+            floor = min(MAX_SILENCE, 2 * self.min_silence.get(worker_id, MIN_SILENCE))
+            self.min_silence[worker_id] = floor
+            log.warning("%s was only slow, not hung: it is found hung after %.0f ms of silence from now on",
+                        worker_id, floor * 1e3)
+            self.dead.discard(worker_id)
 
     def _track(self, client: AwClient, request_id: str, pending: Pending) -> None:
         """A request in flight on `client`: its silence counts from now if it was idle."""
@@ -273,6 +136,7 @@ class AwPool:
             log.warning("cannot reach %s: %s", w.id, exc)
             return
         client = AwClient(w.id, conn)
+        client.min_silence = self.min_silence.get(w.id, MIN_SILENCE)
         client.reader = asyncio.create_task(client.read_loop(self._lost))
         if self.probe_interval > 0 and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.create_task(self._watch())

@@ -21,7 +21,8 @@ from typing import Any
 
 from fabric.errors import PeerDeadError
 from fabric.messages.client import PromptScores, Submit
-from gateway.aw_pool import AwClient, AwPool, Pending
+from gateway.aw_client import AwClient, Pending
+from gateway.aw_pool import AwPool
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.protocol import ApiError, GenParams

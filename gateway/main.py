@@ -62,7 +62,7 @@ class GatewayService(Service):
     async def handle(self, msg: Message) -> None:
         view = self.gateway.view
         if isinstance(msg, PeerAlive) and view is not None:  # an AW our probes gave up on answers the orchestrator
-            self.pool.dead.discard(msg.worker_id)
+            self.pool.vouched(msg.worker_id)
             assert self.runtime is not None
             self.runtime.cleared(msg.worker_id)
             await self.pool.update(view.serving(Role.ATTENTION), [])

@@ -76,6 +76,7 @@ class ServeConfig:
                                   "unless given)", metavar="JSON")
     store_resources: str = opt("{}", "Ray resources each checkpoint store takes (JSON)", metavar="JSON")
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
+    max_batch_tokens: int = like(AttentionWorkerConfig, "max_batch_tokens")
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
     send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
@@ -133,6 +134,8 @@ class ServeConfig:
         check_probes(self.probe_interval_ms, self.probe_misses)
         if self.checkpoint_stores < 0 or self.checkpoint not in ("incremental", "pause", "off"):
             raise ConfigError("checkpoint_stores must be >= 0 and checkpoint incremental, pause or off")
+        if self.max_batch_tokens < 1:
+            raise ConfigError("max_batch_tokens must be >= 1")
         check_port(self.port, "port")
         check_port(self.orchestrator_port, "orchestrator_port")
         if self.sched not in SCHED_POLICIES:
@@ -187,6 +190,7 @@ class ServeConfig:
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
             expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
+                                            max_batch_tokens=self.max_batch_tokens,
                                             sim_attention_ms=self.sim_attention_ms, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags

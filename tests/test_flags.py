@@ -26,13 +26,20 @@ from launch.flags import add_flags, from_args, to_argv
     GatewayConfig(model="/m", orchestrator="h:1", reuse_port=True, stream_resume_grace_s=0.0, port=0,
                   cluster_secret_file="/s", public_metrics=True, tls_cert="/c", tls_key="/k"),
     OrchestratorConfig(model="/m", expert_workers=3, recovery_grace_s=0.5, generation=9, cluster_secret_file="/s"),
-    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False, pin_workers=True),
+    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False, pin_workers=True, max_batch_tokens=128),
     ServeConfig(cluster_secret_file="/s", tls_cert="/c", tls_key="/k"),
 ], ids=["attention", "expert", "gateway", "orchestrator", "serve", "serve-secured"])
 def test_a_config_survives_its_flags(cfg: object) -> None:
     parser = argparse.ArgumentParser()
     add_flags(parser, type(cfg))
     assert from_args(type(cfg), parser.parse_args(to_argv(cfg))) == cfg
+
+
+def test_serve_hands_the_step_budget_to_its_attention_workers() -> None:
+    roles = ServeConfig(max_batch_tokens=128).role_configs("/m", "tcp", 1, 1, None)
+    assert roles.attention.max_batch_tokens == 128
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        ServeConfig(max_batch_tokens=0)
 
 
 def test_every_subcommand_parses_its_defaults() -> None:

@@ -4,6 +4,7 @@ far), and past its grace it is aborted; a request that is not resumable is abort
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from attention_worker.request import Sequence
@@ -12,7 +13,9 @@ from fabric.messages.client import Attach, Submit
 
 
 class Conn:
-    """A gateway connection (identity is all Sessions uses)."""
+    """A gateway connection (its identity and whether it is closed are all Sessions uses)."""
+
+    closed = False
 
 
 def submit(rid: str, grace: float = 5.0, seed: int = 1) -> Submit:
@@ -75,3 +78,35 @@ def test_a_request_that_is_not_resumable_is_aborted_at_once() -> None:
     w.add(submit("r", grace=0.0), a)
     w.sessions.connection_lost(a, {"r"})
     assert w.removed == ["r"]
+
+
+def resumed(rid: str, have: list[int], seed: int = 1) -> Submit:
+    """The Submit a gateway sends to resume `rid` after `have` tokens (its AW found hung)."""
+    return dataclasses.replace(submit(rid, seed=seed), output_ids=have, restore_from="aw-0", deaths=1)
+
+
+def test_a_resumed_submit_takes_over_its_own_detached_run() -> None:
+    """A gateway that found this AW hung while it was only slow resumes its request, and may pick
+    this AW again: the resume binds to the run that went on here detached (outputs past the
+    gateway's tokens at once), not a second copy; never one still held by a live connection, of
+    another generation, or whose tokens disagree with the gateway's."""
+    w = World()
+    a, b = Conn(), Conn()
+    seq = w.add(submit("r"), a)
+    seq.outputs += [["r", 42, None, None, None], ["r", 43, None, None, None]]
+    assert w.sessions.take_over(b, resumed("r", [42])) is None  # a's connection is up: it is a's
+    a.closed = True  # a's gateway closed it; its loss is not handled yet
+    assert w.sessions.take_over(b, resumed("r", [42], seed=2)) is None
+    assert w.sessions.take_over(b, resumed("r", [99])) is None
+    taken = w.sessions.take_over(b, resumed("r", [42]))
+    assert taken is not None and taken.outputs == [["r", 43, None, None, None]]
+    assert seq.client is b and seq.detached_until is None and w.removed == []
+    assert taken.prompt is None  # (the gateway has a token: it has the prompt's scores)
+
+    w.sessions.detach(b, "r")  # finished while detached: parked
+    seq.outputs.append(["r", 44, "length", None, None])
+    w.sessions.finished(seq)
+    w.remove("r")
+    assert w.sessions.take_over(a, resumed("r", [42, 43, 44])) is None  # nothing left to send it
+    taken = w.sessions.take_over(a, resumed("r", [42, 43]))
+    assert taken is not None and taken.outputs == [["r", 44, "length", None, None]] and "r" not in w.sessions.parked

@@ -1,0 +1,158 @@
+"""One AW as a gateway sees it (`AwClient`): its connection, the requests in flight there and the
+queues their tokens go to, its reported load, and whether it is hung (no answer to probes for
+longer than its messages usually take)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fabric.errors import PeerDeadError, ProtocolError
+from fabric.messages.client import Attached, PromptLogprobs, PromptScores, RequestFailed, StepOutput, Submit
+from fabric.messages.expert import Ping, Pong
+from fabric.transport.base import Connection
+
+MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung...
+MAX_SILENCE = 4.0  # ...raised, up to this, for an AW the orchestrator vouched for after that (`AwPool.vouched`)
+REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
+
+
+@dataclass
+class Event:
+    """One item of a request's stream: a token (with finish reason when it is the last) or an error."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top: list[list[float]] | None = None
+    error: str | None = None
+    status: int = 0
+    retryable: bool = False  # the AW was lost: the request can resume on another AW
+    prompt: PromptScores | None = None  # with the first token, if the request scores its prompt
+
+
+def token_event(row: list[object]) -> Event:
+    _, token, finish, logprob, top = row
+    return Event(token=token, finish_reason=finish, logprob=logprob, top=top)  # type: ignore[arg-type]
+
+
+@dataclass
+class Pending:
+    submit: Submit
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    work: int = 0
+    attach: asyncio.Future[Attached] | None = None  # an Attach waiting for its answer
+    prompt: PromptScores | None = None  # arrived ahead of the first token, which takes it along
+
+
+class AwClient:
+    def __init__(self, worker_id: str, conn: Connection) -> None:
+        self.worker_id = worker_id
+        self.conn = conn
+        self.requests: dict[str, Pending] = {}
+        self.reader: asyncio.Task[None] | None = None
+        self.probes = 0  # pings sent since it was last heard
+        self.last_heard = time.monotonic()
+        self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
+        self.dead_reason: str | None = None
+        self.suspect: str | None = None  # the suspect request in flight here, until it produces a token
+        self.reported_load = 0  # the AW's outstanding work at its last step output (all gateways')
+        self.reported_at = 0.0
+        self.submitted_since = 0  # work this gateway submitted since that report
+        self.min_silence = MIN_SILENCE  # the least silence that finds it hung (`AwPool.vouched` raises it)
+
+    def _heard(self) -> None:
+        now = time.monotonic()
+        if self.requests:
+            g = now - self.last_heard
+            self.gap = g if not self.gap else 0.875 * self.gap + 0.125 * g
+        self.last_heard = now
+
+    def check(self, now: float, interval: float, misses: int, nonce: int) -> str | None:
+        """One look at an AW with requests in flight (the pool's watcher calls it every tick): why
+        it is hung, or None after pinging it if it has been silent too long. A hung AW (SIGSTOP)
+        keeps its connection open: while requests are in flight and the link has been silent for
+        `interval` and the usual gap between its messages, ping; after `misses` unanswered probes
+        and a silence over 5x the usual gap between its messages and over `min_silence` (a busy AW
+        answers between layers, but its first step warms torch up, and on a loaded host it may not
+        be scheduled for a while), the AW is declared dead and its requests resume elsewhere. A
+        false verdict costs a re-prefill of its requests, not tokens (a resume that lands on the
+        slow AW again takes over its own run there), and raises this AW's `min_silence`."""
+        silent = now - self.last_heard
+        # An AW is silent for a whole step between its outputs: no probe before that is due.
+        if silent < max(interval, self.gap):
+            self.probes = 0
+            return None
+        if self.probes >= misses and silent > max(interval * (misses + 1), 5 * self.gap, self.min_silence):
+            return f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms"
+        try:
+            self.conn.send_nowait(Ping(nonce))
+        except PeerDeadError:
+            return None  # (its reader finds the connection gone)
+        self.probes += 1
+        return None
+
+    @property
+    def outstanding_work(self) -> int:
+        """This AW's outstanding work as far as this gateway knows: its own requests', or the
+        AW's last report plus what this gateway sent since, whichever is more."""
+        own = sum(p.work for p in self.requests.values())
+        if not self.requests and time.monotonic() - self.reported_at > REPORT_TTL:
+            return own  # nothing of ours there for a while: that report is stale
+        return max(own, self.reported_load + self.submitted_since)
+
+    async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
+        reason = "attention worker connection lost"
+        try:
+            while True:
+                msg = await self.conn.recv()
+                self._heard()
+                if isinstance(msg, Pong):
+                    continue
+                if isinstance(msg, StepOutput):
+                    self.reported_load, self.submitted_since, self.reported_at = msg.load, 0, time.monotonic()
+                    for row in msg.outputs:
+                        p = self.requests.get(row[0])
+                        if p is not None:
+                            self._deliver(row[0], p, row)
+                elif isinstance(msg, PromptLogprobs):
+                    p = self.requests.get(msg.request_id)
+                    if p is not None:
+                        p.prompt = msg.scores
+                elif isinstance(msg, Attached):
+                    self._attached(msg)
+                elif isinstance(msg, RequestFailed):
+                    p = self.requests.pop(msg.request_id, None)
+                    if p is not None:
+                        p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
+        except (PeerDeadError, ProtocolError) as exc:
+            reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
+            if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
+                on_lost(self, str(exc))
+        finally:
+            for p in self.requests.values():
+                if p.attach is not None and not p.attach.done():
+                    p.attach.set_result(Attached(p.submit.request_id, False, []))
+                p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
+            self.requests.clear()
+
+    def _deliver(self, rid: str, p: Pending, row: list[object]) -> None:
+        p.work = max(0, p.work - 1)
+        if row[2] is not None:  # finished
+            del self.requests[rid]
+        ev = token_event(row)
+        ev.prompt, p.prompt = p.prompt, None
+        p.queue.put_nowait(ev)
+
+    def _attached(self, msg: Attached) -> None:
+        p = self.requests.get(msg.request_id)
+        if p is None or p.attach is None or p.attach.done():
+            return
+        if not msg.found:
+            del self.requests[msg.request_id]
+        p.attach.set_result(msg)
+        p.prompt = msg.prompt
+        for row in msg.outputs:  # everything so far, then StepOutputs as usual
+            self._deliver(msg.request_id, p, row)

@@ -1,0 +1,61 @@
+"""When a gateway finds an AW hung: probes while it is silent longer than its messages usually are
+apart, a verdict only past `min_silence`, and a longer wait for an AW the orchestrator vouched for
+after a verdict (it was only slow), so that a slow AW is not given up on over and over."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fabric.messages.expert import Ping
+from fabric.transport import make_transport
+from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient
+from gateway.aw_pool import AwPool
+
+
+class Conn:
+    """The AW's end as the watcher uses it: it takes probes."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send_nowait(self, msg: object) -> None:
+        self.sent.append(msg)
+
+
+def silent_for(client: AwClient, seconds: float, interval: float = 0.01, misses: int = 3) -> str | None:
+    """Runs the watcher's ticks over `seconds` of silence; the verdict, if any."""
+    start = client.last_heard
+    for i in range(1, int(seconds / interval) + 1):
+        reason = client.check(start + i * interval, interval, misses, i)
+        if reason is not None:
+            return reason
+    return None
+
+
+def test_a_silent_aw_is_probed_then_found_hung_past_its_floor() -> None:
+    conn = Conn()
+    client = AwClient("aw-0", conn)  # type: ignore[arg-type]
+    assert silent_for(client, MIN_SILENCE * 0.9) is None and all(isinstance(m, Ping) for m in conn.sent)
+    assert len(conn.sent) >= 3  # probed while silent
+    client.probes, client.last_heard = 0, client.last_heard + 1.0
+    assert silent_for(client, MIN_SILENCE * 1.5) is not None
+    client.probes, client.last_heard, client.min_silence = 0, client.last_heard + 1.0, 2 * MIN_SILENCE
+    assert silent_for(client, MIN_SILENCE * 1.5) is None  # its floor is higher now
+
+
+def test_an_aw_vouched_for_after_a_verdict_waits_twice_as_long_next_time() -> None:
+    async def main() -> None:
+        pool = AwPool(make_transport("tcp"))
+        pool.vouched("aw-0")  # never found hung here: nothing to learn
+        assert "aw-0" not in pool.min_silence
+        pool.dead.add("aw-0")  # found hung by this gateway's watcher...
+        pool.vouched("aw-0")  # ...and the orchestrator says it answers
+        assert "aw-0" not in pool.dead and pool.min_silence["aw-0"] == 2 * MIN_SILENCE
+        for _ in range(12):
+            pool.dead.add("aw-0")
+            pool.vouched("aw-0")
+        assert pool.min_silence["aw-0"] == MAX_SILENCE
+
+    asyncio.run(main())
