@@ -14,7 +14,7 @@ from typing import Any
 
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import get_json, iter_stream, replacement_of, wait_for, worker_by_pid
+from tests.helpers import get_json, iter_stream, poll_until, replacement_of, wait_for, worker_by_pid
 from tests.load import PROMPTS, TOKENS, alive, kill_mid_decode, run_streams, wait_gone
 
 
@@ -104,6 +104,32 @@ def test_hung_attention_worker_is_detected_and_fenced(hf_models: dict[str, Path]
         assert victim.wait(15) != 0  # fenced: woken up, it finds its orchestrator link closed and exits
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("gateway-*.log"))
         assert "no answer to" in logs
+
+
+def test_an_aw_found_hung_that_was_only_slow_loses_nothing(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """The gateway gives up on the one AW (stopped past the gateway's silence floor, woken before
+    the orchestrator's confirmation times out): the orchestrator overrules it, the gateway uses it
+    again (waiting longer before the next verdict), and the streams it resumes there take over
+    their own runs, which went on detached. No request fails; every stream is token-identical."""
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=1, ews=2, gateways=1) as fabric:
+        reference = run_streams(fabric)
+        victim = next(p for name, p in fabric.procs if name == "attention-worker-0")
+        gateway_log, aw_log = tmp_path / "logs" / "gateway-0.log", tmp_path / "logs" / "attention-worker-0.log"
+        result: list[list[list[int]]] = []
+        decoding = threading.Event()
+        runner = threading.Thread(target=lambda: result.append(run_streams(fabric, None, decoding)))
+        runner.start()
+        assert decoding.wait(60)
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            assert poll_until(lambda: "is hung" in gateway_log.read_text(), timeout=20, interval=0.005)
+        finally:
+            victim.send_signal(signal.SIGCONT)  # (well within the orchestrator's 250 ms confirmation)
+        runner.join(180)
+        assert result and result[0] == reference
+        assert victim.poll() is None  # not fenced: it serves on
+        assert "was only slow" in gateway_log.read_text()
+        assert "resumed onto its own detached run" in aw_log.read_text()
 
 
 def _health_watch(fabric: Fabric, seen: list[str], stop: threading.Event) -> None:
