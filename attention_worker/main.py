@@ -121,6 +121,8 @@ class AttentionService(Service):
         if isinstance(msg, PeerAlive):
             refe.readmit(msg.worker_id)
             rt.cleared(msg.worker_id)
+            if rt.view is not None:  # a store this AW gave up on (it took no data for a while) is used again
+                await self._follow_store(rt.view)
             self.aw.work.set()
         elif isinstance(msg, RoutingUpdate):
             await self._follow_store(msg.view)
@@ -161,8 +163,9 @@ class AttentionService(Service):
         rt.ready()
 
     async def _follow_store(self, view: ClusterView) -> None:
-        """Checkpoints go to the first live checkpoint store; a new one (a replacement) is connected
-        to, and gets the running requests' KV again."""
+        """Checkpoints go to the first live checkpoint store; a new one (a replacement), or the one
+        this AW lost but the orchestrator vouched for, is connected to, and gets the running
+        requests' KV again."""
         ckpt = self.aw.ckpt
         if ckpt is None or ckpt.mode == "off":
             return

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+from fabric import faults
 from fabric.config import CheckpointStoreConfig
 from fabric.errors import AuthError, ProtocolError
 from fabric.messages.base import Message
@@ -70,9 +71,14 @@ class CheckpointStore(Service):
         torch.set_num_threads(1)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
         runtime.spawn(self._expire())
+        faults.drop_on_signal(lambda: self._drop_all(runtime))
         runtime.ready()
         log.info("checkpoint store listening on %s:%d (%s)", self.cfg.host, self.listener.port, self.transport.name)
         return self.listener.port
+
+    def _drop_all(self, runtime: Runtime) -> None:
+        for conn in list(self.owners.values()):
+            runtime.spawn(conn.close())
 
     def registration(self) -> dict[str, Any]:
         return {"ready": True, "info": {"transport": self.transport.name, "bucket_mib": self.cfg.bucket_mib}}

@@ -85,7 +85,7 @@ class Orchestrator:
         self.shutting_down = False
         self.recovered = asyncio.Event()
         self._probes: dict[int, asyncio.Future[None]] = {}
-        self._confirming: dict[str, asyncio.Task[None]] = {}
+        self._reporters: dict[str, set[str]] = {}  # a worker whose death is being confirmed -> who reported it
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._nonce = itertools.count(1)
@@ -347,10 +347,10 @@ class Orchestrator:
             fut = self._probes.pop(msg.nonce, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        elif (isinstance(msg, PeerFailed) and msg.worker_id != worker_id and msg.worker_id not in self._confirming):
-            task = asyncio.create_task(self._confirm(worker_id, msg))
-            self._confirming[msg.worker_id] = task
-            task.add_done_callback(lambda _: self._confirming.pop(msg.worker_id, None))
+        elif isinstance(msg, PeerFailed) and msg.worker_id != worker_id:
+            if msg.worker_id not in self._reporters:  # one verdict answers every peer that reports it meanwhile
+                self._spawn(self._confirm(worker_id, msg))
+            self._reporters.setdefault(msg.worker_id, set()).add(worker_id)
 
     async def _answers(self, link: WorkerLink) -> bool:
         """Whether the worker at the end of `link` answers a probe within `confirm_timeout_ms`
@@ -371,25 +371,26 @@ class Orchestrator:
         """A peer says `msg.worker_id` is dead. The verdict is ours: probe it over its own link
         (answered by its link reader, so a busy but healthy worker replies in milliseconds); no
         reply within `confirm_timeout_ms` confirms the death. A false report is answered with
-        `PeerAlive`, so the reporter can use the worker again. Definitive evidence (a peer that
+        `PeerAlive`, so the reporters can use the worker again. Definitive evidence (a peer that
         stopped taking data answers probes all the same) needs no probe."""
-        await self.recovered.wait()
         target = msg.worker_id
-        rec = self.cluster.workers.get(target)
-        if rec is None or rec.state is WorkerState.DEAD:
-            return
-        link = self.links.get(target)
-        reporter_rec = self.cluster.workers.get(reporter)
-        # Definitive evidence counts only from a role that sends data to the target's role.
-        definitive = msg.definitive and reporter_rec is not None and \
-            (reporter_rec.role, rec.role) in DATA_LINKS
-        if link is not None and not link.closed and not definitive and await self._answers(link):
-            log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
-            reporter_link = self.links.get(reporter)
-            if reporter_link is not None:
-                reporter_link.send(PeerAlive(target))
-            return
-        await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
+        try:
+            await self.recovered.wait()
+            rec, reporter_rec = self.cluster.workers.get(target), self.cluster.workers.get(reporter)
+            if rec is None or rec.state is WorkerState.DEAD:
+                return
+            link = self.links.get(target)
+            # Definitive evidence counts only from a role that sends data to the target's role.
+            definitive = msg.definitive and reporter_rec is not None and (reporter_rec.role, rec.role) in DATA_LINKS
+            if link is not None and not link.closed and not definitive and await self._answers(link):
+                log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
+                for r in self._reporters.get(target, {reporter}):  # (each peer that reported it meanwhile)
+                    if (reporter_link := self.links.get(r)) is not None:
+                        reporter_link.send(PeerAlive(target))
+                return
+            await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
+        finally:
+            self._reporters.pop(target, None)
 
     def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
         """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with

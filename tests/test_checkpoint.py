@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from fabric.faults import DROP_ENV
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import get_json
+from tests.helpers import get_json, poll_until
 from tests.load import kill_mid_decode, run_streams, wait_gone
 
 
@@ -80,3 +81,21 @@ def test_store_death_serving_goes_on_and_protection_resumes(hf_models: dict[str,
         pids = {w["pid"] for w in fabric.cluster()["workers"]}
     for p in pids:
         wait_gone(p, 15)
+
+
+def test_a_store_the_orchestrator_vouches_for_is_used_again(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """The store drops its AW connections but serves on (a test fault hook): each AW reports it
+    lost, the orchestrator finds it answers, and the AW checkpoints to it again (re-sending its
+    running requests' KV), so an AW death after that restores from it, not by replay."""
+    env = {"checkpoint-store-0": {DROP_ENV: "1"}}
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=2, env=env) as fabric:
+        reference = run_streams(fabric)
+        store = next(p for name, p in fabric.procs if name == "checkpoint-store-0")
+        aw_logs = [tmp_path / "logs" / f"attention-worker-{i}.log" for i in range(2)]
+        store.send_signal(signal.SIGUSR1)
+        assert poll_until(lambda: all(log.read_text().count("checkpointing to cs-0") == 2 for log in aw_logs), 30)
+        assert all("checkpoint store cs-0 lost" in log.read_text() for log in aw_logs)
+        _, outputs, _ = kill_mid_decode(fabric, "attention-worker-1", signal.SIGKILL, reference=reference)
+        assert outputs == reference
+        wait_stats(fabric, "restores from the store", lambda c: any(
+            w["stats"].get("restores", 0) > 0 for w in role(c, "checkpoint_store")))
