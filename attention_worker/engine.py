@@ -13,6 +13,7 @@ resumes its requests elsewhere.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -119,8 +120,9 @@ class AttentionWorker:
                     return
                 if old is not None and old.client is not None and not old.client.closed:
                     raise RequestError(f"request {msg.request_id} is already running here")
-                if old is not None:  # a detached copy that disagrees with the resume: the gateway's stream wins
-                    self._remove(msg.request_id)
+                if old is not None:  # a detached copy that disagrees with the resume: the gateway's stream wins,
+                    self._remove(msg.request_id)  # re-prefilled: its checkpoint's KvDone is queued, a restore's
+                    msg = dataclasses.replace(msg, restore_from="")  # fetch would overtake it
             seq = Sequence.from_submit(msg, conn)
             # A request that has yet to score its prompt prefills it whole (no KV restore skips it).
             if msg.restore_from and self.ckpt is not None and not seq.scores(0, seq.num_tokens):

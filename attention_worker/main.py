@@ -60,6 +60,7 @@ class AttentionService(Service):
         self.serving = False
         self.awake = not cfg.standby  # a standby serves only once woken
         self.woken_for = ""  # a standby: the dead worker it was woken to replace
+        self.store_rejoin_s = 0.0  # the pause before using again a store the orchestrator vouched for
 
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
@@ -121,9 +122,10 @@ class AttentionService(Service):
         if isinstance(msg, PeerAlive):
             refe.readmit(msg.worker_id)
             rt.cleared(msg.worker_id)
-            if rt.view is not None:  # a store this AW gave up on (it took no data for a while) is used again
-                await self._follow_store(rt.view)
             self.aw.work.set()
+            ckpt = self.aw.ckpt
+            if ckpt is not None and msg.worker_id == ckpt.store_id and not ckpt.active:
+                rt.spawn(self._rejoin_store())
         elif isinstance(msg, RoutingUpdate):
             await self._follow_store(msg.view)
             table = msg.view.table
@@ -161,6 +163,16 @@ class AttentionService(Service):
         rt.spawn(aw.main_loop(rt.stop), main_loop=True)
         rt.spawn(aw.expire_loop())
         rt.ready()
+
+    async def _rejoin_store(self) -> None:
+        """The store this AW gave up on answers the orchestrator: checkpoint to it again (re-sending
+        the running requests' KV), after a pause that doubles with each such loss (0, then 1 s, up
+        to 30 s), so a store too slow to take the AW's data is not sent all of it over and over."""
+        await asyncio.sleep(self.store_rejoin_s)
+        self.store_rejoin_s = min(30.0, max(1.0, 2 * self.store_rejoin_s))
+        assert self.runtime is not None
+        if self.runtime.view is not None:
+            await self._follow_store(self.runtime.view)
 
     async def _follow_store(self, view: ClusterView) -> None:
         """Checkpoints go to the first live checkpoint store; a new one (a replacement), or the one

@@ -116,6 +116,8 @@ class CheckpointStore(Service):
         if aw not in self.log.buckets and len(self.log.buckets) >= self.cfg.max_aws:
             raise ProtocolError(f"{aw}: this store already keeps {self.cfg.max_aws} attention workers' checkpoints")
         layout = KvLayout(hello.num_layers, hello.num_kv_heads, hello.head_dim, DTYPES[hello.dtype])
+        if aw in self.log.buckets:  # a live AW back after its link dropped: it re-sends its running requests'
+            self.log.drop_aw(aw)  # KV, and those that finished meanwhile would never hear their KvDone here
         bucket = self.log.bucket(aw, layout, self.cfg.bucket_mib << 20)
         self.owners[aw] = conn
         log.info("%s checkpoints here (%d layers, %d kv heads x %d, %s)", aw, layout.num_layers,

@@ -5,7 +5,7 @@ Per worker link: register (new workers get an id; workers that registered before
 (EWs) place experts once enough have registered, or fill a vacant slot -> collect worker_ready ->
 publish the cluster view to every worker. The data path never waits for the orchestrator; what
 needs its authority is here: verdicts (a peer's `PeerFailed`, confirmed by the orchestrator's own
-probe unless the evidence is definitive), epochs, fencing and replacements.
+probe unless the evidence is definitive: orchestrator/verdicts.py), epochs, fencing and replacements.
 
 A (re)started orchestrator first recovers (`--recovery-grace-s`): workers of an earlier one
 register again with their id, generation and last view; once every worker of the newest view is
@@ -20,7 +20,6 @@ declared dead when a peer reports it, when it said it was leaving, or after `--r
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import Any
@@ -37,9 +36,7 @@ from fabric.messages.control import (
     AssignExperts,
     Fenced,
     Leaving,
-    LinkProbe,
     LinkProbeReply,
-    PeerAlive,
     PeerFailed,
     Register,
     Registered,
@@ -60,14 +57,11 @@ from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.provisioner import NoProvisioner, Provisioner
 from orchestrator.recovery import Recovery
 from orchestrator.scaling import Scaler
+from orchestrator.verdicts import Verdicts
 
 log = logging.getLogger("orchestrator")
 
 MAX_INFO_BYTES = 16 << 10  # a registration's free-form info (shown in /cluster)
-# (reporter, target) roles where the reporter sends data to the target: its "the peer stopped
-# taking data" is evidence the orchestrator's probe cannot see (a stuck reader answers probes).
-DATA_LINKS = {(Role.ATTENTION, Role.EXPERT), (Role.ATTENTION, Role.STORE), (Role.GATEWAY, Role.ATTENTION),
-              (Role.EXPERT, Role.ATTENTION)}
 LINK_SEND_TIMEOUT = 2.0  # seconds a worker has to take a control message before its link is dropped
 
 
@@ -84,11 +78,9 @@ class Orchestrator:
         self.provisioner: Provisioner = NoProvisioner()  # set by `serve` once the port is bound
         self.shutting_down = False
         self.recovered = asyncio.Event()
-        self._probes: dict[int, asyncio.Future[None]] = {}
-        self._reporters: dict[str, set[str]] = {}  # a worker whose death is being confirmed -> who reported it
+        self.verdicts = Verdicts(self)
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._nonce = itertools.count(1)
         self.replacements_started = 0
         self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
@@ -151,7 +143,7 @@ class Orchestrator:
                 raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
             if reg.worker_id:
                 old = self.links.get(reg.worker_id)
-                if old is not None and not old.closed and await self._answers(old):
+                if old is not None and not old.closed and await self.verdicts.answers(old):
                     # Identity is bound to the link: a worker re-registers only once its link
                     # is gone, so a claim on a link that answers is another peer's.
                     raise AuthError(f"{request.remote} claims {reg.worker_id}, whose link is up and answering")
@@ -344,53 +336,9 @@ class Orchestrator:
         elif isinstance(msg, WorkerStats):
             self.cluster.workers[worker_id].stats = msg.stats
         elif isinstance(msg, LinkProbeReply):
-            fut = self._probes.pop(msg.nonce, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self.verdicts.answered(msg.nonce)
         elif isinstance(msg, PeerFailed) and msg.worker_id != worker_id:
-            if msg.worker_id not in self._reporters:  # one verdict answers every peer that reports it meanwhile
-                self._spawn(self._confirm(worker_id, msg))
-            self._reporters.setdefault(msg.worker_id, set()).add(worker_id)
-
-    async def _answers(self, link: WorkerLink) -> bool:
-        """Whether the worker at the end of `link` answers a probe within `confirm_timeout_ms`
-        (answered by its link reader, so a busy but healthy worker replies in milliseconds)."""
-        nonce = next(self._nonce)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._probes[nonce] = fut
-        link.send(LinkProbe(nonce))
-        try:
-            await asyncio.wait_for(fut, self.cfg.confirm_timeout_ms / 1000)
-        except TimeoutError:
-            pass
-        finally:
-            self._probes.pop(nonce, None)
-        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
-
-    async def _confirm(self, reporter: str, msg: PeerFailed) -> None:
-        """A peer says `msg.worker_id` is dead. The verdict is ours: probe it over its own link
-        (answered by its link reader, so a busy but healthy worker replies in milliseconds); no
-        reply within `confirm_timeout_ms` confirms the death. A false report is answered with
-        `PeerAlive`, so the reporters can use the worker again. Definitive evidence (a peer that
-        stopped taking data answers probes all the same) needs no probe."""
-        target = msg.worker_id
-        try:
-            await self.recovered.wait()
-            rec, reporter_rec = self.cluster.workers.get(target), self.cluster.workers.get(reporter)
-            if rec is None or rec.state is WorkerState.DEAD:
-                return
-            link = self.links.get(target)
-            # Definitive evidence counts only from a role that sends data to the target's role.
-            definitive = msg.definitive and reporter_rec is not None and (reporter_rec.role, rec.role) in DATA_LINKS
-            if link is not None and not link.closed and not definitive and await self._answers(link):
-                log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
-                for r in self._reporters.get(target, {reporter}):  # (each peer that reported it meanwhile)
-                    if (reporter_link := self.links.get(r)) is not None:
-                        reporter_link.send(PeerAlive(target))
-                return
-            await self._declare_dead(target, f"reported by {reporter}: {msg.reason}")
-        finally:
-            self._reporters.pop(target, None)
+            self.verdicts.reported(worker_id, msg)
 
     def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
         """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with
