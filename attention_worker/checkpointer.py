@@ -29,7 +29,7 @@ from attention_worker.request import Sequence
 from fabric.device import HostCopies, done, to_device, to_host
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.base import Message
-from fabric.messages.checkpoint import KvAppend, KvDone, KvFetch, KvPut, KvRestore, KvSync, StoreHello
+from fabric.messages.checkpoint import KvAppend, KvDone, KvFetch, KvHandOff, KvPut, KvRestore, KvSync, StoreHello
 from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection, Transport
 
@@ -175,12 +175,14 @@ class Checkpointer:
         self._enqueue(KvAppend(next(self._seq), self._pending_layer, [s[0] for s in spans], [s[1] for s in spans],
                                [s[2] for s in spans], k, v), lambda: k_done() and v_done())
 
-    def finished(self, request_ids: list[str]) -> None:
+    def finished(self, request_ids: list[str], hand_off: bool = False) -> None:
+        """These requests left this AW: the store frees their checkpoints, or (`hand_off`: they
+        resume on another AW) keeps them for that AW's restore."""
         for rid in request_ids:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
             self._flush()  # segments of these requests must not reach the store after their KvDone
-            self._enqueue(KvDone(request_ids))
+            self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 
     def step_done(self, running: list[Sequence]) -> None:
         """Samples how far the checkpointed frontier trails the live one."""

@@ -78,7 +78,7 @@ class AttentionWorker:
                 if isinstance(msg, Submit):
                     self._submit(msg, conn, mine)
                 elif isinstance(msg, Abort):
-                    if self.sessions.abort(conn, msg.request_id):
+                    if self.sessions.abort(conn, msg.request_id, msg.moved):
                         mine.discard(msg.request_id)
                 elif isinstance(msg, Detach):
                     self.sessions.detach(conn, msg.request_id)
@@ -302,12 +302,14 @@ class AttentionWorker:
             except PeerDeadError:
                 pass  # handle_client's cleanup detaches its requests
 
-    def _remove(self, request_id: str) -> None:
+    def _remove(self, request_id: str, hand_off: bool = False) -> None:
+        """Aborts a request and frees its KV; its checkpoints are freed too, or, with `hand_off`
+        (its gateway resumed it on another AW), kept for that AW's restore."""
         restoring = self.restoring.pop(request_id, None)
         if restoring is not None:
             restoring[0].cancel()  # aborted while its KV was on the way
         if (self.scheduler.remove(request_id) is not None or restoring is not None) and self.ckpt is not None:
-            self.ckpt.finished([request_id])
+            self.ckpt.finished([request_id], hand_off)
 
     def _fail_all(self, chunks: list[Chunk], message: str) -> None:
         log.error("%s", message)
@@ -327,9 +329,12 @@ class AttentionWorker:
             "detaches": self.sessions.detaches, "expired": self.sessions.expired,
             "replays": self.refe.replays if self.refe else 0,
             "expert_waits": self.refe.expert_waits if self.refe else 0,
-            "dead_expert_workers": sorted(self.refe.dead) if self.refe else [],
-            "suspected_at": dict(self.refe.suspected_at) if self.refe else {},  # EW -> when this AW found it dead
-            "probes_sent": self.refe.probes_sent if self.refe else 0,
+            # EWs routed around: declared dead, or unreachable from here (tried again in the background)
+            "dead_expert_workers": sorted(self.refe.links.excluded) if self.refe else [],
+            "unreachable_expert_workers": sorted(self.refe.links.unreachable) if self.refe else [],
+            "suspected_at": dict(self.refe.links.suspected_at) if self.refe else {},  # EW -> when this AW last lost it
+            "ew_relinks": self.refe.links.relinks if self.refe else 0,
+            "probes_sent": self.refe.links.probes_sent if self.refe else 0,
             "epochs_applied": {str(e): t for e, t in self.refe.applied.items()} if self.refe else {},
             **(self.ckpt.stats() if self.ckpt else {}),
             "restore_join_s": round(self.restore_join_s, 3),

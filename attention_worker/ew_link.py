@@ -1,6 +1,6 @@
 """One AW's link to one EW (Tarragon §4.2): a control and a data channel, the futures of the calls
-in flight on it, and what tells whether the EW is alive: its traffic, answers to probes, and
-results. The engine (attention_worker/forwarding.py) owns the links and their one watcher.
+in flight on it, and what tells whether the EW can be used: its traffic, answers to probes, and
+results. attention_worker/ew_links.py owns the links and their one watcher.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ class EwLink:
     last_heard: float = field(default_factory=time.monotonic)  # any message from this EW
     last_data: float = field(default_factory=time.monotonic)  # an expert result (or error) from this EW
     sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
-    latency: float = 0.0  # smoothed call latency (EWMA), the yardstick of "silent too long"
+    latency: float = 0.0  # smoothed call latency (EWMA)
+    rtt: float = 0.0  # smoothed round trip of a probe (EWMA): the yardstick of "silent too long"
     probes: int = 0  # pings sent since it was last heard
+    pinged_at: dict[int, float] = field(default_factory=dict)  # probe nonce -> when it was sent
     closing: bool = False  # closed by this AW (a table without it): its end is no news
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
 
@@ -68,36 +70,43 @@ class EwLink:
         """Control channel: pongs (and anything else) refresh `last_heard`."""
         try:
             while True:
-                if isinstance(await self.control.recv(), Pong):
-                    self.last_heard = time.monotonic()
+                msg = await self.control.recv()
+                if isinstance(msg, Pong):
+                    self.last_heard = now = time.monotonic()
+                    sent = self.pinged_at.pop(msg.nonce, None)
+                    if sent is not None:
+                        self.rtt = now - sent if not self.rtt else 0.875 * self.rtt + 0.125 * (now - sent)
+                    self.pinged_at = {n: t for n, t in self.pinged_at.items() if n > msg.nonce}
         except (PeerDeadError, ProtocolError) as exc:
             self.fail(exc)
 
     def check(self, now: float, interval: float, misses: int, deadline: float, nonce: int) -> FabricError | None:
-        """One look at a link with calls outstanding (the engine's watcher calls it every tick):
-        returns why the EW is dead, or None after pinging it if it has been silent too long.
+        """One look at a link with calls outstanding (the watcher calls it every tick): returns
+        why this AW cannot use the EW now, or None after pinging it if it has been silent too long.
+        Either way a suspicion: the link is routed around and tried again (ew_links.py).
 
         Probes: silent for `interval`, ping on the control channel; `misses` probes without an
-        answer declare the EW dead (a hung process: its connections stay open, so only probes
-        can tell). "Without an answer" also means silent for longer than 10x the link's smoothed
-        call latency, as TCP's retransmission timeout scales with the measured RTT: on a loaded
-        CPU host a busy but healthy EW can be silent for tens of milliseconds, and a false verdict
-        would retire it for good. Stall: no result for `deadline` (the send deadline) although
-        the EW may answer probes: its data path is stuck (a reader that stopped reading);
-        definitive, whatever its control channel says."""
+        answer (a hung process: its connections stay open, so only probes can tell). "Without an
+        answer" also means silent for longer than 10x the link's smoothed probe round trip, as
+        TCP's retransmission timeout scales with the measured RTT: on a loaded host (two busy
+        loops that share their cores with compute) a healthy EW's answer can take tens of ms.
+        Stall: no result for `deadline` (the send deadline) although the EW may answer probes: its
+        data path is stuck or slow (a reader that stopped reading, a port that drops packets, a
+        step that takes seconds), whatever its control channel says."""
         if now - self.last_data > deadline:
             return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
                                                          "with calls outstanding")
         silent = now - self.last_heard
-        if interval <= 0 or silent < max(interval, self.latency):  # not due before a usual answer
+        if interval <= 0 or silent < max(interval, self.rtt):  # not due before a usual answer
             self.probes = 0
             return None
-        if self.probes >= misses and silent > max(interval * (misses + 1), 10 * self.latency):
+        if self.probes >= misses and silent > max(interval * (misses + 1), 10 * self.rtt):
             return PeerDeadError(self.addr.worker_id, f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms")
         try:
             self.control.send_nowait(Ping(nonce))
         except PeerDeadError as exc:
             return exc
+        self.pinged_at[nonce] = now
         self.probes += 1
         return None
 

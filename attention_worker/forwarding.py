@@ -1,9 +1,11 @@
 """REFE, the Reconfigurable Forwarding Engine: the AW side of the AW-EW datapath (Tarragon §4.2).
 
-`dispatch_layer` resolves each logical expert through the Expert Routing Table, groups a layer's
-rows by EW, sends one call per EW, and combines the results. One reader task per EW data link
-routes replies to futures by call id, so nothing here blocks the AW's event loop; a link that dies
-fails every call waiting on it with `PeerDeadError`.
+A layer's experts run in three parts, so that no tensor work runs on the event loop:
+`plan_layer` (compute thread) sorts the layer's rows by expert; `run_plan` (event loop) resolves
+each logical expert through the Expert Routing Table, sends one call per EW and awaits the
+results, replaying the calls of an EW it cannot reach on the next replica; `combine` (compute
+thread) adds the weighted results to the residual. The links and which EWs this AW can reach are
+attention_worker/ew_links.py's.
 
 Legend: T tokens, k experts per token, R = T*k rows, D hidden.
 """
@@ -19,14 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_worker.ew_link import EwLink
-from fabric.device import for_wire, settled, to_device
-from fabric.errors import ExpertsUnavailableError, FabricError, PeerDeadError, PeerStalledError
-from fabric.messages.expert import AwActivity, ExpertCall, Hello
-from fabric.routing import EwAddress, RoutingTable
+from attention_worker.ew_links import EwLinks
+from fabric.device import to_device, to_host
+from fabric.errors import ExpertsUnavailableError, PeerDeadError
+from fabric.messages.expert import ExpertCall
+from fabric.routing import RoutingTable
 from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
+
+Rows = slice | torch.Tensor  # rows of a layer's expert-sorted rows: a run, or indices [R']
+Part = tuple[Rows, torch.Tensor]  # some rows and their results [R', D]
 
 
 @dataclass(frozen=True)
@@ -40,45 +45,78 @@ class Piece:
     part: int
 
 
-def _rows_of(pieces: list[Piece], device: torch.device) -> slice | torch.Tensor:
+@dataclass
+class LayerPlan:
+    """One MoE layer's rows, sorted by expert (made in the compute thread by `plan_layer`)."""
+
+    layer: int
+    xs: torch.Tensor  # [R, D] rows in expert order, on the AW's device
+    host: torch.Tensor  # [R, D] the same in host memory (xs itself on the CPU)
+    spans: dict[int, tuple[int, int]]  # expert -> (first row, rows)
+    token_of_row: torch.Tensor  # [R] the token each row belongs to
+    weights: torch.Tensor  # [R] router weights, in row order
+    tokens: int  # T
+
+    def rows(self, rows: Rows, conn_device: torch.device | None) -> torch.Tensor:
+        """Those rows as a connection carries them: device memory where it can, else host memory."""
+        src = self.xs if conn_device is not None and self.xs.device == conn_device else self.host
+        return src[rows] if isinstance(rows, slice) else src.index_select(0, rows.to(src.device))
+
+
+def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               num_experts: int) -> LayerPlan:
+    """x [T, D], experts [T, k] int64, weights [T, k] -> the layer's rows in expert order (pure;
+    on a GPU it waits for its kernels, so the transport may read the rows)."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)  # [R]
+    order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
+    token_of_row = order // k  # [R]
+    spans: dict[int, tuple[int, int]] = {}
+    row = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            spans[e] = (row, n)
+        row += n
+    xs = x.index_select(0, token_of_row)  # [R, D]
+    host = to_host(xs)  # (on a GPU: a copy, made before this returns)
+    return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1)[order].to(x.dtype), t)
+
+
+def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of each token's expert results [T, D] (pure), `like` [T, D] its dtype and device."""
+    y = torch.zeros_like(plan.xs)  # [R, D]
+    for rows, res in parts:
+        y[rows] = to_device(res, y.device)
+    return torch.zeros_like(like).index_add_(0, plan.token_of_row, y * plan.weights[:, None])
+
+
+def _rows_of(pieces: list[Piece]) -> Rows:
     """The rows of `pieces`, in order: a slice where they are one run (an EW hosting consecutive
-    experts; a view, no copy), else their indices [R'] (on the rows' device)."""
+    experts; a view, no copy), else their indices [R']."""
     if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
         return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
-    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long, device=device)
+    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
 
 
 class ForwardingEngine:
-    def __init__(self, aw_id: str, transport: Transport, probe_interval: float = 0.01, probe_misses: int = 3,
-                 expert_wait: float = 30.0, on_dead: Callable[[str, str, bool], None] | None = None,
+    def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
+                 probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str], None] | None = None,
                  device: torch.device | None = None) -> None:
         self.aw_id = aw_id
-        self.device = device  # the AW's: expert calls and results cross as its memory where the link can
-        self.probe_interval = probe_interval  # 0: no probes
-        self.probe_misses = probe_misses
         self.expert_wait = expert_wait
-        self.on_dead = on_dead  # (EW id, reason, definitive): tells the orchestrator, whose verdict is authoritative
-        self.transport = transport
         self.table: RoutingTable | None = None
         self.next_table: RoutingTable | None = None  # offered by the orchestrator, applied at a step boundary
-        self._table_arrived = asyncio.Event()
-        self.links: dict[str, EwLink] = {}
+        self._table_arrived = asyncio.Event()  # a newer table, or an EW reachable again
+        self.links = EwLinks(aw_id, transport, control_transport, probe_interval, probe_misses, on_suspect, device,
+                             self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
-        self._active = False
-        self.dead: set[str] = set()  # EWs found dead; not used again unless the orchestrator vouches for them
-        self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW found it dead
-        self._readmits: set[str] = set()  # EWs the orchestrator vouched for: reconnected at the next boundary
         self.sending = 0  # expert calls being written right now (the checkpoint lane waits for 0)
         self.send_idle = asyncio.Event()
         self.send_idle.set()
         self.in_flight = 0  # expert calls sent and not yet answered (the link's idle gap)
         self.replays = 0
         self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
-        self.probes_sent = 0
         self.applied: dict[int, float] = {}  # table epoch -> when this AW switched to it (wall clock)
-        self._calls_out = asyncio.Event()  # set when a call goes out on an idle link: the watcher wakes
-        self._watcher: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()  # links the watcher cut, closing
 
     def offer_table(self, table: RoutingTable) -> bool:
         """Records a newer table (returns False for a stale one); the main loop applies it between
@@ -90,163 +128,64 @@ class ForwardingEngine:
         self._table_arrived.set()
         return True
 
-    def readmit(self, ew_id: str) -> None:
-        """The orchestrator found `ew_id` alive after this AW reported it dead (a false verdict of
-        the probes, e.g. a scheduling hiccup): reconnect to it at the next step boundary (or in a
-        step waiting for a replica). It stays routed around until then: its old link is dead, and a
-        call on it would only report it again."""
-        if ew_id in self.dead and ew_id not in self._readmits:
-            log.warning("%s is alive after all (the orchestrator checked); using it again", ew_id)
-            self._readmits.add(ew_id)
-            self._table_arrived.set()
-
     async def apply_next_table(self) -> None:
-        readmit = bool(self._readmits)
-        self.dead -= self._readmits
-        self._readmits.clear()
+        """At a step boundary: a newer table."""
         if self.next_table is not None:
             table, self.next_table = self.next_table, None
             await self.apply_table(table)
-        elif readmit and self.table is not None:
-            await self.apply_table(self.table)
 
     async def apply_table(self, table: RoutingTable) -> None:
-        """Connects to EWs new in `table` (control and data channels) and drops the others.
-        Call between steps: a step never sees two tables (except one that waited for a
-        replacement, see `_wait_for_replica`)."""
-        for ew_id, addr in table.expert_workers.items():
-            old = self.links.get(ew_id)
-            if old is not None and old.dead and ew_id not in self.dead:  # readmitted: a fresh link
-                await self.links.pop(ew_id).close()
-            if ew_id not in self.links and ew_id not in self.dead:
-                try:
-                    self.links[ew_id] = await self._connect(addr)
-                except PeerDeadError as exc:
-                    self._declare_dead(ew_id, f"connect failed: {exc}", False)
-        for ew_id in [w for w in self.links if w not in table.expert_workers]:
-            await self.links.pop(ew_id).close()
+        """Connects to EWs new in `table` and drops the others. Call between steps: a step never
+        sees two tables (except one that waited for a replacement, see `_wait_for_replica`)."""
         self.table = table
+        await self.links.apply(table)
         self.applied[table.epoch] = time.time()
         while len(self.applied) > 16:
             del self.applied[next(iter(self.applied))]
 
-    def _declare_dead(self, ew_id: str, reason: str, definitive: bool) -> None:
-        if ew_id in self.dead:
-            return
-        self.dead.add(ew_id)
-        self.suspected_at[ew_id] = time.time()
-        if self.on_dead is not None:
-            self.on_dead(ew_id, reason, definitive)
-
     async def _wait_for_replica(self, layer: int, expert: int) -> None:
-        """Every copy of (layer, expert) is gone: wait, bounded, for a table that has one again
-        (a replacement EW that loaded it), then switch to it mid-step; expert results do not
-        depend on which replica computes them."""
+        """Every copy of (layer, expert) is gone or unreachable: wait, bounded, for a table that has
+        one again (a replacement EW that loaded it) or for a copy to answer again, then switch to it
+        mid-step; expert results do not depend on which replica computes them."""
         assert self.table is not None
         self.expert_waits += 1
-        log.warning("layer %d expert %d has no live copy; waiting up to %.1fs for a replacement", layer, expert,
-                    self.expert_wait)
+        log.warning("layer %d expert %d has no reachable copy; waiting up to %.1fs", layer, expert, self.expert_wait)
         deadline = asyncio.get_running_loop().time() + self.expert_wait
-        while self.table.primary(layer, expert, self.dead) is None:
-            if self.next_table is None and not self._readmits:
-                self._table_arrived.clear()
-                remaining = deadline - asyncio.get_running_loop().time()
-                try:
-                    await asyncio.wait_for(self._table_arrived.wait(), max(0.0, remaining))
-                except TimeoutError:
-                    raise ExpertsUnavailableError(
-                        f"layer {layer} expert {expert}: no live copy and no replacement within "
-                        f"{self.expert_wait:.1f}s") from None
+        while self.table.primary(layer, expert, self.links.excluded) is None:
+            self._table_arrived.clear()
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(self._table_arrived.wait(), max(0.0, remaining))
+            except TimeoutError:
+                raise ExpertsUnavailableError(
+                    f"layer {layer} expert {expert}: no live copy and no replacement within "
+                    f"{self.expert_wait:.1f}s") from None
             await self.apply_next_table()
         log.info("layer %d expert %d is back (epoch %d)", layer, expert, self.table.epoch)
 
-    async def _connect(self, addr: EwAddress) -> EwLink:
-        control = await self.transport.connect(addr.host, addr.port)
-        data = await self.transport.connect(addr.host, addr.port)
-        await control.send(Hello(self.aw_id, "control"))
-        await data.send(Hello(self.aw_id, "data"))
-        if self.device is not None:
-            data.land_frames_on(self.device)
-        link = EwLink(addr, control, data, on_dead=self._link_died)
-        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.create_task(self._watch())
-        if self._active:
-            control.send_nowait(AwActivity(True))
-        log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
-        return link
-
-    def _link_died(self, link: EwLink, error: FabricError) -> None:
-        """A link of the current table died (its connection ended, a probe verdict, a stall): the EW
-        is routed around from the next call on, and the orchestrator is told."""
-        if self.links.get(link.addr.worker_id) is link:
-            log.warning("%s is dead (%s)", link.addr.worker_id, error)
-            self._declare_dead(link.addr.worker_id, str(error), isinstance(error, PeerStalledError))
-
-    async def _watch(self) -> None:
-        """The one liveness watcher of all this AW's EW links: it ticks only while calls are
-        outstanding, and looks only at the links that have some (`EwLink.check`); an idle AW costs
-        nothing, however many EWs it is linked to, and a busy link's own traffic is its heartbeat."""
-        nonce = itertools.count(1)
-        while True:
-            busy = [link for link in self.links.values() if link.pending and not link.dead]
-            if not busy:
-                self._calls_out.clear()
-                await self._calls_out.wait()
-                continue
-            tick = self.probe_interval if self.probe_interval > 0 else 0.25
-            await asyncio.sleep(min(tick, min(link.data.send_timeout for link in busy) / 4))
-            now = time.monotonic()
-            for link in busy:
-                if not link.pending or link.dead:
-                    continue
-                try:
-                    sent = link.probes
-                    error = link.check(now, self.probe_interval, self.probe_misses, link.data.send_timeout,
-                                       next(nonce))
-                    self.probes_sent += link.probes > sent
-                    if error is not None:
-                        link.fail(error)
-                        # (closed beside this loop: a close may wait on a stuck peer, the other links may not)
-                        self._closing.add(asyncio.create_task(link.close()))
-                        self._closing = {t for t in self._closing if not t.done()}
-                except Exception:  # one link's trouble must not stop the watching of the others
-                    log.exception("checking the link to %s failed", link.addr.worker_id)
-
     async def set_active(self, active: bool) -> None:
-        """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
-        if active == self._active:
-            return
-        self._active = active
-        for link in list(self.links.values()):
-            if not link.dead:
-                try:
-                    link.control.send_nowait(AwActivity(active))
-                except PeerDeadError:
-                    pass
+        self.links.set_active(active)
 
-    async def call(self, ew_id: str, layer: int, experts: list[int], counts: list[int], x: torch.Tensor,
+    async def call(self, ew_id: str, plan: LayerPlan, experts: list[int], counts: list[int], rows: Rows,
                    replay: bool = False) -> torch.Tensor:
-        """One expert call to one EW: rows of `x` [R, D] grouped as `counts` per expert -> [R, D]."""
+        """One expert call to one EW: those rows of the plan, grouped as `counts` per expert -> [R', D]."""
         assert self.table is not None
-        link = self.links.get(ew_id)
-        if link is None or link.dead:
-            raise PeerDeadError(ew_id, "no live link")
+        link = self.links.live(ew_id)
+        if link is None:
+            raise PeerDeadError(ew_id, "unreachable from here")
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         if not link.pending:
             link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
             link.probes = 0
-            self._calls_out.set()
+            self.links.calls_out()
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         self.sending += 1
         self.send_idle.clear()
         try:
-            x_wire = for_wire(x, link.data.frames_device)  # [R, D]
-            if x_wire.device.type != "cpu":
-                await settled(x_wire.device)  # (the transport reads it outside the stream's order)
-            await link.data.send(ExpertCall(call_id, self.table.epoch, layer, experts, counts, x_wire, replay))
+            x = plan.rows(rows, link.data.frames_device)  # [R', D]
+            await link.data.send(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay))
         except BaseException:
             # Nobody will await this call's future: take it back, or a later failure of the link
             # would set an exception on it that nobody retrieves.
@@ -264,27 +203,12 @@ class ForwardingEngine:
         finally:
             self.in_flight -= 1
 
-    async def expert_io(self, layer: int, expert: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Tarragon's expert_io: tokens [N, D] through one logical expert -> [N, D], rerouted like
-        `dispatch_layer` when its EW dies."""
-        return await self._run_experts(layer, tokens, {expert: (0, tokens.shape[0])}, pad=False)
-
     async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], experts [T, k] int64, weights [T, k] float32 -> weighted expert sum [T, D]."""
+        """The three parts in one (on the event loop: for callers without a compute thread, and
+        Tarragon's expert_io): x [T, D], experts [T, k], weights [T, k] -> [T, D]."""
         assert self.table is not None
-        t, k = experts.shape
-        flat = experts.reshape(-1)  # [R]
-        order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
-        token_of_row = order // k  # [R]
-        spans: dict[int, tuple[int, int]] = {}  # expert -> (first row, rows) in expert order
-        row = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=self.table.num_experts).tolist()):
-            if n:
-                spans[e] = (row, n)
-            row += n
-        y = await self._run_experts(layer, x.index_select(0, token_of_row), spans, pad=True)  # [R, D] in expert order
-        w = weights.reshape(-1)[order].to(x.dtype)  # [R]
-        return torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
+        plan = plan_layer(layer, x, experts, weights, self.table.num_experts)
+        return combine(plan, await self.run_plan(plan), x)
 
     def _pieces(self, layer: int, spans: dict[int, tuple[int, int]]) -> list[Piece]:
         """Each expert's rows as one piece, or, for a hot expert the table makes active on k replicas,
@@ -292,8 +216,9 @@ class ForwardingEngine:
         balancing). A row's result does not depend on its batch, so the tokens stay the same."""
         assert self.table is not None
         out: list[Piece] = []
+        excluded = self.links.excluded
         for e, (start, n) in sorted(spans.items()):
-            k = min(n, len(self.table.serving(layer, e, self.dead))) if self.table.active_of(layer, e) > 1 else 1
+            k = min(n, len(self.table.serving(layer, e, excluded))) if self.table.active_of(layer, e) > 1 else 1
             if k <= 1:
                 out.append(Piece(e, start, n, 0))
                 continue
@@ -304,67 +229,64 @@ class ForwardingEngine:
                 start += m
         return out
 
-    async def _plan(self, layer: int, pieces: list[Piece]) -> dict[str, list[int]]:
+    async def _route(self, layer: int, pieces: list[Piece]) -> dict[str, list[int]]:
         """EW -> the pieces (indices into `pieces`) of `layer` it serves now: a piece's part of the
-        expert's live serving replicas; waits, bounded, for experts that have no live copy."""
+        expert's reachable serving replicas; waits, bounded, for experts that have none."""
         assert self.table is not None
         while True:
             for p in pieces:
-                if self.table.primary(layer, p.expert, self.dead) is None:
+                if self.table.primary(layer, p.expert, self.links.excluded) is None:
                     await self._wait_for_replica(layer, p.expert)
             plan: dict[str, list[int]] = {}
+            excluded = self.links.excluded
             for j, p in enumerate(pieces):
-                ews = self.table.serving(layer, p.expert, self.dead)
-                if not ews:  # another EW died while we waited: wait again
+                ews = self.table.serving(layer, p.expert, excluded)
+                if not ews:  # another EW went while we waited: wait again
                     break
                 plan.setdefault(ews[p.part % len(ews)], []).append(j)
             else:
                 return plan
 
-    async def _run_experts(self, layer: int, xs: torch.Tensor, spans: dict[int, tuple[int, int]], pad: bool) -> torch.Tensor:
-        """Runs the rows `xs` [R, D] (expert e owns rows spans[e]) on the live serving replicas of
-        each expert. Calls to an EW that dies are replayed at once on the next replica in the table,
-        flagged so the destination serves them first (Tarragon §5.1); expert computation is
-        deterministic, so the result is the same. With `pad`, every live EW whose gather policy is
-        sync gets a call, empty or not, so it never waits for this AW in vain (with hundreds of EWs,
-        `--gather threshold` spares those calls)."""
+    async def run_plan(self, plan: LayerPlan, pad: bool = True) -> list[Part]:
+        """Runs the plan's rows on the reachable serving replicas of each expert; returns each
+        call's rows and results. Calls to an EW that fails are replayed at once on the next
+        replica in the table, flagged so the destination serves them first (Tarragon §5.1); expert
+        computation is deterministic, so the result is the same. With `pad`, every reachable EW
+        whose gather policy is sync gets a call, empty or not, so it never waits for this AW in
+        vain (with hundreds of EWs, `--gather threshold` spares those calls)."""
         assert self.table is not None
-        y = torch.empty_like(xs)
-        todo = self._pieces(layer, spans)
+        todo = self._pieces(plan.layer, plan.spans)
+        parts: list[Part] = []
         replay = False
         while True:
-            plan = await self._plan(layer, todo)
+            route = await self._route(plan.layer, todo)
             if pad and not replay:
+                excluded = self.links.excluded
                 for ew, addr in self.table.expert_workers.items():
-                    if addr.sync and ew not in self.dead:
-                        plan.setdefault(ew, [])
-            ews = list(plan)
-            idx = [_rows_of([todo[j] for j in plan[ew]], xs.device) for ew in ews]
+                    if addr.sync and ew not in excluded:
+                        route.setdefault(ew, [])
+            ews = list(route)
+            idx = [_rows_of([todo[j] for j in route[ew]]) for ew in ews]
             results = await asyncio.gather(
-                *(self.call(ew, layer, [todo[j].expert for j in plan[ew]], [todo[j].rows for j in plan[ew]],
-                            xs[i] if isinstance(i, slice) else xs.index_select(0, i), replay)
+                *(self.call(ew, plan, [todo[j].expert for j in route[ew]], [todo[j].rows for j in route[ew]], i, replay)
                   for ew, i in zip(ews, idx)),
                 return_exceptions=True,
             )
             failed: list[Piece] = []
             for ew, i, res in zip(ews, idx, results):
                 if isinstance(res, PeerDeadError):
-                    if ew not in self.dead:
-                        log.warning("%s is dead (%s); replaying its calls on the next replicas", ew, res)
-                        self._declare_dead(ew, str(res), isinstance(res, PeerStalledError))
-                    failed.extend(todo[j] for j in plan[ew])
+                    if ew not in self.links.excluded:
+                        log.warning("%s failed a call (%s); replaying its calls on the next replicas", ew, res)
+                        self.links.suspect(ew, str(res))
+                    failed.extend(todo[j] for j in route[ew])
                 elif isinstance(res, BaseException):
                     raise res
                 else:
-                    y[i] = to_device(res, y.device)
+                    parts.append((i, res))
             if not failed:
-                return y
+                return parts
             todo, replay = failed, True
             self.replays += 1
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-        for link in self.links.values():
-            await link.close()
-        self.links.clear()
+        await self.links.close()

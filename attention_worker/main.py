@@ -25,6 +25,8 @@ from attention_worker.engine import AttentionWorker
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.model_runner import ModelRunner
 from attention_worker.sim_runner import SimRunner
+from attention_worker.warmup import warm_up
+from fabric import faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.kernels import choose
@@ -37,6 +39,7 @@ from fabric.model.weight_store import open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
+from fabric.steps import StepClock
 from fabric.transport import make_transport
 from fabric.transport.base import Listener
 
@@ -52,6 +55,8 @@ class AttentionService(Service):
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
         self.aw = AttentionWorker(cfg, self.model)
+        self.clock = StepClock()
+        self.warmup_s: float | None = None
         self.weights: AttentionWeights | None = None
         self.attention: DecodeAttention | None = None  # (chosen with the weights)
         self.listener: Listener | None = None
@@ -65,8 +70,9 @@ class AttentionService(Service):
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
-        if self.cfg.compute != "sim":  # (a sim AW has no weights)
+        if self.cfg.compute != "sim":  # (a sim AW has no weights, and nothing cold)
             await self._load_weights()  # (a standby too: when woken it only starts serving)
+            await self._warm_up()
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
                  self.transport.name, self.aw.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
@@ -98,10 +104,24 @@ class AttentionService(Service):
         log.info("%s attention weights (%.1f MiB) in %.3fs", "mapped" if w.bytes_mapped else "read",
                  (w.bytes_read + w.bytes_mapped) / 2**20, time.perf_counter() - t0)
 
+    async def _warm_up(self) -> None:
+        """The cold paths, before this worker registers (attention_worker/warmup.py)."""
+        assert self.weights is not None
+        t0 = time.perf_counter()
+        runner = ModelRunner(self.model, self.weights, self.aw.kv, None, self.attention)  # type: ignore[arg-type]
+        steps = self.clock.run(warm_up, runner)
+        self.warmup_s = time.perf_counter() - t0
+        log.info("warm-up: %d steps in %.0f ms", steps, self.warmup_s * 1e3)
+
+    def busy_for(self) -> float:
+        return self.clock.running_for()
+
     def registration(self) -> dict[str, Any]:
         return {"ready": self.serving, "info": {"transport": self.transport.name, "kv_blocks": self.aw.kv.blocks.num_blocks,
                                                 "block_size": self.cfg.block_size,
                                                 "standby": not self.awake,
+                                                **({"warmup_ms": round(self.warmup_s * 1e3, 1)}
+                                                   if self.warmup_s is not None else {}),
                                                 **({"replaces": self.woken_for} if self.woken_for else {})}}
 
     async def registered(self) -> None:
@@ -111,8 +131,8 @@ class AttentionService(Service):
         if self.aw.refe is not None:
             return
         aw = self.aw
-        aw.refe = ForwardingEngine(rt.worker_id, self.transport, self.cfg.probe_interval_ms / 1000, self.cfg.probe_misses,
-                                   self.cfg.expert_wait_s, rt.report_dead, aw.kv.device)
+        aw.refe = ForwardingEngine(rt.worker_id, self.transport, rt.control_transport, self.cfg.probe_interval_ms / 1000,
+                                   self.cfg.probe_misses, self.cfg.expert_wait_s, rt.report_dead, aw.kv.device)
         aw.ckpt = Checkpointer(rt.worker_id, self.model, aw.kv, aw.refe, self.transport, self.cfg.checkpoint,
                                self.cfg.checkpoint_pause_every, on_lost=rt.report_dead)
 
@@ -120,13 +140,14 @@ class AttentionService(Service):
         rt, refe = self.runtime, self.aw.refe
         assert rt is not None and refe is not None
         if isinstance(msg, PeerAlive):
-            refe.readmit(msg.worker_id)
+            refe.links.retry(msg.worker_id)  # (whether it is used again is this AW's own probes' call)
             rt.cleared(msg.worker_id)
             self.aw.work.set()
             ckpt = self.aw.ckpt
             if ckpt is not None and msg.worker_id == ckpt.store_id and not ckpt.active:
                 rt.spawn(self._rejoin_store())
         elif isinstance(msg, RoutingUpdate):
+            refe.links.declared_dead(msg.view.dead)
             await self._follow_store(msg.view)
             table = msg.view.table
             if table is None:
@@ -150,16 +171,17 @@ class AttentionService(Service):
         if self.serving or not self.linked or not self.awake or (self.weights is None and not sim):
             return
         if sim:
-            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms,
+            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms, self.clock,
                                   blocking=self.cfg.sim_workers == 1)
         else:
             assert self.weights is not None
-            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe, self.attention)
+            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe, self.attention, self.clock,
+                                    faults.slow_steps())
         aw.runner.kv_sink = aw.ckpt.record_layer
         self.serving = True
         table = aw.refe.next_table or aw.refe.table
         with contextlib.suppress(PeerDeadError):
-            await rt.link.send(WorkerReady(table.epoch if table is not None else 0))
+            await rt.send(WorkerReady(table.epoch if table is not None else 0))
         rt.spawn(aw.main_loop(rt.stop), main_loop=True)
         rt.spawn(aw.expire_loop())
         rt.ready()
@@ -196,6 +218,8 @@ class AttentionService(Service):
             return None
         w, rt = self.weights, self.runtime
         return {**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
+                "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None,
+                "compute_busy_s": round(self.clock.busy_s, 3),
                 "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
                 # (what the scale experiment reads: when each epoch's view arrived; see also the engine's)
                 "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}}

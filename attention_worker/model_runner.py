@@ -1,9 +1,12 @@
 """One forward step of a mixed prefill/decode batch on the AW; experts go through the REFE.
 
+A step is a run of compute calls, each from a MoE layer's expert results to the next MoE layer's
+routing, between which the REFE sends the expert calls and awaits them (`forward`). The compute
+runs here, on the data plane's loop: the worker's liveness is its control plane's
+(fabric/control_plane.py), which answers during any step, a cold first one included.
+
 Legend: T tokens in the step, Bd decode sequences, L kv length, D hidden, H heads, K kv heads,
-d head dim, V vocab. The torch work between two expert calls (one layer's attention) runs on the
-event loop: it is a few small matmuls, bounded by the step's token budget, and every layer
-yields to the loop while its expert calls are in flight.
+d head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from attention_worker.forwarding import ForwardingEngine
+from attention_worker.forwarding import ForwardingEngine, LayerPlan, Part, combine, plan_layer
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
 from fabric.device import to_host
@@ -24,6 +27,7 @@ from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
 from fabric.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route, swiglu_ffn
+from fabric.steps import StepClock
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -73,13 +77,32 @@ class StepMeta:
         return dataclasses.replace(self, **moved, prefills=prefills)
 
 
+KvSink = Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class StepState:
+    """A step between two compute calls: where it stands in the layers."""
+
+    meta: StepMeta
+    h: torch.Tensor  # [T, D] the residual stream
+    layer: int = 0  # the next layer to run; with `plan`, the layer whose experts are awaited
+    plan: LayerPlan | None = None
+    kv: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (layer, k, v [T, K, d]) just written
+    logits: torch.Tensor | None = None  # [S, V] once the last layer is done
+    scored: torch.Tensor | None = None  # [R, V]
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
-                 paged: DecodeAttention | None = None) -> None:
+                 paged: DecodeAttention | None = None, clock: StepClock | None = None,
+                 slow: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.kv = kv
         self.refe = refe
+        self.clock = clock or StepClock()  # (the control plane's watchdog reads how long a call has run)
+        self.slow = slow  # the test-only fault hook: once per step
         # Decode attention that reads each decode token's K/V from its blocks (the CPU's
         # fabric/kernels/paged_attention.cpp, or Triton's), or None: gather into a padded copy, then SDPA.
         self.paged = paged
@@ -87,9 +110,9 @@ class ModelRunner:
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         self.expert_wait_s = 0.0  # wall time spent awaiting expert calls (cumulative, for stats)
         self.forward_s = 0.0
-        # Called with (layer, spans, k [T, K, d], v) once a layer's KV is in the cache: the
-        # checkpointer's async_update. It must return at once.
-        self.kv_sink: Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None] | None = None
+        # Called on the event loop with (layer, spans, k [T, K, d], v) once a layer's KV is in the
+        # cache: the checkpointer's async_update. It must return at once.
+        self.kv_sink: KvSink | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -151,25 +174,72 @@ class ModelRunner:
         """Runs the step; returns logits (float32) for the chunks that sample [S, V] and for the
         rows that score prompt tokens [R, V], each in chunk order."""
         t0 = time.perf_counter()
+        step = self.clock.run(self._first, chunks)
+        while True:
+            self._sink(step)
+            if step.plan is None:
+                break
+            t1 = time.perf_counter()
+            parts = await self.refe.run_plan(step.plan)
+            self.expert_wait_s += time.perf_counter() - t1
+            step = self.clock.run(self._resume, step, parts)
+        self.forward_s += time.perf_counter() - t0
+        assert step.logits is not None and step.scored is not None
+        return step.logits, step.scored
+
+    def forward_local(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step whose experts add nothing (no EW, no event loop, no checkpoints): the warm-up's
+        (attention_worker/warmup.py), and tests of the attention side alone."""
+        step = self._begin(chunks)
+        while step.plan is not None:
+            step = self._resume(step, [])
+        assert step.logits is not None and step.scored is not None
+        return step.logits, step.scored
+
+    def _first(self, chunks: list[Chunk]) -> StepState:
+        if self.slow is not None:  # (the test-only fault hook: a slow device)
+            self.slow()
+        return self._begin(chunks)
+
+    def _sink(self, step: StepState) -> None:
+        if self.kv_sink is not None:
+            for layer, k, v in step.kv:
+                self.kv_sink(layer, step.meta.spans, k, v)
+        step.kv = []
+
+    def _begin(self, chunks: list[Chunk]) -> StepState:
+        """The step's metadata and embeddings, then the layers up to the first MoE layer's routing."""
         meta = self.prepare(chunks).to(self.kv.device)
-        h = self.w.embed[meta.ids]  # [T, D]
-        for i, lw in enumerate(self.w.layers):
-            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps), meta)
-            x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps)
+        return self._advance(StepState(meta, self.w.embed[meta.ids]))  # h [T, D]
+
+    def _resume(self, step: StepState, parts: list[Part]) -> StepState:
+        """A MoE layer's expert results into the residual, then on to the next."""
+        assert step.plan is not None
+        step.h = step.h + combine(step.plan, parts, step.h)
+        step.layer, step.plan = step.plan.layer + 1, None
+        return self._advance(step)
+
+    def _advance(self, step: StepState) -> StepState:
+        """Runs layers from `step.layer` until one needs its experts (its rows planned) or the last
+        is done (the logits made)."""
+        cfg, meta = self.cfg, step.meta
+        for i in range(step.layer, len(self.w.layers)):
+            lw = self.w.layers[i]
+            step.h = step.h + self._attention(i, lw, rms_norm(step.h, lw.input_norm, cfg.rms_norm_eps), meta, step.kv)
+            x = rms_norm(step.h, lw.post_norm, cfg.rms_norm_eps)
             if lw.dense is not None:
-                h = h + swiglu_ffn(x, *lw.dense)
-            else:
-                assert lw.router is not None
-                weights, experts = route(F.linear(x, lw.router), self.cfg.top_k, self.cfg.norm_topk_prob)
-                t1 = time.perf_counter()
-                h = h + await self.refe.dispatch_layer(i, x, experts, weights)
-                self.expert_wait_s += time.perf_counter() - t1
+                step.h = step.h + swiglu_ffn(x, *lw.dense)
+                continue
+            assert lw.router is not None
+            weights, experts = route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
+            step.layer, step.plan = i, plan_layer(i, x, experts, weights, cfg.num_experts)
+            return step
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        last = rms_norm(h[rows], self.w.norm, self.cfg.rms_norm_eps)  # [S + R, D]
+        last = rms_norm(step.h[rows], self.w.norm, cfg.rms_norm_eps)  # [S + R, D]
         logits = to_host(self.w.lm_head(last).float())  # [S + R, V] (sampled on the host)
-        self.forward_s += time.perf_counter() - t0
-        return logits[:s], logits[s:]
+        step.logits, step.scored = logits[:s], logits[s:]
+        return step
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """The decode tokens' attention: q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""
@@ -183,7 +253,8 @@ class ModelRunner:
                                             enable_gqa=True)  # [Bd, H, 1, d]
         return od.squeeze(2)
 
-    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta,
+                   written: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = lw.qkv(x)  # [T, (H + 2K) d]
@@ -201,8 +272,7 @@ class ModelRunner:
         kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
         kc.index_copy_(0, meta.slots, k)  # (as kc[slots] = k, without advanced indexing's overhead)
         vc.index_copy_(0, meta.slots, v)
-        if self.kv_sink is not None:
-            self.kv_sink(i, meta.spans, k, v)
+        written.append((i, k, v))  # (checkpointed from the loop: `_sink`)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
         out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype, device=qkv.device)  # [T, H, d]

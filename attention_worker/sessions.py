@@ -53,9 +53,9 @@ class Parked:
 
 
 class Sessions:
-    def __init__(self, find: Callable[[str], Sequence | None], remove: Callable[[str], None]) -> None:
+    def __init__(self, find: Callable[[str], Sequence | None], remove: Callable[[str, bool], None]) -> None:
         self.find = find  # a running, waiting or restoring request by id
-        self.remove = remove  # aborts a request and frees its KV
+        self.remove = remove  # aborts a request and frees its KV (True: hands its checkpoints over)
         self.parked: dict[str, Parked] = {}
         self.detaches = 0
         self.attaches = 0
@@ -69,7 +69,7 @@ class Sessions:
             seq.detached_until = time.monotonic() + grace
             self.detaches += 1
         else:
-            self.remove(seq.request_id)
+            self.remove(seq.request_id, False)
 
     def connection_lost(self, conn: Connection, request_ids: set[str]) -> None:
         """A gateway connection closed: its requests go on detached or are aborted."""
@@ -83,10 +83,11 @@ class Sessions:
         if seq is not None and seq.client is conn:  # (another gateway may have attached since)
             self.let_go(seq)
 
-    def abort(self, conn: Connection, request_id: str) -> bool:
+    def abort(self, conn: Connection, request_id: str, moved: bool = False) -> bool:
+        """`conn`'s gateway lets go of its request (`moved`: it resumed it on another AW)."""
         seq = self.find(request_id)
         if seq is not None and seq.client is conn:
-            self.remove(request_id)
+            self.remove(request_id, moved)
             return True
         return False
 
@@ -152,6 +153,6 @@ class Sessions:
             if seq.client is None and seq.detached_until is not None and now > seq.detached_until:
                 log.info("%s: no client resumed it within its grace; aborted", seq.request_id)
                 self.expired += 1
-                self.remove(seq.request_id)
+                self.remove(seq.request_id, False)
         for rid in [r for r, p in self.parked.items() if now > p.until]:
             del self.parked[rid]

@@ -1,7 +1,8 @@
 """`--compute sim` for an attention worker: the scheduler, paged KV cache, checkpoints, expert
 calls through the REFE and sampling are all real; the tensor math of a step is replaced by a cost
 model (`attention_ms` per layer, blocking as real compute does; with many workers in one process
-(`--sim-workers`) it sleeps without blocking the others, as compute on a device of its own) and deterministic stand-ins:
+(`--sim-workers`) a sleep that does not block the others, as compute on a device of its own) and
+deterministic stand-ins:
 
     hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
     attention  K and V rows derived from h, written to the cache and checkpointed like real ones
@@ -19,59 +20,87 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
-from attention_worker.forwarding import ForwardingEngine
+from attention_worker.forwarding import ForwardingEngine, plan_layer
 from attention_worker.kv_cache import KVCache
-from attention_worker.model_runner import Chunk, ModelRunner
+from attention_worker.model_runner import Chunk, ModelRunner, StepState
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
+from fabric.steps import StepClock
 
 PEAK = 30.0  # the picked token's logit (others 0): sampling at any usual temperature picks it
 
 
 class SimRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float,
-                 blocking: bool = True) -> None:
-        super().__init__(cfg, cast(AttentionWeights, None), kv, refe)  # (no weights: nothing reads them)
+                 clock: StepClock | None = None, blocking: bool = True) -> None:
+        super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock)  # (no weights: nothing reads them)
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
 
     async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.blocking:
+            return await super().forward(chunks)
+        # Many workers share this process and its loop: each layer's cost is a sleep that does not
+        # block the others (compute on a device of their own), and the stand-ins run inline.
         t0 = time.perf_counter()
+        step = self._begin(chunks)
+        while True:
+            assert isinstance(step, SimStep)
+            await asyncio.sleep(self.attention_s * ((step.layer + 1 if step.plan else step.layer) - step.first))
+            self._sink(step)
+            if step.plan is None:
+                break
+            t1 = time.perf_counter()
+            parts = await self.refe.run_plan(step.plan)
+            self.expert_wait_s += time.perf_counter() - t1
+            step = self._resume(step, parts)
+        self.forward_s += time.perf_counter() - t0
+        assert step.logits is not None and step.scored is not None
+        return step.logits, step.scored
+
+    def _begin(self, chunks: list[Chunk]) -> StepState:
         cfg = self.cfg
         meta = self.prepare(chunks)
         pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
-        ids = meta.ids
-        t = ids.numel()
-        h = torch.sin((ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
-        h = h.to(cfg.torch_dtype)
-        k = cfg.top_k
-        for i in range(cfg.num_layers):
+        h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos))
+
+    def _advance(self, step: StepState) -> StepState:
+        assert isinstance(step, SimStep)
+        cfg, meta = self.cfg, step.meta
+        ids, t, k = meta.ids, meta.ids.numel(), cfg.top_k
+        step.first = step.layer
+        for i in range(step.layer, cfg.num_layers):
+            step.layer = i
             if self.attention_s and self.blocking:
-                time.sleep(self.attention_s)
-            elif self.attention_s:
-                await asyncio.sleep(self.attention_s)
-            kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
+                time.sleep(self.attention_s)  # the cost model, blocking as real compute does
+            kv = step.h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
             self.kv.k[i][meta.slots] = kv
             self.kv.v[i][meta.slots] = kv
-            if self.kv_sink is not None:
-                self.kv_sink(i, meta.spans, kv, kv)
+            step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
-            base = (ids * 7919 + pos * 104729 + i * 1299709) % cfg.num_experts  # [T]
+            base = (ids * 7919 + step.pos * 104729 + i * 1299709) % cfg.num_experts  # [T]
             experts = (base[:, None] + torch.arange(k)[None, :]) % cfg.num_experts  # [T, k], distinct
-            weights = torch.full((t, k), 1.0 / k)
-            t1 = time.perf_counter()
-            h = h + await self.refe.dispatch_layer(i, h, experts, weights)
-            self.expert_wait_s += time.perf_counter() - t1
+            step.plan = plan_layer(i, step.h, experts, torch.full((t, k), 1.0 / k), cfg.num_experts)
+            return step
+        step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        picked = torch.floor(h[rows, :8].float() * 1000).long().sum(1).remainder(cfg.vocab_size)  # [S + R]
+        picked = torch.floor(step.h[rows, :8].float() * 1000).long().sum(1).remainder(cfg.vocab_size)  # [S + R]
         logits = torch.zeros(rows.numel(), cfg.vocab_size)
         logits[torch.arange(rows.numel()), picked] = PEAK
-        self.forward_s += time.perf_counter() - t0
-        return logits[:s], logits[s:]
+        step.logits, step.scored = logits[:s], logits[s:]
+        return step
+
+
+@dataclass
+class SimStep(StepState):
+    pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
+    first: int = 0  # the first layer the last compute call ran (the inline cost model's sleep)

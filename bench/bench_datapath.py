@@ -57,10 +57,10 @@ HF = "transformers generate"
 VLLM = "vLLM CPU"
 LIMIT = "compute limit"
 BW_LIMIT = "memory-bandwidth limit"
-def load_hf(model: Path) -> Any:
+def load_hf(model: Path, device: str = "cpu") -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(device).eval()
 
 
 def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -> Stats:
@@ -76,7 +76,7 @@ def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -
             self.times.append(time.perf_counter())
             return scores
 
-    ids, clock = torch.tensor(prompts, dtype=torch.long), StepClock()
+    ids, clock = torch.tensor(prompts, dtype=torch.long, device=hf.device), StepClock()
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     t0 = time.perf_counter()
@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads for generate (0 = torch default)")
+    ap.add_argument("--device", default="cpu", help="where the fabric's workers and transformers run (cpu, cuda)")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -195,30 +196,31 @@ def main() -> None:
     prompts = make_prompts(max(concs), args.prompt_len, mcfg.vocab_size, args.seed)
     print(f"model {model}: {active / 1e6:.1f}M active params/token; torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
-    hf = load_hf(model)
+    hf = load_hf(model, args.device)
     warm = [prompts[:c] for c in concs]
     for batch in warm:  # warm-up, as every fabric gets
         hf_round(hf, batch, 16, args.hf_threads)
     log_root = tempfile.mkdtemp(prefix="bench-datapath-logs-")
     counts = [int(g) for g in args.gateways.split(",") if g.strip()]
     t0, g0 = transports[0], counts[0]
-    fabrics = {f"fabric {t}": FabricSpec(t, g0) for t in transports}
+    dev = {"device": args.device}
+    fabrics = {f"fabric {t}": FabricSpec(t, g0, **dev) for t in transports}
     for g in counts[1:]:
-        fabrics[f"fabric {t0}, {g} gateway{'s' if g > 1 else ''}"] = FabricSpec(t0, g)
+        fabrics[f"fabric {t0}, {g} gateway{'s' if g > 1 else ''}"] = FabricSpec(t0, g, **dev)
     if args.other_sched:
         for t in transports:
             other = "normal" if auto_sched(t) == "batch" else "batch"
-            fabrics[f"fabric {t}, --sched {other}"] = FabricSpec(t, g0, sched=other)
+            fabrics[f"fabric {t}, --sched {other}"] = FabricSpec(t, g0, sched=other, **dev)
     for sec in [x.strip() for x in args.security.split(",") if x.strip()]:
         if sec not in ("none", "tls"):
             ap.error(f"--security takes none and tls, not {sec!r}")
-        fabrics[f"fabric {t0}, {'no auth' if sec == 'none' else 'TLS'}"] = FabricSpec(t0, g0, security=sec)
+        fabrics[f"fabric {t0}, {'no auth' if sec == 'none' else 'TLS'}"] = FabricSpec(t0, g0, security=sec, **dev)
     if args.torch_matmul:
-        fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch")
+        fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch", **dev)
     if args.unpinned:
-        fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False)
+        fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False, **dev)
     for budget in [int(b) for b in args.step_budgets.split(",") if b.strip()]:
-        fabrics[f"fabric {t0}, --max-batch-tokens {budget}"] = FabricSpec(t0, g0, max_batch_tokens=budget)
+        fabrics[f"fabric {t0}, --max-batch-tokens {budget}"] = FabricSpec(t0, g0, max_batch_tokens=budget, **dev)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])
     systems = [*names, *([VLLM] if args.vllm else []), HF]
     raw: dict[str, dict[int, list[Stats]]] = {s: {c: [] for c in concs} for s in systems}
@@ -315,11 +317,13 @@ def main() -> None:
     print(f"compute limit: best fp32 matmul {best:.1f} GFLOP/s (1024^3) / (2 x {active / 1e6:.1f}M active params)")
     for c in concs:
         print(f"  [{c}, 512] x [512, 4096] matmul: best {max(r[f'{c}x512x4096'] for r in rates):.1f} GFLOP/s")
+    identical: dict[str, dict[str, list[int]]] = {}  # reference -> system -> [streams equal, streams]
     for ref in (HF, VLLM):
         for s in systems:
             if s != ref and streams.get(ref) and streams[s]:
                 same = [sum(a == b for a, b in zip(streams[s][c], streams[ref][c])) for c in concs if c in streams[s]
                         and c in streams[ref]]
+                identical.setdefault(ref, {})[s] = [sum(same), sum(c for c in concs if c in streams[s])]
                 print(f"token-identical to {ref}: {s}: {sum(same)} of {sum(c for c in concs if c in streams[s])} "
                       "greedy streams")
     notes = scan_logs(log_root)
@@ -330,10 +334,13 @@ def main() -> None:
               "active_params_per_token": active, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
               "matmul_gflops": rates, "rows": rows, "per_round_ratios": {s: {str(c): v for c, v in d.items()} for s, d in ratios.items()},
               "vs_vllm_ratios": {s: {str(c): v for c, v in d.items()} for s, d in vs_vllm.items()}, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
-              "errors": errors, "log_notes": notes, "log_dir": log_root}
+              "identical": identical, "device": args.device, "errors": errors, "log_notes": notes, "log_dir": log_root}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, concs, args.out / "datapath_tok_s.png")
-    print(f"wrote {args.out / 'results.json'} and {args.out / 'datapath_tok_s.png'}")
+    try:
+        plot(rows, concs, args.out / "datapath_tok_s.png")
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'datapath_tok_s.png'}")
+    except ImportError:
+        print(f"wrote {args.out / 'results.json'} (no plot: matplotlib is not installed)")
 
 
 if __name__ == "__main__":

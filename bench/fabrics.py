@@ -33,6 +33,7 @@ class FabricSpec(NamedTuple):
     kernel: str = "auto"  # the workers' --kernel
     pin: bool = True  # serve --pin-workers
     max_batch_tokens: int = 0  # serve --max-batch-tokens (0: its default)
+    device: str = "cpu"  # serve --device
 
 
 @contextlib.contextmanager
@@ -45,7 +46,7 @@ def running_fabric(model: Path, spec: FabricSpec, log_root: str,
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=spec.gateways,
                       transport=spec.transport, port=free_port(), ready_timeout=300, sched=spec.sched,
                       auth=spec.security != "none", tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None,
-                      pin_workers=spec.pin, kernel=spec.kernel,
+                      pin_workers=spec.pin, kernel=spec.kernel, device=spec.device,
                       **({"max_batch_tokens": spec.max_batch_tokens} if spec.max_batch_tokens else {}))
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}/v1/completions"
     t = time.perf_counter()

@@ -26,6 +26,7 @@ from fabric.messages.checkpoint import (
     KvAppend,
     KvDone,
     KvFetch,
+    KvHandOff,
     KvPut,
     KvRestore,
     KvSync,
@@ -58,6 +59,7 @@ class CheckpointStore(Service):
                                         secret=cfg.secret, tls=cfg.tls)
         self.listener: Listener | None = None
         self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
+        self.handed_off: set[tuple[str, str]] = set()  # (owner, request) its owner let go of: another AW may take it
         self.fetches = 0
         self.fetch_hits = 0
         self.restored_tokens = 0
@@ -148,6 +150,8 @@ class CheckpointStore(Service):
             elif isinstance(msg, KvDone):
                 for rid in msg.request_ids:
                     bucket.finish(rid)
+            elif isinstance(msg, KvHandOff):
+                await self._hand_off(hello.aw_id, bucket, msg.request_ids)
             elif isinstance(msg, KvSync):
                 await conn.send(KvSynced(msg.nonce))
             elif isinstance(msg, KvFetch):
@@ -189,13 +193,25 @@ class CheckpointStore(Service):
                 log.warning("%s: %s", rid, exc)
             col += count
 
+    async def _hand_off(self, owner: str, bucket: AwBucket, request_ids: list[str]) -> None:
+        """The owner let go of these requests (they resume on another AW): kept, evictable, and
+        free for that AW's fetch, which may be waiting already."""
+        for rid in request_ids:
+            req = bucket.requests.get(rid)
+            if req is not None:
+                req.orphaned = True
+                self.handed_off.add((owner, rid))
+        async with self.owner_gone:
+            self.owner_gone.notify_all()
+
     async def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket, conn: Connection) -> None:
         """Sends the request's committed KV in chunks of whole blocks (`RESTORE_CHUNK_BYTES`)."""
         self.fetches += 1
-        if msg.owner != asker and not await self._owner_gone(msg.owner):
-            log.warning("%s asked for %s of %s, which is still connected: refused", asker, msg.request_id, msg.owner)
+        if msg.owner != asker and not await self._owner_gone(msg.owner, msg.request_id):
+            log.warning("%s asked for %s of %s, which still holds it: refused", asker, msg.request_id, msg.owner)
             await conn.send(KvRestore(msg.call_id, 0, 0, *bucket.layout.empty_kv()))
             return
+        self.handed_off.discard((msg.owner, msg.request_id))
         owner = self.log.buckets.get(msg.owner)
         req = owner.requests.get(msg.request_id) if owner is not None else None
         n = min(req.frontier, max(0, msg.max_tokens)) if req is not None else 0
@@ -213,14 +229,16 @@ class CheckpointStore(Service):
             self.restored_bytes += k.numel() * k.element_size() * 2
         log.info("restored %s (%d tokens) from %s's bucket to %s", msg.request_id, n, msg.owner, asker)
 
-    async def _owner_gone(self, owner: str) -> bool:
-        """A bucket is served to its owner, or to another AW once the owner is gone: its connection
-        ended (the process died) or the orchestrator declared it dead (a hung one). A restore
-        races the owner's death by a few ms, so a fetch waits for it, bounded."""
+    async def _owner_gone(self, owner: str, request_id: str) -> bool:
+        """A bucket is served to its owner, or to another AW once the owner is gone (its connection
+        ended: the process died; or the orchestrator declared it dead: a hung one) or has handed
+        the request over. A restore races the owner's death by a few ms, and a silent owner's
+        verdict or hand-off by up to a lease, so a fetch waits for it, bounded."""
 
         def gone() -> bool:
             conn = self.owners.get(owner)
-            return conn is None or conn.closed or owner in self.dead_since
+            return (conn is None or conn.closed or owner in self.dead_since
+                    or (owner, request_id) in self.handed_off)
 
         async with self.owner_gone:
             try:
@@ -239,6 +257,8 @@ class CheckpointStore(Service):
             if now - since > self.cfg.orphan_ttl_s:
                 self.log.drop_aw(aw)
                 del self.dead_since[aw]
+        buckets = self.log.buckets  # (hand-offs of requests evicted or dropped since)
+        self.handed_off = {(o, r) for o, r in self.handed_off if o in buckets and r in buckets[o].requests}
 
     def stats(self) -> dict[str, Any]:
         return {

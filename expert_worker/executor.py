@@ -17,6 +17,7 @@ import torch
 from expert_worker.gather import PendingCall
 from fabric import device as dev
 from fabric.kernels import choose, skinny
+from fabric.messages.expert import ExpertCall
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
 from fabric.model.expert_weights import ExpertTensors, expert_kernel, expert_names, prepare_expert
@@ -116,6 +117,37 @@ class ExpertExecutor:
             gate_up, down = (store.get(n) for n in expert_names(layer, expert))
             self.premapped[(layer, expert)] = (gate_up, down)
 
+    def warm_up(self) -> int:
+        """Runs the cold paths before the worker says it is ready (in the compute thread): every
+        hosted expert once (a standby: two of those it mapped ahead), and one layer at each row
+        count the kernels treat apart: 1, 3 and 16 (Triton specialises an integer argument equal
+        to 1 or divisible by 16), and 80 (past the skinny kernel's 48 rows). Returns the batches run."""
+        self.choose_kernel()
+        scratch = [] if self.experts else sorted(self.premapped)[:2]
+        if scratch:  # (a standby: its kernels and JIT warmed on experts it may never serve)
+            self._place({u: self.premapped[u] for u in scratch})
+        counts = dict(self.tokens_by_expert)
+        try:
+            by_layer: dict[int, list[int]] = {}
+            for layer, e in sorted(self.experts):
+                by_layer.setdefault(layer, []).append(e)
+            batches = [(layer, experts, 1) for layer, experts in by_layer.items()]
+            first = next(iter(by_layer.items()), None)
+            if first is not None:
+                batches += [(first[0], first[1], rows) for rows in (3, 16, 80)]
+            for layer, experts, rows in batches:
+                per = [rows // len(experts) + (i < rows % len(experts)) for i in range(len(experts))] \
+                    if rows > 1 else [1] * len(experts)
+                x = torch.zeros(sum(per), self.cfg.hidden_size, dtype=self.cfg.torch_dtype)  # [R, D]
+                self._run([PendingCall("warm-up", None, ExpertCall(0, 0, layer, experts, per, x))])  # type: ignore[arg-type]
+            return len(batches)
+        finally:
+            self.tokens_by_expert = counts
+            for u in scratch:
+                self.experts.pop(u, None)
+            for layer in {lyr for lyr, _ in scratch}:
+                self.stacks.pop(layer, None)
+
     def missing(self, call_layer: int, experts: list[int]) -> list[int]:
         return [e for e in experts if (call_layer, e) not in self.experts]
 
@@ -142,7 +174,7 @@ class ExpertExecutor:
             parts = groups[unit]
             x = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
             xs.append(dev.to_device(x[0] if len(x) == 1 else torch.cat(x), self.device))
-            self.tokens_by_expert[unit] += xs[-1].shape[0]
+            self.tokens_by_expert[unit] = self.tokens_by_expert.get(unit, 0) + xs[-1].shape[0]
         if self.triton is not None:
             ys = self._fused(units, xs)
         elif self.gemm is not None:  # every expert in one call to the kernel's module

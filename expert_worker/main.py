@@ -2,8 +2,9 @@
 
 Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
 over the rows of all calls in the batch -> send each AW its results. Connection handlers only
-validate and enqueue; the torch work runs in a thread, so the loop keeps answering probes. The
-role runtime (fabric/runtime.py) keeps the orchestrator link; the data path does not need it.
+validate and enqueue. The AWs' control channels (their probes, whether they have a batch running)
+and the orchestrator link are served on the control plane's loop (fabric/runtime.py), which never
+waits for a batch, however long it takes. The data path does not need the orchestrator.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -31,16 +31,11 @@ from fabric.model.weight_store import MappedStore, open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
+from fabric.steps import StepClock
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener
 
 log = logging.getLogger("expert_worker")
-
-# A decode-sized batch (a few ms of experts) runs on the event loop: handing it to the compute
-# thread and back costs two wake-ups a layer, 8-10 % of the fabric's CPU at 16 streams
-# (docs/performance.md). A larger one (a prefill) runs in the thread, so that liveness probes
-# (every 10 ms by default) are answered while it does.
-INLINE_ROWS = 64
 
 
 class ExpertWorker(Service):
@@ -67,18 +62,16 @@ class ExpertWorker(Service):
         self.stale_calls = 0  # calls tagged with an older epoch: still served (we host the expert)
         self.fenced: set[str] = set()  # AWs the orchestrator declared dead: never waited for, never served
         self.conns: dict[str, dict[str, Connection]] = {}  # AW -> channel ("control", "data") -> its connection
-        self.stalled = asyncio.Event()  # the test-only fault hook: a stuck reader (fabric/faults.py)
-        # Experts run in one thread of their own, with the configured intra-op threads: torch's
-        # thread count is per calling thread for OpenMP, and a default pool thread would run two
-        # OpenMP threads whose spin-waiting took ~0.7 of a core per EW between batches here.
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts",
-                                          initializer=torch.set_num_threads, initargs=(cfg.threads,))
+        self.slow = faults.slow_steps()  # the test-only fault hook: slow batches
+        self.clock = StepClock()
+        self.warmup_s: float | None = None  # the cold paths, run once before the first WorkerReady
 
     # -- connection handlers ------------------------------------------------------------------
     async def handle_conn(self, conn: Connection) -> None:
+        """An AW's data channel (its control channel is on this worker's control port)."""
         hello = await conn.recv()
-        if not isinstance(hello, Hello) or hello.channel not in ("control", "data"):
-            raise ProtocolError(f"expected hello, got {hello.kind}")
+        if not isinstance(hello, Hello) or hello.channel != "data":
+            raise ProtocolError(f"expected a data hello, got {hello.kind}")
         if hello.aw_id in self.fenced:
             raise ProtocolError(f"{hello.aw_id} was declared dead")
         channels = self.conns.setdefault(hello.aw_id, {})
@@ -91,18 +84,35 @@ class ExpertWorker(Service):
         if hello.channel == "data":
             conn.land_frames_on(self.executor.device)  # (calls and results as the GPU's memory where UCX can)
         try:
-            if hello.channel == "control":
-                await self._control_loop(hello.aw_id, conn)
-            else:
-                await self._data_loop(hello.aw_id, conn)
+            await self._data_loop(hello.aw_id, conn)
         finally:
             channels = self.conns.get(hello.aw_id, {})
             if channels.get(hello.channel) is conn:
                 del channels[hello.channel]
-            if not channels:  # none of its links left: never wait for its calls
+            self.pending = [p for p in self.pending if p.conn is not conn]  # nobody reads those results
+            if not channels:  # its data link is gone: never wait for its calls
                 self.conns.pop(hello.aw_id, None)
                 self.active_aws.discard(hello.aw_id)
                 self.wakeup.set()
+
+    def control_message(self, peer: str, msg: Message | None) -> None:
+        """(control loop) An AW's control channel: its hello, whether it has a batch running, its end."""
+        if isinstance(msg, Hello):
+            if peer in self.fenced:
+                raise ProtocolError(f"{peer} was declared dead")
+        elif isinstance(msg, AwActivity) or msg is None:
+            assert self.runtime is not None
+            self.runtime.control.to_main(self._activity, peer, msg is not None and msg.active)
+        else:
+            raise ProtocolError(f"unexpected {msg.kind} on the control channel")
+
+    def _activity(self, aw_id: str, active: bool) -> None:
+        """Gather policies wait only for the AWs that have a batch running (and a control channel)."""
+        if active and aw_id not in self.fenced:
+            self.active_aws.add(aw_id)
+        else:
+            self.active_aws.discard(aw_id)
+        self.wakeup.set()
 
     # -- the role runtime's side ---------------------------------------------------------------
     async def start(self, runtime: Runtime) -> int:
@@ -110,8 +120,8 @@ class ExpertWorker(Service):
         torch.set_num_threads(self.cfg.threads)
         if self.cfg.standby:  # warm: the kernel loaded now and every expert of the store mapped ahead
             await run_niced_async(self._premap, self.cfg.boot_nice)
+            await self._warm_up()
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
-        faults.stall_on_signal(self.stalled)
         runtime.spawn(self.main_loop(runtime.stop), main_loop=True)
         log.info("expert worker listening on %s:%d (%s)", self.cfg.host, self.listener.port, self.transport.name)
         return self.listener.port
@@ -140,12 +150,27 @@ class ExpertWorker(Service):
                      "mapped" if self.executor.bytes_mapped > mapped else "read", len(todo), msg.slot,
                      (self.executor.bytes_read - read + self.executor.bytes_mapped - mapped) / 2**20,
                      time.perf_counter() - t0)
+        await self._warm_up()
         self.slot, self.loaded = msg.slot, True
         try:
-            await self.runtime.link.send(WorkerReady(self.epoch, msg.op))
+            await self.runtime.send(WorkerReady(self.epoch, msg.op))
         except PeerDeadError:
             pass  # the next orchestrator learns it from the registration (ready, slot, experts)
         self.runtime.ready()
+
+    async def _warm_up(self) -> None:
+        """Runs the cold paths (the kernels' build, JIT, first launches) once, in the compute
+        thread, before the worker first says it is ready: the first real batch is then warm."""
+        if self.warmup_s is not None:
+            return
+        t0 = time.perf_counter()
+        batches = self.clock.run(self.executor.warm_up)
+        self.warmup_s = time.perf_counter() - t0
+        if batches:
+            log.info("warm-up: %d batches of experts in %.0f ms", batches, self.warmup_s * 1e3)
+
+    def busy_for(self) -> float:
+        return self.clock.running_for()
 
     def _premap(self) -> None:
         self.executor.choose_kernel()
@@ -180,7 +205,8 @@ class ExpertWorker(Service):
         return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
                 "stale_calls": self.stale_calls, "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
                 "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
-                "tokens_by_expert": tokens, "kernel": self.executor.kernel}
+                "tokens_by_expert": tokens, "kernel": self.executor.kernel,
+                "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None}
 
     def abort(self) -> None:
         self.transport.abort_all()
@@ -188,7 +214,6 @@ class ExpertWorker(Service):
     async def close(self) -> None:
         if self.listener is not None:
             await self.listener.close()
-        self.compute.shutdown(wait=False, cancel_futures=True)
 
     async def routing_update(self, view: ClusterView) -> None:
         """From the orchestrator: the newest epoch, and the workers it declared dead. An EW never
@@ -204,29 +229,17 @@ class ExpertWorker(Service):
             self.pending = [p for p in self.pending if p.aw_id != aw_id]
             for conn in self.conns.pop(aw_id, {}).values():
                 await conn.close()
+            assert self.runtime is not None
+            await self.runtime.drop_peer(aw_id)
         if newly:
-            self.wakeup.set()
-
-    async def _control_loop(self, aw_id: str, conn: Connection) -> None:
-        try:
-            while True:
-                msg = await conn.recv()
-                if isinstance(msg, AwActivity):
-                    (self.active_aws.add if msg.active else self.active_aws.discard)(aw_id)
-                    self.wakeup.set()
-                elif isinstance(msg, Ping):
-                    await conn.send(Pong(msg.nonce))
-                else:
-                    raise ProtocolError(f"unexpected {msg.kind} on the control channel")
-        finally:
-            self.active_aws.discard(aw_id)  # never wait for an AW whose link is gone
             self.wakeup.set()
 
     async def _data_loop(self, aw_id: str, conn: Connection) -> None:
         while True:
-            if self.stalled.is_set():
-                await asyncio.Event().wait()  # the fault hook: never read this connection again
             msg = await conn.recv()
+            if isinstance(msg, Ping):  # an AW checking that this data path works again (a relink)
+                conn.send_nowait(Pong(msg.nonce))
+                continue
             if not isinstance(msg, ExpertCall):
                 raise ProtocolError(f"unexpected {msg.kind} on the data channel")
             self._validate(msg)
@@ -268,10 +281,7 @@ class ExpertWorker(Service):
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
             t0 = time.perf_counter()
-            if sum(p.rows for p in batch) <= INLINE_ROWS:
-                outputs = self.executor.run(batch)
-            else:  # in a thread (the GIL released): the loop keeps answering liveness probes meanwhile
-                outputs = await asyncio.get_running_loop().run_in_executor(self.compute, self.executor.run, batch)
+            outputs = self.clock.run(self._run, batch)
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):
@@ -280,6 +290,11 @@ class ExpertWorker(Service):
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
 
+    def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
+        """One batch (on this loop: the control plane answers for the worker meanwhile)."""
+        if self.slow is not None:
+            self.slow()
+        return self.executor.run(batch)
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:

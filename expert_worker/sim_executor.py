@@ -44,6 +44,9 @@ class SimExecutor(ExpertExecutor):
     def premap(self, store: MappedStore, units: list[tuple[int, int]]) -> None:
         pass
 
+    def warm_up(self) -> int:
+        return 0  # (nothing cold: no kernels, no weights)
+
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         outs = []
         rows = 0

@@ -50,6 +50,11 @@ class RoleConfig:
                                         metavar="PATH")
     host: str = opt("127.0.0.1", "address to listen on and to advertise")
     port: int = opt(0, "port to listen on (0: any free port)")
+    advertise_port: int = opt(0, "the port peers dial to reach this worker, where it is not the one it listens on "
+                                 "(a port forward, a proxy in front of it; 0: that one)")
+    control_port: int = opt(0, "the port of this worker's control channel: peers' probes and the like, served apart "
+                               "from its compute (0: any free port)")
+    advertise_control_port: int = opt(0, "the control port peers dial, where it is not the one bound (0: that one)")
     transport: str = opt("auto", "the AW/EW/store/gateway transport (auto: ucx where UCX finds RDMA, else tcp)",
                          choices=TRANSPORTS)
     boot_nice: int = opt(0, "run start-up (imports, weight loading) this much nicer, 0..19, or 20: in the idle class "
@@ -67,7 +72,8 @@ class RoleConfig:
         parse_hostport(self.orchestrator)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
-        check_port(self.port, "port")
+        for name in ("port", "advertise_port", "control_port", "advertise_control_port"):
+            check_port(getattr(self, name), name)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}")
         check_boot_nice(self.boot_nice, "boot_nice")
@@ -122,6 +128,9 @@ class WorkerConfig(RoleConfig):
                                 "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
+    step_timeout_s: float = opt(60.0, "a compute call (an AW's step, an EW's batch) that runs longer than this is a wedged "
+                                      "device or a bug: the worker stops and the fabric replaces it (0: never); a slow "
+                                      "step below it is not a failure, whatever it costs")
     device: str = opt("cpu", "where weights, the KV cache and the compute live: cpu, cuda or cuda:N (the wire and the "
                              "checkpoint store stay in host memory; serve --device cuda hands worker i GPU i modulo "
                              "the GPUs visible)")
@@ -143,8 +152,8 @@ class WorkerConfig(RoleConfig):
         if self.sim_workers > 1 and (self.compute != "sim" or self.port != 0 or self.standby):
             raise ConfigError("--sim-workers > 1 needs --compute sim and --port 0 (each worker listens on a port of "
                               "its own), and no --standby")
-        if self.weight_store_wait_s < 0:
-            raise ConfigError("weight_store_wait_s must be >= 0")
+        if self.weight_store_wait_s < 0 or self.step_timeout_s < 0:
+            raise ConfigError("weight_store_wait_s and step_timeout_s must be >= 0")
         if self.compute not in ("model", "sim"):
             raise ConfigError(f"unknown compute {self.compute!r}; choose model or sim")
         check_kernel(self.kernel)
@@ -283,7 +292,12 @@ class OrchestratorConfig:
                                          "(0..19; 20: the idle class)")
     replacement_delay_ms: float = opt(500.0, "start a replacement this long after the death, once the survivors have "
                                              "taken over its work")
-    confirm_timeout_ms: float = opt(250.0, "a worker a peer reports dead is declared dead unless it answers within this")
+    lease_ms: float = opt(700.0, "a worker silent on its link to the orchestrator this long, a probe sent at half of "
+                                 "it unanswered, is dead: a hung process, or a machine gone without closing its "
+                                 "sockets; a pause shorter than the lease less a heartbeat is not a death (a worker "
+                                 "not serving yet has 10 s)")
+    heartbeat_ms: float = opt(150.0, "workers send a heartbeat to the orchestrator this often (from their event loop, "
+                                     "which never waits on compute)")
     rejoin_grace_ms: float = opt(1000.0, "a worker whose link dropped is declared dead unless it registers again "
                                          "within this (a peer's report or a clean exit declares it at once)")
     recovery_grace_s: float = opt(3.0, "a (re)started orchestrator waits this long for workers of an earlier one to "
@@ -314,8 +328,10 @@ class OrchestratorConfig:
             raise ConfigError(f"unknown provisioner {self.provisioner!r}; choose none, local or supervisor")
         if self.provisioner == "supervisor" and self.supervisor_fd is None:
             raise ConfigError("--provisioner supervisor is for a supervisor that passes --supervisor-fd")
-        if self.max_replacements < 0 or self.confirm_timeout_ms <= 0 or self.replacement_delay_ms < 0:
-            raise ConfigError("max_replacements and replacement_delay_ms must be >= 0, confirm_timeout_ms > 0")
+        if self.max_replacements < 0 or self.replacement_delay_ms < 0:
+            raise ConfigError("max_replacements and replacement_delay_ms must be >= 0")
+        if self.heartbeat_ms <= 0 or self.lease_ms < 3 * self.heartbeat_ms:
+            raise ConfigError("heartbeat_ms must be > 0 and lease_ms at least 3 heartbeats")
         if self.rejoin_grace_ms < 0 or self.recovery_grace_s < 0 or self.generation < 0:
             raise ConfigError("rejoin_grace_ms, recovery_grace_s and generation must be >= 0")
         check_boot_nice(self.replacement_boot_nice, "replacement_boot_nice")

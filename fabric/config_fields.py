@@ -91,10 +91,10 @@ def auto_sched(transport: str) -> str:
 
 
 PROBE_INTERVAL_HELP = "probe a peer that is silent with work in flight this often (0: no probes)"
-PROBE_MISSES_HELP = "unanswered probes before the peer is declared dead"
+PROBE_MISSES_HELP = "unanswered probes before the peer is suspected and routed around (the orchestrator says who is dead)"
 SECRET_HELP = ("file holding the cluster secret (mode 0600) that every internal connection proves; default: "
                "$MOE_FABRIC_CLUSTER_SECRET; with neither, nothing is authenticated and only loopback is allowed")
 TLS_CERT_HELP = "the cluster's TLS certificate (PEM): TCP links and HTTP servers use TLS (not with --transport ucx)"
 TLS_KEY_HELP = "the TLS certificate's private key (PEM)"
-SEND_TIMEOUT_HELP = ("a peer that does not drain what this process sends for this long is declared dead "
-                     "(a stuck reader answers probes but blocks its senders)")
+SEND_TIMEOUT_HELP = ("a peer that does not drain what this process sends for this long loses that connection "
+                     "and is routed around (a stuck reader answers probes but blocks its senders)")

@@ -26,7 +26,7 @@ import aiohttp
 from fabric import auth
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
-from fabric.messages.control import Fenced, LinkProbe, LinkProbeReply, Register, Registered, ViewReport
+from fabric.messages.control import Fenced, Heartbeat, LinkProbe, LinkProbeReply, Register, Registered, ViewReport
 from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def ws_channel(ws: aiohttp.ClientWebSocketResponse | Any) -> tuple[auth.Read, au
 
 
 class Registration(Message):
-    """Put in the inbox after every (re)registration (not sent on the wire)."""
+    """Delivered after every (re)registration (not sent on the wire)."""
 
 
 class _Stale(Exception):
@@ -75,16 +75,17 @@ class _Stale(Exception):
 
 class ControlLink:
     def __init__(self, address: Callable[[], tuple[str, int]], make_register: Callable[[], Register],
-                 secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
+                 deliver: Callable[[Message], None], secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address  # asked again before every connection: the orchestrator may move
         self.secret = secret
         self.tls = tls
         self.url = self._url()
         self.make_register = make_register
+        self.deliver = deliver  # the orchestrator's messages (and a `Registration` after each registration)
         self.worker_id = ""
         self.generation = 0  # the newest orchestrator generation this worker followed
         self.connected = asyncio.Event()
-        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.fenced: str | None = None  # why the orchestrator declared this worker dead
         self.registrations = 0
         self.leaving = False  # this worker is shutting down: a closed link is no news
@@ -166,16 +167,30 @@ class ControlLink:
         self.registrations += 1
         self._ws = ws
         self.connected.set()
-        self.inbox.put_nowait(Registration())
-        while True:
-            msg = await self._receive(ws)
-            if isinstance(msg, LinkProbe):  # answered here, whatever the main loop is doing
-                await ws.send_bytes(pack(LinkProbeReply(msg.nonce)))
-            elif isinstance(msg, Fenced):
-                self.fenced = msg.reason
-                return
-            else:
-                self.inbox.put_nowait(msg)
+        self.deliver(Registration())
+        beat = asyncio.create_task(self._beat(ws, reply.heartbeat_ms / 1000)) if reply.heartbeat_ms > 0 else None
+        try:
+            while True:
+                msg = await self._receive(ws)
+                if isinstance(msg, LinkProbe):  # answered here, whatever the main loop is doing
+                    await ws.send_bytes(pack(LinkProbeReply(msg.nonce)))
+                elif isinstance(msg, Fenced):
+                    self.fenced = msg.reason
+                    return
+                else:
+                    self.deliver(msg)
+        finally:
+            if beat is not None:
+                beat.cancel()
+
+    @staticmethod
+    async def _beat(ws: aiohttp.ClientWebSocketResponse, interval: float) -> None:
+        """This worker's lease on the orchestrator's side (orchestrator/verdicts.py)."""
+        data = pack(Heartbeat())
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+            while not ws.closed:
+                await ws.send_bytes(data)
+                await asyncio.sleep(interval)
 
     async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> Message:
         msg = await ws.receive()

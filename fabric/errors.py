@@ -39,8 +39,9 @@ class PeerDeadError(FabricError):
 
 
 class PeerStalledError(PeerDeadError):
-    """The peer took no data for the send deadline: a stuck reader on a live connection. It may
-    still answer probes, so this is definitive evidence, not a suspicion."""
+    """The peer took no data (or gave no result) for the send deadline: a stuck reader on a live
+    connection, or a slow one. It may still answer probes: the link is routed around like a dead
+    one, and tried again; whether the process is dead is the orchestrator's verdict."""
 
 
 class RequestError(FabricError):

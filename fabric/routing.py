@@ -35,6 +35,7 @@ class EwAddress:
     host: str
     port: int
     sync: bool = True  # its gather policy waits for every active AW: send it a call every layer, empty or not
+    control_port: int = 0  # its control channel (probes, activity), served on its control loop
 
 
 @dataclass(frozen=True, eq=False)

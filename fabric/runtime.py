@@ -1,15 +1,24 @@
 """The one lifecycle every worker role shares (AW, EW, checkpoint store, gateway): start, register,
 follow the orchestrator, report, reconnect, shut down. A role plugs a `Service` into `Runtime`.
 
-    start        service.start(): listeners up, what needs no orchestrator done; the port to advertise
-    register     ControlLink: the websocket, (re)registration with this worker's id, generation and view
-    follow       one dispatcher hands control messages to service.handle() in order; RoutingUpdate
-                 also becomes `runtime.view`, which the next registration reports back
+Two loops (fabric/control_plane.py): the data plane's, which runs the service (and its compute,
+inline), and the control plane's, in a thread of its own, which runs the orchestrator link, the
+control port (fabric/control_port.py) and the steps' watchdog. Nothing the control loop does waits
+on compute, so a worker whose step takes seconds is not taken for a dead one.
+
+    start        service.start() (data loop): listeners up, what needs no orchestrator done; the
+                 port to advertise; then the control port (control loop)
+    register     ControlLink (control loop): the websocket, (re)registration with this worker's id,
+                 generation and view; a Heartbeat every `Registered.heartbeat_ms` (its lease)
+    follow       one dispatcher (data loop) hands control messages to service.handle() in order;
+                 RoutingUpdate also becomes `runtime.view`, which the next registration reports back
     report       WorkerStats every second; PeerFailed through `report_dead`, re-sent after every
-                 registration for peers still considered dead (a new orchestrator heard nothing)
+                 registration for peers still suspected (a new orchestrator heard nothing)
+    watch        a step running past `--step-timeout-s` (a wedged device, a bug): the process exits,
+                 which its peers see at once (the control loop answers for it otherwise)
     reconnect    the link drops -> the service keeps serving; the link reconnects on its own
     shut down    stop (SIGINT/SIGTERM, Drain, a failed main loop, or Fenced) -> Leaving to the orchestrator,
-                 service.close(), the link closed; idempotent and in this order
+                 service.close(), the control port and the link closed; idempotent and in this order
 
 A main loop runs under `runtime.spawn`, so an unexpected exception is logged with its traceback
 and stops the process (exit code 1) instead of dying silently.
@@ -31,6 +40,8 @@ from fabric import view_delta
 from fabric.auth import check_bind
 from fabric.config import RoleConfig
 from fabric.control_link import ControlLink, Registration
+from fabric.control_plane import ControlPlane
+from fabric.control_port import ControlPort
 from fabric.errors import ConfigError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import (
@@ -47,7 +58,7 @@ from fabric.messages.control import (
 )
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, mark_failed
-from fabric.transport import resolve_transport_name
+from fabric.transport import make_transport, resolve_transport_name
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +100,16 @@ class Service(abc.ABC):
         """A small load report for /cluster, or None for none."""
         return None
 
+    def control_message(self, peer: str, msg: Message | None) -> None:
+        """(control loop) What a peer sent on this worker's control port besides probes: its
+        `Hello` first (raise ProtocolError to refuse it), None once its connection ended."""
+        if msg is not None and msg.kind != "hello":
+            raise ProtocolError(f"unexpected {msg.kind} on the control port")
+
+    def busy_for(self) -> float:
+        """(any thread) How long the compute call under way has run (0: none): the watchdog's."""
+        return 0.0
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stops serving: listeners and links closed, in the role's order. Called once."""
@@ -98,16 +119,24 @@ class Service(abc.ABC):
 
 
 class Runtime:
-    def __init__(self, cfg: RoleConfig, service: Service) -> None:
+    def __init__(self, cfg: RoleConfig, service: Service, separate: bool = True) -> None:
         self.cfg = cfg
         self.service = service
         self.stop = asyncio.Event()
         self.view: ClusterView | None = None  # the newest view received (reported back when registering)
         self.port = 0
+        self.control_port_number = 0
         self.secret = cfg.secret
         tls = cfg.tls
-        self.link = ControlLink(lambda: cfg.orchestrator_addr, self._register, self.secret,
+        # (`separate`: the control plane in a thread of its own; many simulated workers share a loop)
+        self.control = ControlPlane(separate)
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()  # the orchestrator's messages, on the data loop
+        self.link = ControlLink(lambda: cfg.orchestrator_addr, self._register, self._deliver, self.secret,
                                 tls.client if tls is not None else None)
+        # Peers dial it to probe this worker: TCP whatever the data transport (fabric/control_port.py)
+        self.control_transport = make_transport("tcp", send_timeout=cfg.send_timeout_ms / 1000, secret=cfg.secret,
+                                                tls=tls)
+        self.control_port = ControlPort(self.control_transport, service.control_message)
         self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
@@ -119,10 +148,18 @@ class Runtime:
         return self.link.worker_id
 
     def _register(self) -> Register:
+        """(control loop) `service.registration()` reads the data plane's state from this thread:
+        a snapshot, taken under the GIL."""
         fields = self.service.registration()
         fields["info"] = {**fields.get("info", {}), "node": node_name()}
-        return Register(self.service.role, os.getpid(), self.cfg.host, self.port, self.link.worker_id,
-                        self.link.generation, self.view, **fields)
+        cfg = self.cfg
+        return Register(self.service.role, os.getpid(), cfg.host, cfg.advertise_port or self.port, self.link.worker_id,
+                        self.link.generation, self.view,
+                        control_port=cfg.advertise_control_port or self.control_port_number, **fields)
+
+    def _deliver(self, msg: Message) -> None:
+        """(control loop) A message from the orchestrator, for the dispatcher on the data loop."""
+        self.control.to_main(self.inbox.put_nowait, msg)
 
     def spawn(self, coro: Coroutine[Any, Any, None], main_loop: bool = False) -> asyncio.Task[None]:
         """A task referenced until done; a main loop's unexpected exception stops the process."""
@@ -136,7 +173,12 @@ class Runtime:
         self.crashed = True
         self.stop.set()
         self.service.abort()
+        self.control_port.abort()
         self.link.abort()
+
+    async def drop_peer(self, peer: str) -> None:
+        """Closes `peer`'s connection to this worker's control port (it was declared dead)."""
+        await self.control.run(self.control_port.drop(peer))
 
     def ready(self) -> None:
         """The worker serves: tell the supervisor (once)."""
@@ -144,23 +186,27 @@ class Runtime:
             self._ready = True
             notifier().send("READY=1")
 
-    def report_dead(self, peer: str, reason: str, definitive: bool = False) -> None:
-        """Tells the orchestrator (whose verdict is authoritative) that a peer is dead; without an
-        orchestrator now, the next one hears it after this worker registers with it."""
+    def report_dead(self, peer: str, reason: str) -> None:
+        """Tells the orchestrator (whose verdict is authoritative) that this worker cannot reach a
+        peer; without an orchestrator now, the next one hears it after this worker registers with it."""
         self.suspects[peer] = reason
-        self.spawn(self._send_quietly(PeerFailed(peer, reason, definitive)))
+        self.spawn(self._send_quietly(PeerFailed(peer, reason)))
 
     def cleared(self, peer: str) -> None:
         """The orchestrator vouched for `peer` (PeerAlive)."""
         self.suspects.pop(peer, None)
 
+    async def send(self, msg: Message) -> None:
+        """To the orchestrator (over the control loop); PeerDeadError when none is connected."""
+        await self.control.run(self.link.send(msg))
+
     async def _send_quietly(self, msg: Message) -> None:
         with contextlib.suppress(PeerDeadError):
-            await self.link.send(msg)
+            await self.send(msg)
 
     async def _dispatch(self) -> None:
         while True:
-            msg = await self.link.inbox.get()
+            msg = await self.inbox.get()
             if isinstance(msg, Registration):
                 for peer, reason in list(self.suspects.items()):
                     await self._send_quietly(PeerFailed(peer, reason))
@@ -212,7 +258,7 @@ class Runtime:
             last, last_at, registrations = stats, now, self.link.registrations
             await self._send_quietly(WorkerStats(stats))
 
-    async def _watch_link(self, link_task: asyncio.Task[None]) -> None:
+    async def _watch_link(self, link_task: asyncio.Future[None]) -> None:
         await asyncio.wait([link_task])
         if self.link.fenced is not None and not self.stop.is_set():
             # Expected after a hang (SIGSTOP, a stall): the fabric has replaced this worker meanwhile.
@@ -220,6 +266,20 @@ class Runtime:
                         self.link.fenced)
             mark_failed()
             self.stop.set()
+
+    async def _watch_steps(self, timeout: float) -> None:
+        """(control loop) A step that runs past `timeout` is a wedged device or a bug, not
+        slowness: the process exits, as NCCL's watchdog ends one, and its peers see it at once
+        (this loop would answer their probes for it for ever)."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            busy = self.service.busy_for()
+            if busy > timeout:
+                log.error("%s: a compute call has run for %.1f s (--step-timeout-s %g): the device or a kernel is "
+                          "wedged; exiting, so that the fabric takes over this worker's work",
+                          self.worker_id or "this worker", busy, timeout)
+                logging.shutdown()
+                os._exit(1)
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.stop = stop
@@ -229,8 +289,13 @@ class Runtime:
             # ucxx's listener binds every interface whatever the host (fabric/transport/ucx.py)
             raise ConfigError("the ucx transport listens on every interface: it needs a cluster secret "
                               "(--cluster-secret-file); or use --transport tcp")
+        self.control.start()
         self.port = await self.service.start(self)
-        link_task = asyncio.create_task(self.link.run())
+        self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host, self.cfg.control_port))
+        link_task = asyncio.wrap_future(self.control.submit(self.link.run()))
+        step_timeout = float(getattr(self.cfg, "step_timeout_s", 0.0))
+        watch = self.control.submit(self._watch_steps(step_timeout)) if step_timeout > 0 and self.control.separate \
+            else None
         self.spawn(self._watch_link(link_task))
         self.spawn(self._dispatch(), main_loop=True)
         self.spawn(self._report())
@@ -246,5 +311,9 @@ class Runtime:
             if self.crashed:  # every socket of a killed process goes at once: the orchestrator's too
                 link_task.cancel()
             await self.service.close()
+            await self.control.run(self.control_port.close())
             link_task.cancel()
+            if watch is not None:
+                watch.cancel()
             await asyncio.gather(link_task, *self._tasks, return_exceptions=True)
+            self.control.stop()

@@ -27,7 +27,7 @@ async def serve_workers(cfg: WorkerConfig, make: Callable[[], Service], stop: as
     if cfg.sim_workers == 1 and not cfg.sim_control:
         await Runtime(cfg, make()).serve(stop)
         return
-    runtimes = [Runtime(cfg, make()) for _ in range(cfg.sim_workers)]
+    runtimes = [Runtime(cfg, make(), separate=False) for _ in range(cfg.sim_workers)]  # (one loop for all)
     stops = [asyncio.Event() for _ in runtimes]
     tasks = [asyncio.create_task(rt.serve(ev)) for rt, ev in zip(runtimes, stops)]
     control = asyncio.create_task(read_commands(runtimes)) if cfg.sim_control else None

@@ -1,6 +1,7 @@
 """One AW as a gateway sees it (`AwClient`): its connection, the requests in flight there and the
 queues their tokens go to, its reported load, and whether it is hung (no answer to probes for
-longer than its messages usually take)."""
+longer than its messages usually take). Probes go to the AW's control port (a second connection),
+answered by its control plane, so a step that takes seconds is not silence."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Event:
     error: str | None = None
     status: int = 0
     retryable: bool = False  # the AW was lost: the request can resume on another AW
+    death: bool = False  # ...because its connection ended (a process that exited), not a verdict of silence
     prompt: PromptScores | None = None  # with the first token, if the request scores its prompt
 
 
@@ -48,11 +50,13 @@ class Pending:
 
 
 class AwClient:
-    def __init__(self, worker_id: str, conn: Connection) -> None:
+    def __init__(self, worker_id: str, conn: Connection, probe: Connection | None = None) -> None:
         self.worker_id = worker_id
         self.conn = conn
+        self.probe = probe or conn  # where pings go: the AW's control port
         self.requests: dict[str, Pending] = {}
         self.reader: asyncio.Task[None] | None = None
+        self.prober: asyncio.Task[None] | None = None
         self.probes = 0  # pings sent since it was last heard
         self.last_heard = time.monotonic()
         self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
@@ -88,11 +92,18 @@ class AwClient:
         if self.probes >= misses and silent > max(interval * (misses + 1), 5 * self.gap, self.min_silence):
             return f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms"
         try:
-            self.conn.send_nowait(Ping(nonce))
+            self.probe.send_nowait(Ping(nonce))
         except PeerDeadError:
             return None  # (its reader finds the connection gone)
         self.probes += 1
         return None
+
+    async def close(self) -> None:
+        if self.prober is not None:
+            self.prober.cancel()
+        await self.conn.close()
+        if self.probe is not self.conn:
+            await self.probe.close()
 
     @property
     def outstanding_work(self) -> int:
@@ -103,8 +114,18 @@ class AwClient:
             return own  # nothing of ours there for a while: that report is stale
         return max(own, self.reported_load + self.submitted_since)
 
+    async def probe_loop(self) -> None:
+        """The control port's answers (its end is not news: the data connection's is)."""
+        try:
+            while True:
+                if isinstance(await self.probe.recv(), Pong):
+                    self._heard()
+        except (PeerDeadError, ProtocolError):
+            pass
+
     async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
         reason = "attention worker connection lost"
+        death = False
         try:
             while True:
                 msg = await self.conn.recv()
@@ -129,13 +150,16 @@ class AwClient:
                         p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
         except (PeerDeadError, ProtocolError) as exc:
             reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
+            # Its connection ended: an exit (the query-of-death rule counts it). Not a verdict of
+            # this gateway's (a hung AW: its silence), nor a peer that stopped taking data.
+            death = self.dead_reason is None and type(exc) is PeerDeadError
             if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
                 on_lost(self, str(exc))
         finally:
             for p in self.requests.values():
                 if p.attach is not None and not p.attach.done():
                     p.attach.set_result(Attached(p.submit.request_id, False, []))
-                p.queue.put_nowait(Event(error=reason, status=503, retryable=True))
+                p.queue.put_nowait(Event(error=reason, status=503, retryable=True, death=death))
             self.requests.clear()
 
     def _deliver(self, rid: str, p: Pending, row: list[object]) -> None:

@@ -8,6 +8,12 @@ gateway adds what it submitted since that report.
 Suspects (see gateway/generation.py): a request whose AW died before it produced a token may be
 what killed it. At most one suspect per AW is in flight from this gateway until it produces a
 token, so that if the AW dies again, the suspect that was on it is the one that gets the blame.
+
+Reachability is this gateway's own: an AW it finds hung (silent past its floor) or whose
+connection ends is routed around (its requests resume elsewhere; a hung one is told so, with
+`Abort(moved)`, for when it wakes) and tried again in the background (`_relink`: connect, a ping
+answered) with a pause that doubles from 50 ms to 1 s. Only the orchestrator's verdict (the view's
+dead) retires an AW for good.
 """
 
 from __future__ import annotations
@@ -16,32 +22,45 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from fabric.errors import PeerDeadError
+from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.client import Abort, Attach, Attached, Detach, Submit
 from fabric.messages.control import WorkerInfo
-from fabric.transport.base import Transport
+from fabric.messages.expert import Hello, Ping, Pong
+from fabric.ticks import Ticks
+from fabric.transport.base import Connection, Transport
 from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
 
 log = logging.getLogger(__name__)
 
 
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
+RELINK_MIN = 0.05  # seconds before the first try to reach an AW again, doubling...
+RELINK_MAX = 1.0  # ...up to this
+RELINK_TIMEOUT = 1.0  # one try: connect, a ping answered
 
 
 class AwPool:
     def __init__(self, transport: Transport, routing: str = "least-work", probe_interval: float = 0.01,
-                 probe_misses: int = 3, on_dead: Callable[[str, str], None] | None = None) -> None:
+                 probe_misses: int = 3, on_dead: Callable[[str, str], None] | None = None,
+                 control_transport: Transport | None = None, my_id: Callable[[], str] = lambda: "gateway") -> None:
         if routing not in ("least-work", "round-robin"):
             raise ValueError(f"unknown routing policy {routing!r}")
         self.transport = transport
+        self.control_transport = control_transport  # to AWs' control ports (None: probes on the data connection)
+        self.my_id = my_id  # this gateway's worker id (its control channels say it)
         self.routing = routing
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
         self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
-        self.dead: set[str] = set()  # AWs this gateway found hung or the orchestrator declared dead
+        self.dead: set[str] = set()  # AWs the orchestrator declared dead: never used again
+        self.known: dict[str, WorkerInfo] = {}  # the serving AWs of the newest view
+        self.unreachable: dict[str, str] = {}  # AWs this gateway lost -> why; tried again in the background
+        self.hung: set[str] = set()  # those of them it found hung (silent), until they answer again
+        self.relinks = 0
         self.min_silence: dict[str, float] = {}  # AW -> its silence floor, where false verdicts raised it
         # How a dead AW's requests resume elsewhere: "restore" (from the checkpoint store, replay
         # if it has nothing), "parallel" (replay: re-prefill prompt + emitted tokens) or
@@ -51,33 +70,96 @@ class AwPool:
         self._turn = 0
         self._requests_out = asyncio.Event()  # set when an idle AW gets a request: the watcher wakes
         self._watcher: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._retry: dict[str, asyncio.Event] = {}  # an AW's relink, woken early (the orchestrator vouched)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _lost(self, client: AwClient, reason: str) -> None:
-        """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears it."""
-        if self.on_dead is not None and client.worker_id not in self.dead:
-            self.on_dead(client.worker_id, reason)
+        """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears
+        it; this gateway tries to reach it again (a live AW whose connection dropped comes back)."""
+        self._spawn(client.close())  # (its control connection too)
+        if client.worker_id in self.dead or self.clients.get(client.worker_id) is not client:
+            return
+        self._unreachable(client.worker_id, reason)
 
     def _hung(self, client: AwClient, reason: str) -> None:
+        """Silent past its floor: a suspicion. Its requests resume elsewhere (the read loop's end
+        tells them), and the AW hears that they moved, for when it wakes: it hands their
+        checkpoints over instead of running them on."""
         client.dead_reason = reason
-        log.warning("%s is hung: %s", client.worker_id, reason)
-        self.dead.add(client.worker_id)
+        log.warning("%s is hung: %s; its requests resume elsewhere", client.worker_id, reason)
+        for rid in list(client.requests):
+            try:
+                client.conn.send_nowait(Abort(rid, moved=True))
+            except PeerDeadError:
+                break
+        self.hung.add(client.worker_id)
+        self._unreachable(client.worker_id, reason)
+        self._spawn(client.close())
+
+    def _unreachable(self, worker_id: str, reason: str) -> None:
+        if worker_id in self.unreachable:
+            return
+        self.unreachable[worker_id] = reason
         if self.on_dead is not None:
-            self.on_dead(client.worker_id, reason)
-        self._closing = {t for t in self._closing if not t.done()}
-        self._closing.add(asyncio.create_task(client.conn.close()))
+            self.on_dead(worker_id, reason)
+        self._spawn(self._relink(worker_id))
+
+    async def _relink(self, worker_id: str) -> None:
+        """Tries to reach a lost AW again until it answers a ping, the orchestrator declares it
+        dead, or it leaves the view."""
+        delay = RELINK_MIN
+        ev = self._retry[worker_id] = asyncio.Event()
+        try:
+            while worker_id in self.unreachable:
+                ev.clear()
+                try:
+                    await asyncio.wait_for(ev.wait(), delay)
+                except TimeoutError:
+                    pass
+                delay = min(RELINK_MAX, delay * 2)
+                w = self.known.get(worker_id)
+                if w is None or worker_id in self.dead:
+                    self.unreachable.pop(worker_id, None)
+                    self.hung.discard(worker_id)
+                    return
+                try:
+                    conn, probe = await asyncio.wait_for(self._open(w, check=True), RELINK_TIMEOUT)
+                except (PeerDeadError, ProtocolError, TimeoutError):
+                    continue
+                if worker_id not in self.unreachable or worker_id in self.dead:
+                    for c in (conn, probe):
+                        if c is not None:
+                            await c.close()
+                    return
+                del self.unreachable[worker_id]
+                self.hung.discard(worker_id)
+                self.relinks += 1
+                log.warning("%s answers again: using it again", worker_id)
+                self._install(w, conn, probe)
+                return
+        finally:
+            if self._retry.get(worker_id) is ev:
+                del self._retry[worker_id]
 
     def vouched(self, worker_id: str) -> None:
         """The orchestrator says `worker_id` answers: if this gateway found it hung, it was only
-        slow (a long step, a loaded host). It is used again, and found hung from now on only after
-        twice the silence that was too little (up to MAX_SILENCE), so a slow AW is not given up
-        on over and over, each time re-prefilling its requests elsewhere."""
-        if worker_id in self.dead:
+        slow (a long pause, a loaded host). It is tried again now, and found hung from now on only
+        after twice the silence that was too little (up to MAX_SILENCE), so a slow AW is not given
+        up on over and over, each time resuming its requests elsewhere."""
+        if worker_id in self.hung:
             floor = min(MAX_SILENCE, 2 * self.min_silence.get(worker_id, MIN_SILENCE))
             self.min_silence[worker_id] = floor
+            if (client := self.clients.get(worker_id)) is not None:
+                client.min_silence = floor
             log.warning("%s was only slow, not hung: it is found hung after %.0f ms of silence from now on",
                         worker_id, floor * 1e3)
-            self.dead.discard(worker_id)
+        if (ev := self._retry.get(worker_id)) is not None:
+            ev.set()
 
     def _track(self, client: AwClient, request_id: str, pending: Pending) -> None:
         """A request in flight on `client`: its silence counts from now if it was idle."""
@@ -92,13 +174,19 @@ class AwPool:
         has requests in flight, and looks only at those (`AwClient.check`); an idle gateway of
         hundreds of AWs costs nothing."""
         nonce = itertools.count(1)
+        ticks = Ticks(self.probe_interval)
         while True:
             busy = [c for c in self.clients.values() if c.requests and not c.conn.closed and c.dead_reason is None]
             if not busy:
                 self._requests_out.clear()
                 await self._requests_out.wait()
+                ticks.reset()
                 continue
-            await asyncio.sleep(self.probe_interval)
+            late = await ticks.next()
+            if late:  # (this gateway's own stall: their messages wait unread, not their silence)
+                for client in busy:
+                    client.last_heard += late
+                continue
             now = time.monotonic()
             for client in busy:
                 if not client.requests or client.conn.closed or client.dead_reason is not None:
@@ -120,24 +208,59 @@ class AwPool:
 
     async def update(self, aws: list[WorkerInfo], dead: list[str]) -> None:
         """Connects to AWs new in the view (side by side) and drops those declared dead; an AW the
-        view lists as unreachable (its orchestrator link is down) stays in use."""
+        view lists as unreachable (its orchestrator link is down) stays in use, and one this gateway
+        lost is left to its relink."""
         self.dead.update(dead)
         alive = {w.id: w for w in aws if w.serving and w.id not in self.dead}
-        todo = [w for wid, w in alive.items() if wid not in self.clients or self.clients[wid].conn.closed]
+        self.known = alive
+        todo = [w for wid, w in alive.items() if wid not in self.unreachable
+                and (wid not in self.clients or self.clients[wid].conn.closed)]
         await asyncio.gather(*(self._connect(w) for w in todo))
         for wid in [w for w in self.clients if w in self.dead]:
-            await self.clients.pop(wid).conn.close()
+            await self.clients.pop(wid).close()
+        for wid in [w for w in self.unreachable if w in self.dead or w not in alive]:
+            if (ev := self._retry.get(wid)) is not None:
+                ev.set()  # (its relink sees it gone, and stops)
+
+    async def _open(self, w: WorkerInfo, check: bool = False,
+                    timeout: float = 5.0) -> tuple[Connection, Connection | None]:
+        """A data connection to `w` and one to its control port (probes); with `check`, a ping
+        answered on the data connection first (it serves, not only accepts)."""
+        conns: list[Connection] = []
+        try:
+            conns.append(await self.transport.connect(w.host, w.port, timeout=timeout))
+            if check:
+                await conns[0].send(Ping(0))
+                if not isinstance(await conns[0].recv(), Pong):
+                    raise ProtocolError(f"{w.id}: expected a pong")
+            if self.control_transport is not None and w.control_port:
+                conns.append(await self.control_transport.connect(w.host, w.control_port, timeout=timeout))
+                await conns[1].send(Hello(self.my_id(), "control"))
+        except BaseException:
+            for conn in conns:
+                await conn.close()
+            raise
+        return conns[0], conns[1] if len(conns) > 1 else None
 
     async def _connect(self, w: WorkerInfo) -> None:
-        self.clients.pop(w.id, None)  # (closed: by our watcher, then vouched for; or gone)
+        self.clients.pop(w.id, None)  # (closed: gone)
         try:
-            conn = await self.transport.connect(w.host, w.port, timeout=5.0)
+            conn, probe = await self._open(w)
         except PeerDeadError as exc:
             log.warning("cannot reach %s: %s", w.id, exc)
+            self._unreachable(w.id, f"connect failed: {exc}")
             return
-        client = AwClient(w.id, conn)
+        self._install(w, conn, probe)
+
+    def _install(self, w: WorkerInfo, conn: Connection, probe: Connection | None) -> None:
+        old = self.clients.get(w.id)
+        if old is not None:
+            self._spawn(old.close())
+        client = AwClient(w.id, conn, probe)
         client.min_silence = self.min_silence.get(w.id, MIN_SILENCE)
         client.reader = asyncio.create_task(client.read_loop(self._lost))
+        if probe is not None:
+            client.prober = asyncio.create_task(client.probe_loop())
         if self.probe_interval > 0 and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.create_task(self._watch())
         self.clients[w.id] = client
@@ -145,7 +268,7 @@ class AwPool:
         self._changed()
 
     def live(self) -> list[AwClient]:
-        return [c for c in self.clients.values() if not c.conn.closed]
+        return [c for c in self.clients.values() if not c.conn.closed and c.worker_id not in self.unreachable]
 
     def pick(self, suspect: bool = False) -> AwClient | None:
         """The AW for a new request (None: none fits now). A suspect only goes where no other
@@ -242,7 +365,9 @@ class AwPool:
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         for c in self.clients.values():
             if c.reader is not None:
                 c.reader.cancel()
-            await c.conn.close()
+            await c.close()

@@ -5,7 +5,9 @@ keep timing for the metrics.
 No query of death: a request can be what kills its AW (a bug that one input triggers). Resuming it
 elsewhere would kill the next AW, and the next. So every choice counts the AW deaths it saw
 *before it produced a token* on that AW (`deaths`; a token in between resets it): a request that
-saw two in a row is ended with an in-band error and never replayed a third time. Until a suspect
+saw two in a row is ended with an in-band error and never replayed a third time. Only deaths
+count, AWs whose connection ended (a process that exited): an AW this gateway found silent may
+only have been slow, and its requests resume elsewhere uncounted. Until a suspect
 (one death) produces a token on its new AW, it is the only suspect this gateway has in flight
 there (aw_pool.py): if that AW dies too, the blame is not shared with innocent requests.
 """
@@ -120,7 +122,7 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 if ev.error is None:
                     metrics.ttft.observe(now - arrived)
             if ev.error is not None and ev.retryable:
-                pending = await _resume(pool, choice, ev.error, resume_wait)
+                pending = await _resume(pool, choice, ev.error, resume_wait, ev.death)
                 continue
             if ev.error is not None:
                 choice.aw_done = True
@@ -182,14 +184,14 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 await pool.abort(choice.client, choice.request_id)
 
 
-async def _resume(pool: AwPool, choice: Choice, error: str, wait: float) -> Pending:
-    """Its AW died: resume on a healthy one from the store's checkpoint (or by re-prefilling the
-    prompt plus the tokens already emitted). Sampling depends only on (seed, token index), so the
-    stream continues with exactly the next token."""
+async def _resume(pool: AwPool, choice: Choice, error: str, wait: float, death: bool) -> Pending:
+    """Its AW died (or went silent): resume on a healthy one from the store's checkpoint (or by
+    re-prefilling the prompt plus the tokens already emitted). Sampling depends only on (seed,
+    token index), so the stream continues with exactly the next token."""
     dead = choice.client.worker_id if choice.client is not None else ""
     if choice.client is not None:
         pool.cleared(choice.client, choice.request_id)
-    if choice.since_submit == 0:  # it made no token there: it may be what killed it
+    if death and choice.since_submit == 0:  # it made no token there: it may be what killed it
         choice.deaths += 1
     if choice.deaths >= MAX_DEATHS:
         choice.aw_done = True

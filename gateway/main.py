@@ -37,7 +37,9 @@ class GatewayService(Service):
         self.runtime: Runtime | None = None
         self.pool = AwPool(make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls), cfg.routing,
-                           cfg.probe_interval_ms / 1000, cfg.probe_misses, self._report_dead)
+                           cfg.probe_interval_ms / 1000, cfg.probe_misses, self._report_dead,
+                           make_transport("tcp", send_timeout=cfg.send_timeout_ms / 1000, secret=cfg.secret, tls=cfg.tls),
+                           lambda: self.runtime.worker_id if self.runtime is not None else "gateway")
         self.pool.resume = cfg.resume
         self.gateway = Gateway(cfg, self.pool)
         self.http = web.AppRunner(self.gateway.app(), access_log=None, handler_cancellation=True)
@@ -60,12 +62,10 @@ class GatewayService(Service):
         self.gateway.worker_id = self.runtime.worker_id
 
     async def handle(self, msg: Message) -> None:
-        view = self.gateway.view
-        if isinstance(msg, PeerAlive) and view is not None:  # an AW our probes gave up on answers the orchestrator
+        if isinstance(msg, PeerAlive):  # an AW this gateway lost answers the orchestrator: try it now
             self.pool.vouched(msg.worker_id)
             assert self.runtime is not None
             self.runtime.cleared(msg.worker_id)
-            await self.pool.update(view.serving(Role.ATTENTION), [])
         elif isinstance(msg, RoutingUpdate):
             self.gateway.view = msg.view
             self.gateway.metrics.stores.set(len(msg.view.serving(Role.STORE)))

@@ -59,6 +59,11 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 OFF_LOOP_CHARS = 16 << 10  # longer prompts are tokenized (and chats rendered) in a thread
+# A prompt longer than this many characters a token of the context cannot fit it: refused before it
+# is tokenized (a token spans a few characters; 64 leaves room for runs of whitespace). A 6 MiB
+# prompt took the tokenizer 8 s, and turning its 1.2M ids into Python held the GIL long enough to
+# silence the gateway's control thread past its lease.
+MAX_CHARS_PER_TOKEN = 64
 
 
 async def _off_loop(fn: Callable[[], T], size: int) -> T:
@@ -231,6 +236,7 @@ class Gateway:
             template = self.chat_template
             text = await _off_loop(lambda: template.render(checked), sum(len(str(m)) for m in checked))
         prompt = text
+        self._fits([prompt], "prompt")
         ids = await _off_loop(lambda: list(tok.encode_batch([prompt], add_special_tokens=special)[0].ids), len(prompt))
         return web.json_response({"count": len(ids), "max_model_len": self.model.max_position, "tokens": ids,
                                   "token_strs": None})
@@ -244,6 +250,14 @@ class Gateway:
         text = await _off_loop(lambda: tok.decode(ids, skip_special_tokens=False), len(ids))
         return web.json_response({"prompt": text})
 
+    def _fits(self, texts: list[str], param: str) -> None:
+        """Refuses, before tokenizing, a text far too long to fit the context in any tokenization."""
+        limit = self.model.max_position * MAX_CHARS_PER_TOKEN
+        for text in texts:
+            if len(text) > limit:
+                raise ApiError(400, f"the {param} ({len(text)} characters) cannot fit the context of "
+                                    f"{self.model.max_position} tokens", param)
+
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer")
@@ -254,6 +268,7 @@ class Gateway:
         texts = [text for ids, text in params.prompts if ids is None and text is not None]
         if texts and self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
+        self._fits(texts, "prompt")
         encoded: list[list[int]] = []
         if texts:
             tok = self.tokenizer

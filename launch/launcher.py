@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import random
 import socket
 import ssl
 import sys
@@ -14,6 +15,7 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any, Protocol
 
 from fabric.auth import create_secret_file, load_secret
@@ -43,10 +45,29 @@ class Proc(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on `host`."""
+    """A port free right now on `host`, below the kernel's ephemeral range where it can: a port the
+    kernel hands to `bind(0)` may be handed again to another process's listener (a worker's, a
+    control port) before whoever asked binds it (the gateways bind theirs only once they can
+    serve)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low // 2), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def say(msg: str) -> None:
@@ -59,7 +80,7 @@ class Launcher(abc.ABC):
         self.cfg = cfg
         self.model = model
         self.log_dir = log_dir
-        self.extra = extra_args or {}  # role command -> flags added to its processes
+        self.extra = extra_args or {}  # role command (or one child's name) -> flags added to its processes
         self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
         self.transport = resolve_transport_name(cfg.transport)
         self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)

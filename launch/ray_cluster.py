@@ -235,9 +235,18 @@ class RaySupervisor(Launcher):
             code: int | None = ray.get(ref)
             why = f"exited with code {code}"
         except ray.exceptions.RayError as exc:
-            code, why = None, f"is gone with its node ({type(exc).__name__})"
-            with self.lock:
-                self.lost_nodes.add(host.node_id)
+            node_alive = self._node_alive(host.node_id)
+            if isinstance(exc, ray.exceptions.ActorUnavailableError) and node_alive:
+                # Transient, as Ray documents it (its owner or node hiccuped, a node nearby died): the
+                # process is most likely serving on. Watch again; an actor really gone says so then.
+                log.info("%s: its actor is unavailable for now (%s); watching it again", host.name, exc)
+                self.pool.submit(self._watch_again, host)
+                return
+            code, why = None, f"is gone with its node ({type(exc).__name__})" if not node_alive else \
+                f"is gone: its actor died ({type(exc).__name__})"
+            if not node_alive:
+                with self.lock:
+                    self.lost_nodes.add(host.node_id)
         if self.stop_requested.is_set():
             return
         if not self.was_ready and host.initial:
@@ -258,6 +267,25 @@ class RaySupervisor(Launcher):
         with contextlib.suppress(Exception):
             ray.kill(host.actor, no_restart=True)
         self._tell_orchestrator(encode_bytes(*encode_message(WorkerExited(host.pid, -9 if code is None else code))))
+
+    def _node_alive(self, node_id: str) -> bool:
+        """Whether Ray still counts `node_id` alive (it may not know yet of a node that just died)."""
+        import ray
+
+        try:
+            return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+        except Exception:  # (the GCS itself unreachable for a moment: no evidence either way)
+            return True
+
+    def _watch_again(self, host: Host) -> None:
+        """In a helper thread: a moment later, the host's exit is watched again (from the main loop)."""
+        time.sleep(0.5)
+
+        def rearm() -> None:
+            if not host.gone and host.exit_ref is None and not self.stop_requested.is_set():
+                host.exit_ref = host.actor.exited.remote()
+
+        self.events.put(rearm)
 
     def _revive(self, host: Host) -> None:
         """In a helper thread: waits for Ray to restart `host`'s actor, then starts its process."""

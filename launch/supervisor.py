@@ -130,7 +130,8 @@ class Supervisor(Launcher):
         if child.device is not None:
             cfg = replace(cfg, device=child.device)
         command = COMMAND[child.role]
-        return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, [])]
+        return [sys.executable, "-m", "launch.cli", command, *to_argv(cfg), *self.extra.get(command, []),
+                *self.extra.get(child.name, [])]
 
     def _spawn(self, child: Child) -> None:
         path = os.path.join(self._sockdir, f"{child.name}.{child.incarnation}.sock")

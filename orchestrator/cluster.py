@@ -43,6 +43,7 @@ class WorkerRecord:
     experts: list[Unit] = field(default_factory=list)
     loaded: set[Unit] = field(default_factory=set)  # an EW: every unit it holds (placed now or before)
     slot: str = ""
+    control_port: int = 0  # where peers probe it (its control loop's)
     since: float = field(default_factory=time.time)  # when `state` last changed (wall clock)
     registered_at: float = field(default_factory=time.time)
 
@@ -56,11 +57,12 @@ class WorkerRecord:
 
     @property
     def info_record(self) -> WorkerInfo:
-        return WorkerInfo(self.id, self.role, self.host, self.port, self.state, self.pid)
+        return WorkerInfo(self.id, self.role, self.host, self.port, self.state, self.pid, self.control_port)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "role": self.role.value, "pid": self.pid, "host": self.host,
-                               "port": self.port, "state": self.state.value, "state_since": self.since,
+                               "port": self.port, "control_port": self.control_port, "state": self.state.value,
+                               "state_since": self.since,
                                "registered_at": self.registered_at}
         if self.experts:
             out["experts"] = [list(u) for u in self.experts]
@@ -116,10 +118,12 @@ class Cluster:
             return None  # an id of another role's: not this worker's
         if rec is None:
             rec = WorkerRecord(wid, reg.role, reg.pid, reg.host, reg.port, state, dict(reg.info), experts=experts,
+                               control_port=reg.control_port,
                                slot=reg.slot, loaded=set(experts))
             self.workers[wid] = rec
         else:  # its link dropped and it came back
             rec.pid, rec.host, rec.port, rec.info = reg.pid, reg.host, reg.port, dict(reg.info)
+            rec.control_port = reg.control_port
             rec.experts, rec.slot = experts or rec.experts, reg.slot or rec.slot
             rec.loaded |= set(experts)
             rec.set_state(state)
@@ -299,8 +303,8 @@ class Cluster:
         self.table = RoutingTable(
             self.generation, self.epoch, self.model.num_layers, self.model.num_experts, layers, slots,
             [live.get(s, "") for s in slots],
-            [EwAddress(w, self.workers[w].host, self.workers[w].port, self.workers[w].info.get("gather", "sync") == "sync")
-             for w in sorted(live.values())],
+            [EwAddress(w, self.workers[w].host, self.workers[w].port, self.workers[w].info.get("gather", "sync") == "sync",
+                       self.workers[w].control_port) for w in sorted(live.values())],
             placement,
             active_tensor(layers, self.model.num_experts,
                           {u: min(n, len(self.placement.get(u, []))) for u, n in self.active.items()}))
@@ -322,7 +326,8 @@ class Cluster:
         for w in view.workers:
             if w.id in self.workers or w.id in self.fenced:
                 continue
-            self.workers[w.id] = WorkerRecord(w.id, w.role, w.pid, w.host, w.port, WorkerState.DEAD)
+            self.workers[w.id] = WorkerRecord(w.id, w.role, w.pid, w.host, w.port, WorkerState.DEAD,
+                                              control_port=w.control_port)
             self.fenced.add(w.id)
             if w.role in (Role.ATTENTION, Role.STORE) and w.serving:
                 replace.append((w.role, w.id))

@@ -4,8 +4,9 @@ the admin endpoints), and the authority over the cluster.
 Per worker link: register (new workers get an id; workers that registered before keep theirs) ->
 (EWs) place experts once enough have registered, or fill a vacant slot -> collect worker_ready ->
 publish the cluster view to every worker. The data path never waits for the orchestrator; what
-needs its authority is here: verdicts (a peer's `PeerFailed`, confirmed by the orchestrator's own
-probe unless the evidence is definitive: orchestrator/verdicts.py), epochs, fencing and replacements.
+needs its authority is here: verdicts (who is dead, on evidence: an exit, or a lease missed on the
+worker's link that the orchestrator's own probe confirms; a peer's `PeerFailed` is a suspicion that
+starts a probe: orchestrator/verdicts.py), epochs, fencing and replacements.
 
 A (re)started orchestrator first recovers (`--recovery-grace-s`): workers of an earlier one
 register again with their id, generation and last view; once every worker of the newest view is
@@ -20,6 +21,7 @@ declared dead when a peer reports it, when it said it was leaving, or after `--r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Any
@@ -36,7 +38,9 @@ from fabric.messages.control import (
     AssignExperts,
     Fenced,
     Leaving,
+    LinkProbe,
     LinkProbeReply,
+    PeerAlive,
     PeerFailed,
     Register,
     Registered,
@@ -54,8 +58,8 @@ from orchestrator.broadcast import Broadcaster
 from orchestrator.cluster import Cluster, WorkerRecord
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
-from orchestrator.provisioner import NoProvisioner, Provisioner
 from orchestrator.recovery import Recovery
+from orchestrator.replacements import Replacements
 from orchestrator.scaling import Scaler
 from orchestrator.verdicts import Verdicts
 
@@ -75,13 +79,13 @@ class Orchestrator:
         self.cluster = Cluster(ModelConfig.from_dir(cfg.model), cfg.expert_workers, planner, cfg.host, cfg.port,
                                self.generation)
         self.links: dict[str, WorkerLink] = {}
-        self.provisioner: Provisioner = NoProvisioner()  # set by `serve` once the port is bound
-        self.shutting_down = False
+        self.replacements = Replacements(cfg, self.cluster)
         self.recovered = asyncio.Event()
-        self.verdicts = Verdicts(self)
+        self.verdicts = Verdicts(cfg.lease_ms / 1000)
+        self._probes: dict[int, asyncio.Future[None]] = {}  # LinkProbe nonce -> its answer (an identity check)
+        self._nonce = itertools.count(1)
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.replacements_started = 0
         self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
         self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
         self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
@@ -89,7 +93,15 @@ class Orchestrator:
         self.traffic: dict[str, int] = {"bytes_in": 0, "messages_in": 0, "bytes_out": 0, "messages_out": 0}
         self.broadcaster = Broadcaster(self.links, lambda seq: self.cluster.view(seq) if self.cluster.table else None)
         self.recovery = Recovery()
-        self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out replacement_delay_ms
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.replacements.stopping
+
+    @shutting_down.setter
+    def shutting_down(self, value: bool) -> None:
+        if value:
+            self.replacements.stop()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -114,7 +126,7 @@ class Orchestrator:
                      view.generation, back, len(view.workers), self.cluster.epoch,
                      ", ".join(r for _, r in replace) or "none")
         for role, dead in replace:
-            self._replace(role, dead)
+            self.replacements.replace(role, dead)
         await self._place()
         self._broadcast()
 
@@ -143,7 +155,7 @@ class Orchestrator:
                 raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
             if reg.worker_id:
                 old = self.links.get(reg.worker_id)
-                if old is not None and not old.closed and await self.verdicts.answers(old):
+                if old is not None and not old.closed and await self._answers(old):
                     # Identity is bound to the link: a worker re-registers only once its link
                     # is gone, so a claim on a link that answers is another peer's.
                     raise AuthError(f"{request.remote} claims {reg.worker_id}, whose link is up and answering")
@@ -162,7 +174,7 @@ class Orchestrator:
             timer = self._rejoin.pop(rec.id, None)
             if timer is not None:
                 timer.cancel()
-            spawned = self.provisioner.registered(reg.pid)
+            spawned = self.replacements.provisioner.registered(reg.pid)
             if spawned is not None and spawned.replaces.startswith("scale-out"):
                 rec.info["scale_out"] = True  # a scale operation's: not a spare for a vacant slot
                 if rec.role is Role.EXPERT:
@@ -171,7 +183,8 @@ class Orchestrator:
                      rec.role.value, rec.pid, rec.host, rec.port)
             # (its view itself only if it may be the newest: recovery/Recovery)
             send_view = self.recovery.registered(rec.id, reg, not self.recovered.is_set())
-            link.send(Registered(rec.id, self.generation, send_view))
+            link.send(Registered(rec.id, self.generation, send_view, self.cfg.heartbeat_ms))
+            self.verdicts.watch(rec.id, time.monotonic(), self._serving(rec))
             if self.recovered.is_set():
                 await self._joined(rec, link)
             async for msg in ws:
@@ -179,6 +192,7 @@ class Orchestrator:
                     continue
                 self.traffic["bytes_in"] += len(msg.data)
                 self.traffic["messages_in"] += 1
+                self._heard(rec.id)
                 m = unpack(msg.data)
                 if isinstance(m, Leaving):
                     leaving = True
@@ -195,6 +209,7 @@ class Orchestrator:
                 self.recovery.gone(rec.id)
             if rec is not None and link is not None and self.links.get(rec.id) is link:
                 del self.links[rec.id]
+                self.verdicts.forget(rec.id)
                 if leaving:
                     self._declare(rec.id, "it left")
                 elif self.cluster.unreachable(rec.id):
@@ -231,6 +246,7 @@ class Orchestrator:
         was_live, table_changed = self.cluster.mark_dead(worker_id)
         if not was_live:
             return
+        self.verdicts.forget(worker_id)
         rec = self.cluster.workers[worker_id]
         lost = self.cluster.lost_units(rec.experts)  # (only its units can have lost their last copy)
         if self.shutting_down or worker_id in self.drained:
@@ -250,9 +266,10 @@ class Orchestrator:
             link.send(Fenced(reason))
             self._spawn(link.close())
         if rec.role.replaceable and not self.shutting_down and worker_id not in self.drained:
+            self.replacements.died(worker_id, bool(rec.info.get("replaces")), time.time() - rec.registered_at, reason)
             woke = await self._wake_standby(rec)
             # A woken standby is replaced by a new standby, and so is a standby that died.
-            self._replace(rec.role, worker_id, standby=woke or bool(rec.info.get("standby")))
+            self.replacements.replace(rec.role, worker_id, standby=woke or bool(rec.info.get("standby")))
 
     async def _wake_standby(self, dead: WorkerRecord) -> bool:
         """Answers a death at once with a warm standby where there is one: an EW spare takes the dead
@@ -270,41 +287,6 @@ class Orchestrator:
         self.woken[standby.id] = dead.id
         link.send(Wake(dead.id))
         return True
-
-    def _replace(self, role: Role, replaces: str, standby: bool = False) -> None:
-        """Starts a replacement after `replacement_delay_ms`: in the first few hundred ms after a
-        death the survivors restore and reroute its work, and a process starting up (the
-        interpreter and the CLI at normal priority, the rest in the idle class) would take CPU
-        from them on a host they share. The replacement is not on that path: a dead AW's
-        requests resume on healthy AWs, a dead EW's experts on their shadows."""
-        delay = self.cfg.replacement_delay_ms / 1000
-        if delay <= 0:
-            self._start_replacement(role, replaces, standby)
-            return
-        handle = asyncio.get_running_loop().call_later(delay, self._start_replacement, role, replaces, standby)
-        self._delayed.add(handle)
-        asyncio.get_running_loop().call_later(delay, self._delayed.discard, handle)
-
-    def _start_replacement(self, role: Role, replaces: str, standby: bool = False) -> None:
-        if self.shutting_down:
-            return
-        if self.replacements_started >= self.cfg.max_replacements:
-            log.error("not replacing %s: %d replacements already started (--max-replacements)", replaces,
-                      self.replacements_started)
-            return
-        avoid = self.cluster.nodes_with_copies(replaces) if role is Role.EXPERT else []
-        if self.provisioner.start(role, replaces, self.cfg.replacement_boot_nice, avoid, standby):
-            self.replacements_started += 1
-
-    async def watch_replacements(self) -> None:
-        """A replacement that exits before registering is started again (a double fault during start-up)."""
-        while True:
-            await asyncio.sleep(0.5)
-            for s in self.provisioner.exited_early():
-                log.warning("replacement %s (pid %d) for %s exited with code %s before registering",
-                            s.role.value, s.pid, s.replaces, s.code)
-                await asyncio.sleep(1.0)  # back off: whatever killed it may still be there
-                self._replace(s.role, s.replaces, s.standby)
 
     async def _place(self) -> dict[str, list[Unit]]:
         """Assigns experts to the EWs that can take them now; returns EW -> units."""
@@ -327,6 +309,7 @@ class Orchestrator:
             self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)
             self.woken.pop(worker_id, None)
             table_changed = self.cluster.mark_ready(worker_id)
+            self.verdicts.serving(worker_id, self._serving(self.cluster.workers[worker_id]))
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
             self._broadcast(soon=not table_changed)
         elif isinstance(msg, ViewRequest):
@@ -336,9 +319,62 @@ class Orchestrator:
         elif isinstance(msg, WorkerStats):
             self.cluster.workers[worker_id].stats = msg.stats
         elif isinstance(msg, LinkProbeReply):
-            self.verdicts.answered(msg.nonce)
+            fut = self._probes.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         elif isinstance(msg, PeerFailed) and msg.worker_id != worker_id:
-            self.verdicts.reported(worker_id, msg)
+            self._suspected(worker_id, msg)
+
+    # -- liveness (orchestrator/verdicts.py) ----------------------------------------------------
+    @staticmethod
+    def _serving(rec: WorkerRecord) -> bool:
+        """Whether a worker holds the short lease: it serves (a standby or one still starting does not)."""
+        return rec.state is WorkerState.ALIVE and not rec.info.get("standby")
+
+    def _heard(self, worker_id: str) -> None:
+        for reporter in self.verdicts.heard(worker_id, time.monotonic()):
+            log.warning("%s was reported dead by %s, but it answers: not declared dead", worker_id, reporter)
+            if (link := self.links.get(reporter)) is not None:
+                link.send(PeerAlive(worker_id))
+
+    def _suspected(self, reporter: str, msg: PeerFailed) -> None:
+        """A peer found `msg.worker_id` unreachable and routed around it. With its link gone too,
+        that is an exit; otherwise the worker is probed now, and its lease decides."""
+        rec = self.cluster.workers.get(msg.worker_id)
+        if rec is None or rec.state is WorkerState.DEAD:
+            return
+        link = self.links.get(msg.worker_id)
+        if link is None or link.closed:
+            self._declare(msg.worker_id, f"reported by {reporter} ({msg.reason}), and its link is gone")
+        elif self.verdicts.reported(reporter, msg.worker_id):
+            link.send(LinkProbe(next(self._nonce)))
+
+    async def watch_leases(self) -> None:
+        """Ticks every lease (orchestrator/verdicts.py): probes the quiet, declares the silent dead."""
+        await self.recovered.wait()
+        while True:
+            await asyncio.sleep(self.verdicts.tick_s)
+            probe, expired = self.verdicts.tick(time.monotonic())
+            for wid in probe:
+                if (link := self.links.get(wid)) is not None:
+                    link.send(LinkProbe(next(self._nonce)))
+            for wid, silent in expired:
+                self._declare(wid, f"silent on its link for {silent * 1e3:.0f} ms, its probe unanswered "
+                                   f"(a lease of {self.cfg.lease_ms:.0f} ms)")
+
+    async def _answers(self, link: WorkerLink) -> bool:
+        """Whether the worker at the end of `link` answers a probe within half a lease."""
+        nonce = next(self._nonce)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._probes[nonce] = fut
+        link.send(LinkProbe(nonce))
+        try:
+            await asyncio.wait_for(fut, self.cfg.lease_ms / 2000)
+        except TimeoutError:
+            pass
+        finally:
+            self._probes.pop(nonce, None)
+        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
 
     def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
         """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with

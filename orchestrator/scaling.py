@@ -200,7 +200,7 @@ class Scaler:
         t0 = time.time()
         for _ in range(n):
             self.started += 1
-            if not orch.provisioner.start(role, f"scale-out-{self.started}", 0, []):
+            if not orch.replacements.provisioner.start(role, f"scale-out-{self.started}", 0, []):
                 raise ScaleError("this orchestrator cannot start workers (no provisioner: serve with --provisioner auto)")
         deadline = time.monotonic() + self.timeout_s
         while True:

@@ -36,7 +36,8 @@ def make_app(orch: Orchestrator) -> web.Application:
         # large body at Qwen3-235B's 94 x 128 experts, for pollers that want the workers only)
         body = orch.cluster.to_json(routing=request.query.get("routing", "1") != "0")
         body["recovering"] = not orch.recovered.is_set()
-        body["replacements_started"] = orch.replacements_started
+        body["replacements_started"] = orch.replacements.started
+        body["not_replaced"] = orch.replacements.churn.stopped  # lineage -> why its replacements stopped
         body["scaled"] = orch.scaler.history
         body["control"] = {**orch.traffic, "links": len(orch.links), "broadcasts": orch.broadcaster.log_json()}
         body["recovery"] = orch.recovery.summary
@@ -86,11 +87,12 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     await site.start()
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port
-    orch.provisioner = make_provisioner(  # replacements dial the port actually bound
+    orch.replacements.provisioner = make_provisioner(  # replacements dial the port actually bound
         cfg.provisioner, {Role.ATTENTION: cfg.spawn_attention_args, Role.EXPERT: cfg.spawn_expert_args,
                           Role.STORE: cfg.spawn_store_args},
         f"{cfg.host}:{port}", cfg.spawn_log_dir, cfg.supervisor_fd)
-    tasks = [asyncio.create_task(orch.watch_replacements()), asyncio.create_task(orch.recover())]
+    tasks = [asyncio.create_task(orch.replacements.watch()), asyncio.create_task(orch.recover()),
+             asyncio.create_task(orch.watch_leases())]
     if cfg.balance_interval_s > 0:
         tasks.append(asyncio.create_task(balance_loop(orch)))
     log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
@@ -100,10 +102,8 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         orch.shutting_down = True
-        for handle in orch._delayed:
-            handle.cancel()
         for t in tasks:
             t.cancel()
-        await orch.provisioner.close()
+        await orch.replacements.provisioner.close()
         await asyncio.gather(*(link.close() for link in list(orch.links.values())), return_exceptions=True)
         await runner.cleanup()

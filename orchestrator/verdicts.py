@@ -1,90 +1,102 @@
-"""The orchestrator's verdicts on a peer's report that a worker is dead (`PeerFailed`): it probes
-the worker over its own link (answered by the link's reader, so a busy but healthy worker replies
-in milliseconds), and no reply within `confirm_timeout_ms` confirms the death. A false report is
-answered with `PeerAlive` to every peer that made it while the verdict was under way, so that they
-use the worker again. Definitive evidence needs no probe: a peer that sends data to the worker's
-role saw it take none for its send deadline, and a stuck reader answers probes all the same."""
+"""Who is dead: the orchestrator's verdicts, decided on evidence, never on one slow answer.
+
+Evidence of a death:
+- an exit: the worker said it was leaving (`Leaving`), or its link ended and a peer reports it
+  too (a dead process's sockets all close), or its link ended and it did not register again within
+  `--rejoin-grace-ms` (main.py);
+- a missed lease: every worker sends a `Heartbeat` on its link every `--heartbeat-ms`. One silent
+  for half of `--lease-ms` is probed (`LinkProbe`, answered by its link's reader whatever its
+  compute is doing); one silent for the whole lease, its probe unanswered, is dead. A hung process
+  (SIGSTOP) and a machine gone without a word (no FIN, no RST) both end here, within the lease. A
+  pause shorter than the lease less a heartbeat (a GC pause, a page-fault storm) is not a death.
+
+A peer's report (`PeerFailed`) is a suspicion: the peer has already routed around the worker. The
+orchestrator probes the worker at once, and the lease decides. Every peer that reported a worker
+that then answers hears so (`PeerAlive`); whether it uses that worker again is its own probes'
+call (a worker may answer here and be unreachable on its data port).
+
+Pure state: `tick` and `heard` return what must be sent or declared; `Orchestrator` does it.
+A worker not serving yet (registered, loading, warming up; a standby) holds nothing anyone waits
+for, and a replacement boots in the idle scheduling class: its lease is `STARTING_LEASE_S`.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from fabric.messages.control import LinkProbe, PeerAlive, PeerFailed, Role, WorkerState
-from orchestrator.cluster import WorkerRecord
-from orchestrator.links import WorkerLink
-
-if TYPE_CHECKING:
-    from orchestrator.main import Orchestrator
-
-log = logging.getLogger("orchestrator")
-
-# (reporter, target) roles where the reporter sends data to the target: its "the peer stopped
-# taking data" is evidence the orchestrator's probe cannot see (a stuck reader answers probes).
-DATA_LINKS = {(Role.ATTENTION, Role.EXPERT), (Role.ATTENTION, Role.STORE), (Role.GATEWAY, Role.ATTENTION),
-              (Role.EXPERT, Role.ATTENTION)}
+STARTING_LEASE_S = 10.0
+LAG_CREDIT_S = 0.05  # a tick this late means the orchestrator itself was not running: nobody's silence counts
 
 
+@dataclass
+class Lease:
+    heard: float  # when anything last came from the worker (the orchestrator's clock, monotonic)
+    serving: bool
+    probed: bool = False  # a probe is out since it was last heard
+    reporters: set[str] = field(default_factory=set)  # peers that reported it since it was last heard
+
+
+@dataclass
 class Verdicts:
-    def __init__(self, orch: Orchestrator) -> None:
-        self.orch = orch
-        self._probes: dict[int, asyncio.Future[None]] = {}
-        self._nonce = itertools.count(1)
-        self._reports: dict[str, dict[str, bool]] = {}  # a worker being judged -> reporter -> definitive
+    """`lease_s`: the silence that is a death; every lease is ticked every `tick_s`."""
 
-    def reported(self, reporter: str, msg: PeerFailed) -> None:
-        """`reporter` says `msg.worker_id` is dead: one verdict answers every report made meanwhile."""
-        target = msg.worker_id
-        if target not in self._reports:
-            self.orch._spawn(self._judge(reporter, msg))
-        reports = self._reports.setdefault(target, {})
-        reports[reporter] = reports.get(reporter, False) or msg.definitive
+    lease_s: float
+    tick_s: float = 0.05
+    leases: dict[str, Lease] = field(default_factory=dict)
+    last_tick: float | None = None
 
-    def answered(self, nonce: int) -> None:
-        fut = self._probes.pop(nonce, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+    def watch(self, worker_id: str, now: float, serving: bool) -> None:
+        """A worker (re)registered on a live link."""
+        self.leases[worker_id] = Lease(now, serving)
 
-    async def answers(self, link: WorkerLink) -> bool:
-        """Whether the worker at the end of `link` answers a probe within `confirm_timeout_ms`."""
-        nonce = next(self._nonce)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._probes[nonce] = fut
-        link.send(LinkProbe(nonce))
-        try:
-            await asyncio.wait_for(fut, self.orch.cfg.confirm_timeout_ms / 1000)
-        except TimeoutError:
-            pass
-        finally:
-            self._probes.pop(nonce, None)
-        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
+    def serving(self, worker_id: str, serving: bool = True) -> None:
+        lease = self.leases.get(worker_id)
+        if lease is not None:
+            lease.serving = serving
 
-    def _definitive(self, rec: WorkerRecord, reports: dict[str, bool]) -> list[str]:
-        """The reporters whose report is evidence enough (their role sends data to `rec`'s)."""
-        workers = self.orch.cluster.workers
-        return [r for r, d in reports.items() if d and r in workers and (workers[r].role, rec.role) in DATA_LINKS]
+    def forget(self, worker_id: str) -> None:
+        """Its link is gone (the exit paths decide from here) or it is dead."""
+        self.leases.pop(worker_id, None)
 
-    async def _judge(self, reporter: str, msg: PeerFailed) -> None:
-        orch, target = self.orch, msg.worker_id
-        try:
-            await orch.recovered.wait()
-            rec = orch.cluster.workers.get(target)
-            if rec is None or rec.state is WorkerState.DEAD:
-                return
-            link = orch.links.get(target)
-            reports = self._reports.get(target, {reporter: msg.definitive})
-            # (definitive reports count as they come: one may arrive while the probe is out)
-            if (link is not None and not link.closed and not self._definitive(rec, reports)
-                    and await self.answers(link) and not self._definitive(rec, reports)):
-                log.warning("%s reported %s dead (%s), but it answers: not declared dead", reporter, target, msg.reason)
-                for r in reports:
-                    if (reporter_link := orch.links.get(r)) is not None:
-                        reporter_link.send(PeerAlive(target))
-                return
-            evidence = [r for r in self._definitive(rec, reports) if r != reporter]
-            also = f" (and by {evidence[0]}, whose data it stopped taking)" if evidence else ""
-            await orch._declare_dead(target, f"reported by {reporter}: {msg.reason}{also}")
-        finally:
-            self._reports.pop(target, None)
+    def heard(self, worker_id: str, now: float) -> set[str]:
+        """Something came from the worker: its lease is renewed. Returns the peers that reported it
+        meanwhile (they hear `PeerAlive`)."""
+        lease = self.leases.get(worker_id)
+        if lease is None:
+            return set()
+        lease.heard, lease.probed = now, False
+        told, lease.reporters = lease.reporters, set()
+        return told
+
+    def reported(self, reporter: str, worker_id: str) -> bool:
+        """A peer suspects the worker; returns whether to probe it now (no probe out yet)."""
+        lease = self.leases.get(worker_id)
+        if lease is None:
+            return False
+        lease.reporters.add(reporter)
+        if lease.probed:
+            return False
+        lease.probed = True
+        return True
+
+    def tick(self, now: float) -> tuple[list[str], list[tuple[str, float]]]:
+        """Returns (workers to probe, (worker, silence) whose lease ran out)."""
+        if self.last_tick is not None:
+            lag = now - self.last_tick - self.tick_s
+            if lag > LAG_CREDIT_S:  # (this process was stopped or starved: its own silence, not theirs)
+                for lease in self.leases.values():
+                    lease.heard += lag
+        self.last_tick = now
+        probe: list[str] = []
+        expired: list[tuple[str, float]] = []
+        for wid, lease in self.leases.items():
+            silent = now - lease.heard
+            limit = self.lease_s if lease.serving else STARTING_LEASE_S
+            if silent >= limit and lease.probed:
+                expired.append((wid, silent))
+            elif silent >= limit / 2 and not lease.probed:
+                lease.probed = True
+                probe.append(wid)
+        for wid, _ in expired:
+            del self.leases[wid]
+        return probe, expired

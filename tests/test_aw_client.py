@@ -50,11 +50,11 @@ def test_an_aw_vouched_for_after_a_verdict_waits_twice_as_long_next_time() -> No
         pool = AwPool(make_transport("tcp"))
         pool.vouched("aw-0")  # never found hung here: nothing to learn
         assert "aw-0" not in pool.min_silence
-        pool.dead.add("aw-0")  # found hung by this gateway's watcher...
+        pool.hung.add("aw-0")  # found hung by this gateway's watcher...
         pool.vouched("aw-0")  # ...and the orchestrator says it answers
-        assert "aw-0" not in pool.dead and pool.min_silence["aw-0"] == 2 * MIN_SILENCE
+        assert pool.min_silence["aw-0"] == 2 * MIN_SILENCE
         for _ in range(12):
-            pool.dead.add("aw-0")
+            pool.hung.add("aw-0")
             pool.vouched("aw-0")
         assert pool.min_silence["aw-0"] == MAX_SILENCE
 

@@ -62,7 +62,7 @@ class GatedCheckpointer(Checkpointer):
             c = slice(start, start + self.CHUNK)
             yield KvRestore(1, max_tokens, start, k[:, c], -k[:, c])
 
-    def finished(self, request_ids: list[str]) -> None:
+    def finished(self, request_ids: list[str], hand_off: bool = False) -> None:
         self.done += request_ids
 
 

@@ -120,10 +120,14 @@ def test_a_fabric_on_the_triton_kernels_equals_transformers(hf_models: dict[str,
     model = hf_models["mixtral"]
     expected = reference(model, prompts, lengths)
     extra = {"attention-worker": ["--max-batch-tokens", "24"]}  # (long prompts in chunks beside decodes)
-    # (the interpreter runs a batch of experts in tens of ms on the EW's loop: no liveness probes)
-    with running_fabric(model, tmp_path, aws=1, ews=2, kernel="triton", extra=extra, probe_interval_ms=0) as fabric:
+    # (the default flags: the interpreter's slow steps run in the workers' compute threads, and
+    # nobody is declared dead for them)
+    with running_fabric(model, tmp_path, aws=1, ews=2, kernel="triton", extra=extra) as fabric:
         got = run_requests(f"http://127.0.0.1:{fabric.port}", prompts, lengths)
-        ews = [w for w in fabric.cluster()["workers"] if w["role"] == "expert"]
+        cluster = fabric.cluster()
+        ews = [w for w in cluster["workers"] if w["role"] == "expert"]
     for i, (tokens, (want, logits)) in enumerate(zip(got, expected)):
         assert_matches(tokens, want, logits, f"triton request {i}")
     assert [w["stats"]["kernel"] for w in ews] == ["triton", "triton"]
+    assert all(w["state"] == "alive" for w in cluster["workers"]) and cluster["replacements_started"] == 0
+    assert all(w["stats"]["warmup_ms"] is not None for w in cluster["workers"] if w["role"] in ("attention", "expert"))

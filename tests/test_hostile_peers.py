@@ -75,17 +75,24 @@ async def impostors(name: str, fabric: Fabric, secret: bytes) -> None:
     aw = workers(fabric, "attention")[0]["id"]
     model = ModelConfig.from_dir(fabric.cfg.model or "")
     transport = make_transport(name, secret=secret)
+    control = make_transport("tcp", secret=secret)  # (control ports are TCP whatever the data transport)
 
     for ew in workers(fabric, "expert"):
         # A second control channel for a connected AW: refused (the AW's own stays up).
-        conn = await transport.connect("127.0.0.1", ew["port"])
+        conn = await control.connect("127.0.0.1", ew["control_port"])
         await conn.send(Hello(aw, "control"))
         assert await refused(conn)
-        # A new AW id is fine, but a call whose counts are not whole numbers closes it.
-        conn = await transport.connect("127.0.0.1", ew["port"])
+        # A new AW id is fine; a message the channel does not carry closes it.
+        conn = await control.connect("127.0.0.1", ew["control_port"])
         await conn.send(Hello("aw-insider", "control"))
         assert isinstance(await ask(conn, Ping(1)), Pong)
-        await conn.close()
+        await conn.send(Hello("aw-insider", "data"))
+        assert await refused(conn)
+        # A control hello on the data port: refused.
+        conn = await transport.connect("127.0.0.1", ew["port"])
+        await conn.send(Hello("aw-insider", "control"))
+        assert await refused(conn)
+        # A new AW id on the data port is fine, but a call whose counts are not whole numbers closes it.
         conn = await transport.connect("127.0.0.1", ew["port"])
         await conn.send(Hello("aw-insider", "data"))
         header_counts = ExpertCall(1, 0, 0, [0, 1], [1, 1], torch.zeros(2, model.hidden_size, dtype=model.torch_dtype))
@@ -216,10 +223,14 @@ def test_hostile_peers_are_refused_and_the_fabric_serves_on(name: str, hf_models
         ports = [w["port"] for w in fabric.cluster()["workers"]
                  if w["role"] in ("attention", "expert", "checkpoint_store")]
         assert len(ports) == 4
+        control_ports = [w["control_port"] for w in fabric.cluster()["workers"] if w["role"] != "orchestrator"]
+        assert len(control_ports) == 6 and all(control_ports)  # every worker's, the gateways' included
 
         async def peers() -> None:
             for port in ports:
                 await outsiders(name, port, secret)
+            for port in control_ports:
+                await outsiders("tcp", port, secret)
             await impostors(name, fabric, secret)
             if name == "tcp":  # the orchestrator's link is a websocket whatever the transport
                 await control_plane(fabric, secret)

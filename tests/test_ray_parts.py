@@ -133,7 +133,7 @@ def test_the_control_link_dials_the_newest_address(tmp_path: Path) -> None:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         where = ["127.0.0.2"]  # first the wrong address (nothing listens there), then the right one
-        link = ControlLink(lambda: (where[0], port), lambda: Register(Role.EXPERT, 1, "127.0.0.1", 1))
+        link = ControlLink(lambda: (where[0], port), lambda: Register(Role.EXPERT, 1, "127.0.0.1", 1), lambda m: None)
         task = asyncio.create_task(link.run())
         await asyncio.sleep(0.3)
         where[0] = "127.0.0.1"

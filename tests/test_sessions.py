@@ -28,7 +28,7 @@ class World:
         self.removed: list[str] = []
         self.sessions = Sessions(self.running.get, self.remove)
 
-    def remove(self, rid: str) -> None:
+    def remove(self, rid: str, hand_off: bool = False) -> None:
         self.removed.append(rid)
         self.running.pop(rid, None)
 

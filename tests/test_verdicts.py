@@ -1,103 +1,155 @@
-"""The orchestrator's verdict on a reported death: a worker that answers its probe is not declared
-dead, and every peer that reported it meanwhile hears so (PeerAlive); one that does not answer is;
-and a report from a peer that sends data to the worker and saw it take none is evidence enough,
-even when it arrives while the probe of an earlier, weaker report is out."""
+"""The orchestrator's verdicts (orchestrator/verdicts.py): a worker is dead on evidence, an exit or a
+lease missed on its link with its probe unanswered, never on one slow answer or a peer's word."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 from fabric.config import OrchestratorConfig
-from fabric.messages.control import LinkProbe, PeerAlive, PeerFailed, Register, Role, WorkerState
+from fabric.messages.control import Heartbeat, LinkProbe, PeerAlive, PeerFailed, Register, Role, WorkerState
 from orchestrator.main import Orchestrator
+from orchestrator.verdicts import STARTING_LEASE_S, Verdicts
+
+LEASE = 0.7
+
+
+def ticks(v: Verdicts, start: float, until: float, heard: dict[str, float] | None = None) -> tuple[list[str], list[str]]:
+    """Ticks every 50 ms from `start` to `until`; `heard` maps a worker to the period of its
+    heartbeats. Returns (every worker probed, every worker whose lease ran out)."""
+    probed: list[str] = []
+    expired: list[str] = []
+    now = start
+    while now < until:
+        now += v.tick_s
+        for wid, every in (heard or {}).items():
+            if int(now / every) != int((now - v.tick_s) / every):
+                v.heard(wid, now)
+        p, e = v.tick(now)
+        probed += p
+        expired += [w for w, _ in e]
+    return probed, expired
+
+
+def test_a_worker_that_beats_keeps_its_lease_and_a_silent_one_loses_it() -> None:
+    v = Verdicts(LEASE)
+    v.watch("ew-0", 0.0, serving=True)
+    v.watch("ew-1", 0.0, serving=True)
+    probed, expired = ticks(v, 0.0, 5.0, heard={"ew-0": 0.15})
+    assert expired == ["ew-1"] and probed == ["ew-1"]  # probed at half the lease, dead at the lease
+    assert "ew-0" in v.leases
+
+
+def test_a_pause_shorter_than_the_lease_is_not_a_death() -> None:
+    v = Verdicts(LEASE)
+    v.watch("aw-0", 0.0, serving=True)
+    _, expired = ticks(v, 0.0, 0.45)  # stopped for 450 ms, probed meanwhile...
+    assert expired == []
+    v.heard("aw-0", 0.45)  # ...then it wakes and answers
+    _, expired = ticks(v, 0.45, 3.0, heard={"aw-0": 0.15})
+    assert expired == []
+
+
+def test_the_orchestrators_own_stall_is_not_its_workers_silence() -> None:
+    v = Verdicts(LEASE)
+    v.watch("ew-0", 0.0, serving=True)
+    v.tick(0.05)
+    p, e = v.tick(2.0)  # this process did not run for ~2 s: the heartbeats wait unread in its sockets
+    assert e == [] and p == []
+    v.heard("ew-0", 2.01)
+    assert ticks(v, 2.0, 3.0, heard={"ew-0": 0.15})[1] == []
+
+
+def test_a_worker_not_serving_yet_has_the_long_lease() -> None:
+    v = Verdicts(LEASE)
+    v.watch("ew-9", 0.0, serving=False)  # registered, loading its experts
+    assert ticks(v, 0.0, STARTING_LEASE_S * 0.9)[1] == []
+    v.serving("ew-9")
+    assert ticks(v, STARTING_LEASE_S * 0.9, STARTING_LEASE_S * 0.9 + 2 * LEASE)[1] == ["ew-9"]
+
+
+def test_reporters_hear_that_a_worker_answers() -> None:
+    v = Verdicts(LEASE)
+    v.watch("cs-0", 0.0, serving=True)
+    assert v.reported("aw-0", "cs-0") is True  # probe it now
+    assert v.reported("aw-1", "cs-0") is False  # one probe out for both
+    assert v.heard("cs-0", 0.01) == {"aw-0", "aw-1"}
+    assert v.heard("cs-0", 0.02) == set()
 
 
 class Link:
-    """A worker's link as the verdicts use it: it records what is sent, and (unless hung) answers
-    a probe `delay` later, as the worker's link reader would."""
+    """A worker's link as the orchestrator uses it: it records what is sent; unless hung, it
+    answers a probe `delay` later with any message, as the worker's control loop would."""
 
     closed = False
 
-    def __init__(self, orch: Orchestrator, hung: bool = False, delay: float = 0.02) -> None:
-        self.orch, self.hung, self.delay, self.sent = orch, hung, delay, []  # type: list[Any]
+    def __init__(self, orch: Orchestrator, wid: str, hung: bool = False, delay: float = 0.02) -> None:
+        self.orch, self.wid, self.hung, self.delay, self.sent = orch, wid, hung, delay, []  # type: list[Any]
 
     def send(self, msg: Any) -> None:
         self.sent.append(msg)
         if isinstance(msg, LinkProbe) and not self.hung:
-            asyncio.get_running_loop().call_later(self.delay, self.orch.verdicts.answered, msg.nonce)
+            asyncio.get_running_loop().call_later(self.delay, self.orch._heard, self.wid)
 
 
 def cluster(model: Path, hung: bool) -> tuple[Orchestrator, dict[str, Link]]:
-    orch = Orchestrator(OrchestratorConfig(model=str(model), expert_workers=1, confirm_timeout_ms=100))
+    orch = Orchestrator(OrchestratorConfig(model=str(model), expert_workers=1))
     orch.recovered.set()
     links = {}
     for role in (Role.ATTENTION, Role.ATTENTION, Role.GATEWAY, Role.STORE):
         rec = orch.cluster.add(Register(role, 1, "127.0.0.1", 1, ready=True))
         assert rec is not None
-        links[rec.id] = orch.links[rec.id] = Link(orch, hung=hung and role is Role.STORE)  # type: ignore[assignment]
+        links[rec.id] = orch.links[rec.id] = Link(orch, rec.id, hung=hung and role is Role.STORE)  # type: ignore[assignment]
+        orch.verdicts.watch(rec.id, time.monotonic(), True)
     return orch, links
 
 
-def ids(links: dict[str, Link], prefix: str) -> list[str]:
-    return sorted(w for w in links if w.startswith(prefix))
-
-
-async def verdicts_done(orch: Orchestrator) -> None:
-    """Until every verdict under way has been reached (each drops its reports when done)."""
-    async with asyncio.timeout(10):
-        while orch.verdicts._reports:
-            await asyncio.sleep(0.005)
-
-
-def dead_and_nobody_told_otherwise(orch: Orchestrator, links: dict[str, Link]) -> bool:
-    (store,) = ids(links, "cs")
-    return orch.cluster.workers[store].state is WorkerState.DEAD and not any(
-        isinstance(m, PeerAlive) for link in links.values() for m in link.sent)
-
-
-def test_a_store_that_answers_is_vouched_for_to_every_reporter(hf_models: dict[str, Path]) -> None:
+def test_a_reported_store_that_answers_is_vouched_for_to_every_reporter(hf_models: dict[str, Path]) -> None:
     async def main() -> tuple[Orchestrator, dict[str, Link]]:
         orch, links = cluster(hf_models["mixtral"], hung=False)
-        (store,), (aw0, aw1) = ids(links, "cs"), ids(links, "aw")
+        store, aw0, aw1 = "cs-0", "aw-0", "aw-1"
         await orch._handle(aw0, PeerFailed(store, "connection closed"))
-        await orch._handle(aw1, PeerFailed(store, "connection closed"))  # while the first verdict is under way
-        await verdicts_done(orch)
+        await orch._handle(aw1, PeerFailed(store, "connection closed"))  # while the first probe is out
+        await asyncio.sleep(0.1)
         return orch, links
 
     orch, links = asyncio.run(main())
-    (store,), (aw0, aw1) = ids(links, "cs"), ids(links, "aw")
-    assert orch.cluster.workers[store].state is WorkerState.ALIVE
-    for aw in (aw0, aw1):
-        assert [m.worker_id for m in links[aw].sent if isinstance(m, PeerAlive)] == [store]
-    assert sum(isinstance(m, LinkProbe) for m in links[store].sent) == 1  # one verdict for both reports
+    assert orch.cluster.workers["cs-0"].state is WorkerState.ALIVE
+    for aw in ("aw-0", "aw-1"):
+        assert [m.worker_id for m in links[aw].sent if isinstance(m, PeerAlive)] == ["cs-0"]
+    assert sum(isinstance(m, LinkProbe) for m in links["cs-0"].sent) == 1  # one probe for both reports
 
 
-def test_a_store_that_does_not_answer_is_declared_dead(hf_models: dict[str, Path]) -> None:
-    async def main() -> tuple[Orchestrator, dict[str, Link]]:
+def test_a_silent_store_is_declared_dead_when_its_lease_runs_out(hf_models: dict[str, Path]) -> None:
+    async def main() -> tuple[Orchestrator, dict[str, Link], bool]:
         orch, links = cluster(hf_models["mixtral"], hung=True)
-        (store,), (aw0, _) = ids(links, "cs"), ids(links, "aw")
-        await orch._handle(aw0, PeerFailed(store, "connection closed"))
-        await verdicts_done(orch)
-        return orch, links
+        watcher = asyncio.create_task(orch.watch_leases())
+        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed"))
+        await asyncio.sleep(LEASE / 2)
+        alive_at_half = orch.cluster.workers["cs-0"].state is WorkerState.ALIVE  # (a report alone decides nothing)
+        for _ in range(int(3 * LEASE / 0.05)):  # the others keep beating
+            await asyncio.sleep(0.05)
+            for wid in ("aw-0", "aw-1", "gw-0"):
+                await orch._handle(wid, Heartbeat())
+                orch._heard(wid)
+        watcher.cancel()
+        return orch, links, alive_at_half
 
-    assert dead_and_nobody_told_otherwise(*asyncio.run(main()))
+    orch, links, alive_at_half = asyncio.run(main())
+    assert alive_at_half
+    assert orch.cluster.workers["cs-0"].state is WorkerState.DEAD
+    assert all(orch.cluster.workers[w].state is WorkerState.ALIVE for w in ("aw-0", "aw-1", "gw-0"))
+    assert not any(isinstance(m, PeerAlive) for link in links.values() for m in link.sent)
 
 
-def test_evidence_that_arrives_while_the_probe_is_out_decides(hf_models: dict[str, Path]) -> None:
-    """A gateway's weak report starts a probe; an AW's definitive one (the store took no data)
-    arrives meanwhile. The store answers the probe, but it is declared dead all the same, and no
-    reporter is told it is alive."""
-
-    async def main() -> tuple[Orchestrator, dict[str, Link]]:
+def test_a_reported_worker_whose_link_is_gone_is_dead_at_once(hf_models: dict[str, Path]) -> None:
+    async def main() -> Orchestrator:
         orch, links = cluster(hf_models["mixtral"], hung=False)
-        (store,), (aw0, _), (gw,) = ids(links, "cs"), ids(links, "aw"), ids(links, "gw")
-        await orch._handle(gw, PeerFailed(store, "it seems slow"))
-        while not links[store].sent:  # the probe is out (the store answers it 20 ms later)
-            await asyncio.sleep(0.001)
-        await orch._handle(aw0, PeerFailed(store, "the peer took no data for 1000 ms", definitive=True))
-        await verdicts_done(orch)
-        return orch, links
+        links["cs-0"].closed = True  # its process exited: every socket closed, its link's too
+        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed by the peer"))
+        await asyncio.sleep(0.05)
+        return orch
 
-    assert dead_and_nobody_told_otherwise(*asyncio.run(main()))
+    assert asyncio.run(main()).cluster.workers["cs-0"].state is WorkerState.DEAD

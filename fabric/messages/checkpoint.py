@@ -67,6 +67,16 @@ class KvDone(Message):
 
 @register
 @dataclass
+class KvHandOff(Message):
+    """AW -> store: these requests moved to another AW (their gateway found this one silent and
+    resumed them there): keep their checkpoints for that AW's restore, which may take them now."""
+
+    kind = "kv_hand_off"
+    request_ids: list[str]
+
+
+@register
+@dataclass
 class KvSync(Message):
     """Answered with `KvSynced` once everything sent before it is in the log (a barrier)."""
 

@@ -77,8 +77,12 @@ class PromptLogprobs(Message):
 @register
 @dataclass
 class Abort(Message):
+    """Gateway -> AW: stop this request and free its KV. `moved`: the gateway resumed it on another
+    AW (it found this one silent): hand its checkpoints over to that AW's restore (`KvHandOff`)."""
+
     kind = "abort"
     request_id: str
+    moved: bool = False
 
 
 @register

@@ -54,6 +54,7 @@ class WorkerInfo:
     port: int
     state: WorkerState
     pid: int = 0
+    control_port: int = 0  # where peers probe it, on its control loop (0: none)
 
     @property
     def serving(self) -> bool:
@@ -102,6 +103,7 @@ class Register(Message):
     ready: bool = False  # serving (EW: experts loaded; AW: connected to the EWs of a table)
     info: dict[str, Any] = field(default_factory=dict)
     view_version: list[int] = field(default_factory=list)  # instead of `view`: its (generation, epoch, seq)
+    control_port: int = 0  # where peers probe it (fabric/control_port.py; 0: none)
 
 
 @register
@@ -111,6 +113,16 @@ class Registered(Message):
     worker_id: str
     generation: int  # this orchestrator's fencing token: a worker follows no older one
     send_view: bool = False  # your view is newer than any this orchestrator holds: send it (`ViewReport`)
+    heartbeat_ms: float = 0.0  # send a `Heartbeat` this often (0: never); a worker silent for a lease is dead
+
+
+@register
+@dataclass
+class Heartbeat(Message):
+    """Worker -> orchestrator, every `Registered.heartbeat_ms`: this worker's loop runs (its lease:
+    orchestrator/verdicts.py). Sent from the event loop, which never waits on compute."""
+
+    kind = "heartbeat"
 
 
 @register
@@ -244,22 +256,21 @@ class WorkerStats(Message):
 @register
 @dataclass
 class PeerFailed(Message):
-    """Worker -> orchestrator: this worker found `worker_id` dead. The orchestrator's verdict is
-    authoritative: it probes the peer over its own link unless the evidence is `definitive` (a peer
-    that stopped draining its socket answers probes but cannot serve), then marks it dead, fences
-    it and publishes the next epoch."""
+    """Worker -> orchestrator: this worker cannot reach `worker_id` (its connection ended, it went
+    silent, it took no data) and routes around it. A suspicion: the orchestrator decides on
+    evidence (orchestrator/verdicts.py) whether it is dead, then fences it and publishes the next
+    epoch."""
 
     kind = "peer_failed"
     worker_id: str
     reason: str
-    definitive: bool = False
 
 
 @register
 @dataclass
 class PeerAlive(Message):
-    """Orchestrator -> the worker that sent `PeerFailed`: the orchestrator's own probe found
-    `worker_id` answering, so it was not declared dead; the reporter may use it again."""
+    """Orchestrator -> the workers that sent `PeerFailed`: `worker_id` answers the orchestrator, so
+    it is not dead. Whether a reporter uses it again is up to its own probes of its own link."""
 
     kind = "peer_alive"
     worker_id: str

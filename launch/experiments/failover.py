@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weight-store", action="store_true",
                    help="every worker reads the checkpoint (the baseline of the host-memory weight store)")
     p.add_argument("--pin-workers", action="store_true", help="AW i and EW i on CPU i (serve's flag; --cluster local)")
+    p.add_argument("--device", default="cpu", help="the workers' device (serve's flag): cpu or cuda")
+    p.add_argument("--kernel", default="auto", help="the workers' kernels (serve's flag): auto, torch or triton")
 
 
 class Experiment:
@@ -110,7 +112,7 @@ class Experiment:
                                checkpoint="incremental" if args.checkpoint_stores else "off", sched=args.sched,
                                provisioner="none" if args.mode == "restart-all" else "auto",
                                weight_store=not args.no_weight_store, standby_workers=args.standby_workers,
-                               pin_workers=args.pin_workers)
+                               pin_workers=args.pin_workers, device=args.device, kernel=args.kernel)
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.fabrics: list[Fabric] = []
         # Not the default executor: asyncio.run would wait for a fabric start before a Ctrl-C.

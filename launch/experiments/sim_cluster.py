@@ -8,8 +8,9 @@ answers with the time of death); `kill_orchestrator` SIGKILLs the orchestrator a
 
 Dozens of workers share one event loop here, on 2 cores shared by all: a loop's lag is what a
 dedicated core's would never be, so probes are patient (`probe_interval_ms`, 50 ms rather than
-10) and so is the orchestrator's confirmation of a reported death (`confirm_timeout_ms`, 1 s
-rather than 250 ms). A killed worker's connections close, so its death is seen without probes.
+10) and so are the orchestrator's leases (`lease_ms`, 3 s rather than 700 ms: a loop shared by
+dozens of workers sends their heartbeats late). A killed worker's connections close, so its death
+is seen without probes or leases.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Host:
 class SimCluster:
     def __init__(self, model: Path, aws: int, ews: int, per_process: int, log_dir: Path, attention_ms: float,
                  expert_ms: float, kv_cache_mib: int = 16, probe_interval_ms: float = 50.0,
-                 confirm_timeout_ms: float = 1000.0) -> None:
+                 lease_ms: float = 3000.0) -> None:
         self.model, self.aws, self.ews, self.log_dir = str(model), aws, ews, log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="moe-fabric-sim-")
@@ -82,7 +83,7 @@ class SimCluster:
                                   "cluster_secret_file": self.secret_file}
         self.orchestrator_cfg = OrchestratorConfig(self.model, expert_workers=ews, port=self.port,
                                                    cluster_secret_file=self.secret_file, recovery_grace_s=0.0,
-                                                   confirm_timeout_ms=confirm_timeout_ms)
+                                                   lease_ms=lease_ms)
         self.store_cfg = CheckpointStoreConfig(**common, bucket_mib=64)
         self.gateway_cfg = GatewayConfig(**common, port=self.gateway_port, max_waiting=4096,
                                          probe_interval_ms=probe_interval_ms)

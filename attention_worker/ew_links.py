@@ -1,0 +1,266 @@
+"""One AW's links to its EWs, and which EWs it can reach now.
+
+An EW this AW cannot reach (its connection ended, it went silent, it took no data) is *suspected*:
+routed around from the next call on, reported to the orchestrator, and tried again in the
+background (`_relink`: connect, then a ping on the data channel) with a pause that doubles from
+50 ms to 1 s. Once it answers there, it is used again at once (a step picks its EWs layer by layer;
+results do not depend on the replica). Whether an
+EW is dead is the orchestrator's verdict (it confirms with its own probes and a lease); whether
+this AW may use it is this AW's: a worker alive on its control link but unreachable on its data
+port is routed around until the port answers again, whatever the orchestrator says.
+
+The one watcher (`_watch`) ticks only while calls are outstanding and looks only at the links
+that have some (`EwLink.check`): an idle AW costs nothing, however many EWs it is linked to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from attention_worker.ew_link import EwLink
+from fabric.errors import FabricError, PeerDeadError, ProtocolError
+from fabric.messages.expert import AwActivity, Hello, Ping, Pong
+from fabric.routing import EwAddress, RoutingTable
+from fabric.ticks import Ticks
+from fabric.transport.base import Connection, Transport
+
+log = logging.getLogger("attention_worker.forwarding")
+
+RELINK_MIN = 0.05  # seconds before the first try to reach a suspected EW again, doubling...
+RELINK_MAX = 1.0  # ...up to this
+RELINK_TIMEOUT = 1.0  # one try: connect, hello, a ping answered on the data channel
+
+
+class EwLinks:
+    def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float,
+                 probe_misses: int, on_suspect: Callable[[str, str], None] | None, device: torch.device | None,
+                 changed: asyncio.Event, table: Callable[[], RoutingTable | None]) -> None:
+        self.aw_id = aw_id
+        self.transport = transport  # the data channels'
+        self.control_transport = control_transport  # the control channels' (an EW's control port: TCP)
+        self.probe_interval = probe_interval  # 0: no probes
+        self.probe_misses = probe_misses
+        self.on_suspect = on_suspect  # (EW id, reason): tells the orchestrator, whose verdict is authoritative
+        self.device = device  # the AW's: calls and results cross as its memory where the link can
+        self.changed = changed  # set when an EW becomes usable again (a step waiting for a replica wakes)
+        self.links: dict[str, EwLink] = {}
+        self.dead: set[str] = set()  # declared dead by the orchestrator: never used again
+        self.unreachable: dict[str, str] = {}  # suspected by this AW -> why; tried again in the background
+        self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW last found it unreachable
+        self.relinks = 0  # EWs used again after a suspicion
+        self.probes_sent = 0
+        self._yardsticks: dict[str, tuple[float, float]] = {}  # EW -> (call latency, probe round trip) of its last link
+        self._retry: dict[str, asyncio.Event] = {}  # an EW's relink, woken early (the orchestrator vouched)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._active = False
+        self._calls_out = asyncio.Event()  # set when a call goes out on an idle link: the watcher wakes
+        self._watcher: asyncio.Task[None] | None = None
+        self._table = table  # the newest table the engine holds
+
+    @property
+    def excluded(self) -> set[str]:
+        """EWs routed around: declared dead, or unreachable from here."""
+        return self.dead | self.unreachable.keys()
+
+    def live(self, ew_id: str) -> EwLink | None:
+        link = self.links.get(ew_id)
+        return link if link is not None and not link.dead and ew_id not in self.excluded else None
+
+    def calls_out(self) -> None:
+        self._calls_out.set()
+
+    # -- following tables ------------------------------------------------------------------------
+    async def apply(self, table: RoutingTable) -> None:
+        """Connects to EWs new in `table` and drops the others (call between steps)."""
+        for ew_id, addr in table.expert_workers.items():
+            if ew_id not in self.links and ew_id not in self.excluded:
+                try:
+                    self.links[ew_id] = await self._open(addr)
+                except PeerDeadError as exc:
+                    self.suspect(ew_id, f"connect failed: {exc}")
+        for ew_id in [w for w in self.links if w not in table.expert_workers]:
+            await self.links.pop(ew_id).close()
+
+    def declared_dead(self, ids: list[str]) -> None:
+        """The orchestrator's verdicts: never used again (their relinks stop)."""
+        for ew_id in ids:
+            if ew_id in self.links or ew_id in self.unreachable:
+                self.dead.add(ew_id)
+                self.unreachable.pop(ew_id, None)
+                self._wake(ew_id)
+
+    # -- suspicion and relinking -------------------------------------------------------------------
+    def suspect(self, ew_id: str, reason: str) -> None:
+        """`ew_id` is unreachable from here: routed around from now on, the orchestrator told, and
+        tried again in the background."""
+        if ew_id in self.excluded:
+            return
+        self.unreachable[ew_id] = reason
+        self.suspected_at[ew_id] = time.time()
+        link = self.links.get(ew_id)
+        if link is not None:  # (its calls fail over to other replicas; the EW stops waiting for this AW)
+            self._yardsticks[ew_id] = (link.latency, link.rtt)
+            link.fail(PeerDeadError(ew_id, reason))
+            self._spawn(link.close())
+        if self.on_suspect is not None:
+            self.on_suspect(ew_id, reason)
+        self._spawn(self._relink(ew_id))
+
+    def retry(self, ew_id: str) -> None:
+        """The orchestrator found `ew_id` alive: try to reach it again now rather than after the pause."""
+        self._wake(ew_id)
+
+    def _wake(self, ew_id: str) -> None:
+        ev = self._retry.get(ew_id)
+        if ev is not None:
+            ev.set()
+
+    async def _relink(self, ew_id: str) -> None:
+        delay, tries = RELINK_MIN, 0
+        ev = self._retry[ew_id] = asyncio.Event()
+        try:
+            while ew_id in self.unreachable:
+                ev.clear()
+                try:
+                    await asyncio.wait_for(ev.wait(), delay)
+                except TimeoutError:
+                    pass
+                delay = min(RELINK_MAX, delay * 2)
+                table = self._table()
+                addr = table.expert_workers.get(ew_id) if table is not None else None
+                if ew_id not in self.unreachable or addr is None:  # declared dead, or no longer in the table
+                    self.unreachable.pop(ew_id, None)
+                    return
+                try:
+                    link = await asyncio.wait_for(self._open(addr, check=True), RELINK_TIMEOUT)
+                except (PeerDeadError, ProtocolError, TimeoutError) as exc:
+                    tries += 1
+                    if tries in (1, 10) or tries % 100 == 0:
+                        log.info("%s does not answer yet (%d tries; the last: %s)", ew_id, tries,
+                                 type(exc).__name__ if isinstance(exc, TimeoutError) else exc)
+                    continue
+                table = self._table()
+                if ew_id not in self.unreachable or table is None or ew_id not in table.expert_workers:
+                    await link.close()
+                    return
+                self._use_again(ew_id, link)
+                return
+        finally:
+            if self._retry.get(ew_id) is ev:
+                del self._retry[ew_id]
+
+    def _use_again(self, ew_id: str, link: EwLink) -> None:
+        old = self.links.pop(ew_id, None)
+        if old is not None:
+            self._spawn(old.close())
+        self.links[ew_id] = link
+        self.unreachable.pop(ew_id, None)
+        self.relinks += 1
+        log.warning("%s answers again: using it again", ew_id)
+        self.changed.set()  # (a step waiting for a reachable copy of an expert goes on)
+
+    async def _open(self, addr: EwAddress, check: bool = False) -> EwLink:
+        """A new link: control and data connections, each with its hello; with `check`, a ping
+        answered on the data channel first (its port works, not only its control channel)."""
+        conns: list[Connection] = []
+        try:
+            for transport, port, channel in ((self.control_transport, addr.control_port, "control"),
+                                             (self.transport, addr.port, "data")):
+                conn = await transport.connect(addr.host, port)
+                conns.append(conn)
+                await conn.send(Hello(self.aw_id, channel))
+            control, data = conns
+            if check:
+                await data.send(Ping(0))
+                if not isinstance(await data.recv(), Pong):
+                    raise ProtocolError(f"{addr.worker_id}: expected a pong on the data channel")
+        except BaseException:
+            for conn in conns:
+                await conn.close()
+            raise
+        if self.device is not None:
+            data.land_frames_on(self.device)
+        link = EwLink(addr, control, data, on_dead=self._link_died)
+        # (what the EW's last link measured: a loaded EW's slow answers are not news on a new link)
+        link.latency, link.rtt = self._yardsticks.get(addr.worker_id, (0.0, 0.0))
+        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+        if self._active:
+            self._send_activity(link, True)
+        log.info("connected to %s at %s:%d", addr.worker_id, addr.host, addr.port)
+        return link
+
+    def _link_died(self, link: EwLink, error: FabricError) -> None:
+        """A link in use died (its connection ended, a probe verdict, a stall)."""
+        if self.links.get(link.addr.worker_id) is link:
+            log.warning("%s is unreachable (%s); routing around it", link.addr.worker_id, error)
+            self.suspect(link.addr.worker_id, str(error))
+
+    async def _watch(self) -> None:
+        nonce = itertools.count(1)
+        ticks = Ticks(self.probe_interval if self.probe_interval > 0 else 0.25)
+        while True:
+            busy = [link for link in self.links.values() if link.pending and not link.dead]
+            if not busy:
+                self._calls_out.clear()
+                await self._calls_out.wait()
+                ticks.reset()
+                continue
+            late = await ticks.next()
+            if late:  # (this AW's own stall: their messages wait unread, not their silence)
+                for link in busy:
+                    link.last_heard += late
+                    link.last_data += late
+                continue
+            now = time.monotonic()
+            for link in busy:
+                if not link.pending or link.dead:
+                    continue
+                try:
+                    sent = link.probes
+                    error = link.check(now, self.probe_interval, self.probe_misses, link.data.send_timeout,
+                                       next(nonce))
+                    self.probes_sent += link.probes > sent
+                    if error is not None:
+                        link.fail(error)  # (closed by `suspect`, beside this loop: a close may wait on a stuck peer)
+                except Exception:  # one link's trouble must not stop the watching of the others
+                    log.exception("checking the link to %s failed", link.addr.worker_id)
+
+    # -- activity ------------------------------------------------------------------------------------
+    def set_active(self, active: bool) -> None:
+        """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
+        if active == self._active:
+            return
+        self._active = active
+        for link in list(self.links.values()):
+            if not link.dead:
+                self._send_activity(link, active)
+
+    @staticmethod
+    def _send_activity(link: EwLink, active: bool) -> None:
+        try:
+            link.control.send_nowait(AwActivity(active))
+        except PeerDeadError:
+            pass
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for link in self.links.values():
+            await link.close()
+        self.links.clear()
