@@ -36,6 +36,7 @@ log = logging.getLogger("attention_worker.forwarding")
 RELINK_MIN = 0.05  # seconds before the first try to reach a suspected EW again, doubling...
 RELINK_MAX = 1.0  # ...up to this
 RELINK_TIMEOUT = 1.0  # one try: connect, hello, a ping answered on the data channel
+CONNECT_TIMEOUT = 2.0  # an EW new in a table, at a step boundary
 
 
 class EwLinks:
@@ -78,13 +79,19 @@ class EwLinks:
 
     # -- following tables ------------------------------------------------------------------------
     async def apply(self, table: RoutingTable) -> None:
-        """Connects to EWs new in `table` and drops the others (call between steps)."""
-        for ew_id, addr in table.expert_workers.items():
-            if ew_id not in self.links and ew_id not in self.excluded:
-                try:
-                    self.links[ew_id] = await self._open(addr)
-                except PeerDeadError as exc:
-                    self.suspect(ew_id, f"connect failed: {exc}")
+        """Connects to EWs new in `table` (side by side, each bounded: one that does not answer is
+        suspected and tried again in the background, not waited for) and drops the others (call
+        between steps)."""
+        new = [a for w, a in table.expert_workers.items() if w not in self.links and w not in self.excluded]
+        opened = await asyncio.gather(*(asyncio.wait_for(self._open(a), CONNECT_TIMEOUT) for a in new),
+                                      return_exceptions=True)
+        for addr, link in zip(new, opened):
+            if isinstance(link, EwLink):
+                self.links[addr.worker_id] = link
+            elif isinstance(link, PeerDeadError | ProtocolError | TimeoutError):
+                self.suspect(addr.worker_id, f"connect failed: {type(link).__name__} {link}")
+            else:
+                raise link
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
 

@@ -52,6 +52,9 @@ SCENARIOS: dict[str, list[str]] = {
     # A whole node dies (its raylet and every process on it: an AW, an EW, a gateway) on a Ray
     # cluster of three nodes on loopback; side by side with the same fabric on one machine losing one AW.
     "node death / ray (3 nodes)": ["--role", "node", "--cluster", "ray", "--mode", "fabric"],
+    # The node of the orchestrator (and whatever else Ray put there) dies.
+    "orchestrator node death / ray (3 nodes)": ["--role", "node", "--node-of", "orchestrator", "--cluster", "ray",
+                                                 "--mode", "fabric"],
     "AW SIGKILL / fabric": ["--role", "attention", "--signal", "KILL", "--mode", "fabric"],
     # How fast a dead worker's place is taken: a new process that reads the checkpoint (the fabric
     # before the weight store), one that maps its weights from the host's weight store (the

@@ -136,8 +136,7 @@ class AwPool:
                         if c is not None:
                             await c.close()
                     return
-                del self.unreachable[worker_id]
-                self.hung.discard(worker_id)
+                del self.unreachable[worker_id]  # (still `hung` until the orchestrator rules: `vouched`)
                 self.relinks += 1
                 log.warning("%s answers again: using it again", worker_id)
                 self._install(w, conn, probe)
@@ -152,6 +151,7 @@ class AwPool:
         after twice the silence that was too little (up to MAX_SILENCE), so a slow AW is not given
         up on over and over, each time resuming its requests elsewhere."""
         if worker_id in self.hung:
+            self.hung.discard(worker_id)
             floor = min(MAX_SILENCE, 2 * self.min_silence.get(worker_id, MIN_SILENCE))
             self.min_silence[worker_id] = floor
             if (client := self.clients.get(worker_id)) is not None:
@@ -216,6 +216,7 @@ class AwPool:
         todo = [w for wid, w in alive.items() if wid not in self.unreachable
                 and (wid not in self.clients or self.clients[wid].conn.closed)]
         await asyncio.gather(*(self._connect(w) for w in todo))
+        self.hung -= self.dead
         for wid in [w for w in self.clients if w in self.dead]:
             await self.clients.pop(wid).close()
         for wid in [w for w in self.unreachable if w in self.dead or w not in alive]:

@@ -52,15 +52,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     for _ in range(64):
         port = random.randrange(max(1024, low // 2), low) if low > 2048 else 0
+        if port in _given:  # (handed out already, maybe not bound yet)
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return int(s.getsockname()[1])
+            port = int(s.getsockname()[1])
+        _given.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_given: set[int] = set()  # the ports `free_port` has returned in this process
 
 
 def _ephemeral_low() -> int:

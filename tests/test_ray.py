@@ -58,9 +58,17 @@ def streams(port: int, decoding: threading.Event | None = None) -> list[list[int
     return out
 
 
+def on_other_nodes(fabric: Any, node_id: str) -> dict[str, int]:
+    """Every worker and gateway alive on a node other than `node_id`: id -> pid."""
+    return {w["id"]: w["pid"] for w in fabric.cluster()["workers"] if w["state"] == "alive"
+            and w["role"] != "orchestrator" and w["info"].get("node") != node_label(node_id)}
+
+
 def under_node_death(fabric: Any, ray_cluster: LoopbackRay, node_id: str) -> list[list[int]]:
     """The streams, with `node_id` removed (SIGKILL of its raylet and every process of it) once
-    every stream is a few tokens into its decode."""
+    every stream is a few tokens into its decode. No process of another node is restarted (a Ray
+    error about a survivor's actor is not its death)."""
+    survivors = on_other_nodes(fabric, node_id)
     result: list[list[list[int]]] = []
     decoding = threading.Event()
     runner = threading.Thread(target=lambda: result.append(streams(fabric.port, decoding)))
@@ -69,6 +77,9 @@ def under_node_death(fabric: Any, ray_cluster: LoopbackRay, node_id: str) -> lis
     ray_cluster.remove_node(node_id)
     runner.join(200)
     assert result
+    after = wait_for(fabric, "the orchestrator serving", lambda c: not c.get("recovering"), 120)
+    alive = {w["id"]: w["pid"] for w in after["workers"] if w["state"] == "alive"}
+    assert {i: alive.get(i) for i in survivors} == survivors, "a process of a surviving node was restarted"
     return result[0]
 
 

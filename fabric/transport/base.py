@@ -166,6 +166,9 @@ class Transport(abc.ABC):
             except AuthError as exc:
                 log.warning("refusing %s: %s", conn.peer, exc)
                 raise PeerDeadError(conn.peer, f"authentication failed: {exc}") from exc
+            except BaseException:  # (a connect given up on mid-handshake: no socket left behind)
+                await conn.close()
+                raise
         return conn
 
     def _accepting(self, handler: Handler) -> Handler:

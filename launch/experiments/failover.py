@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", choices=["local", "ray"], default="local",
                    help="ray: the fabric on a Ray cluster (--ray-address; default: three nodes on loopback)")
     p.add_argument("--ray-address", default=None, help="a Ray cluster to run on (default: a loopback one of 3 nodes)")
+    p.add_argument("--node-of", default="attention-worker-0",
+                   help="--role node: the process whose node dies (e.g. orchestrator, gateway-1)")
     p.add_argument("--at", type=float, default=5.0, help="seconds into the failure run to send the signal")
     p.add_argument("--duration", type=float, default=15.0, help="seconds during which requests are issued")
     load = p.add_mutually_exclusive_group()
@@ -190,12 +192,13 @@ class Injection:
         self.kill_wall: float | None = None  # time.time() of the kill, to compare with the orchestrator's clock
         self.victim_pid: int | None = None
         self.gone: float | None = None  # when the victim's process had exited (SIGSTOP: it stays)
+        self.survivors: dict[str, int] = {}  # --role node: the processes of the other nodes -> their pid
         self.ready: float | None = None  # restart-all: when the fresh fabric was ready
 
     async def inject(self, at: float) -> None:
         run, args = self.run, self.exp.args
         await asyncio.sleep(max(0.0, at - run.now()))
-        name = VICTIMS[args.role]
+        name = args.node_of if args.role == "node" else VICTIMS[args.role]
         victim = next(p for n, p in self.exp.fabric.procs if n == name)
         sig = signal.Signals[f"SIG{args.signal}"]
         what = f"{sig.name} {name}"
@@ -204,6 +207,7 @@ class Injection:
             sup: Any = self.exp.fabric.supervisor
             node = sup.node_of(name)
             on_node = sorted(n for n, p in self.exp.fabric.procs if getattr(p, "node_id", None) == node)
+            self.survivors = {n: p.pid for n, p in self.exp.fabric.procs if getattr(p, "node_id", None) != node}
             what = f"node {node[:8]} ({', '.join(on_node)})"
             if self.exp.loopback is not None:
                 self.exp.loopback.remove_node(node)
@@ -250,6 +254,8 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
     gone = fail.lost(args.tokens)
     found = detection(inj, cluster)
+    now = dict((n, p.pid) for n, p in exp.fabric.procs) if inj.survivors else {}
+    restarted = sorted(n for n, pid in inj.survivors.items() if now.get(n) != pid)  # (a survivor's new pid, or gone)
     metrics = {"kill_at_s": kill, "victim_gone_s": None if inj.gone is None else inj.gone - kill,
                "new_fabric_ready_s": inj.ready, "stall_s": stall, "stall_without_failure_s": stall_ref,
                "normal_gap_s": tl.normal_gap(times, kill),
@@ -258,11 +264,12 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
                "lost": gone, "outputs_equal": not differ, "differing": differ,
                "client_resumes": sum(s.resumes for s in fail.streams),
                "resubmitted": sum(1 for s in fail.streams if s.attempts > 1),
+               "survivors_restarted": restarted,
                "output_tokens": sum(len(t) for t in times), "reference_requests": len(ref.streams),
                **found}
     notes = scan_logs(exp.out)
     config = {**vars(args), "model": exp.model, "out": str(exp.out), "victim": VICTIMS[args.role],
-              "victim_pid": inj.victim_pid, "load": f"closed loop C={args.concurrency}" if args.concurrency
+              "victim_pid": inj.victim_pid, "survivors": inj.survivors, "load": f"closed loop C={args.concurrency}" if args.concurrency
               else f"Poisson {args.rate} req/s", "transport": args.transport, "window_s": tl.WINDOW}
     result = {"config": config, "metrics": metrics, "throughput": [[round(t, 3), v] for t, v in series],
               "reference_throughput": [[round(t, 3), v] for t, v in ref_series],
@@ -283,6 +290,7 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
                f"{f(tfs, sign='+')}, back to 90% throughput {f(ttp, sign='+')}, "
                + (f"declared dead {f(found['detected_s'], sign='+')}, back {f(found['replacement_ready_s'], sign='+')}, "
                   if args.mode == "fabric" else "")
+               + (f"processes of surviving nodes restarted: {', '.join(restarted) or 'none'}, " if inj.survivors else "")
                + f"lost {len(gone)}, outputs equal to failure-free run: {'yes' if not differ else 'no'}")
     plotted = tl.plot_timeline(exp.out / "timeline.png", gaps, series, kill, f"SIG{args.signal} {VICTIMS[args.role]}",
                                summary, ready=inj.ready, reference=ref_series)
@@ -291,7 +299,7 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     say("failover", f"wrote {exp.out / 'results.json'}" + (f" and {exp.out / 'timeline.png'}" if plotted else
                                                             " (no plot: pip install 'moe-fabric[experiments]')"))
     print(summary, flush=True)
-    return 1 if gone or differ else 0
+    return 1 if gone or differ or restarted else 0
 
 
 def check(args: argparse.Namespace) -> None:
