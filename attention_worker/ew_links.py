@@ -27,15 +27,13 @@ import torch
 from attention_worker.ew_link import EwLink
 from fabric.errors import FabricError, PeerDeadError, ProtocolError
 from fabric.messages.expert import AwActivity, Hello, Ping, Pong
+from fabric.relink import reach_again
 from fabric.routing import EwAddress, RoutingTable
 from fabric.ticks import Ticks
 from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger("attention_worker.forwarding")
 
-RELINK_MIN = 0.05  # seconds before the first try to reach a suspected EW again, doubling...
-RELINK_MAX = 1.0  # ...up to this
-RELINK_TIMEOUT = 1.0  # one try: connect, hello, a ping answered on the data channel
 CONNECT_TIMEOUT = 2.0  # an EW new in a table, at a step boundary
 
 
@@ -130,38 +128,30 @@ class EwLinks:
             ev.set()
 
     async def _relink(self, ew_id: str) -> None:
-        delay, tries = RELINK_MIN, 0
+        def address() -> EwAddress | None:
+            table = self._table()
+            return table.expert_workers.get(ew_id) if table is not None else None
+
+        def wanted() -> bool:  # (not once declared dead, or out of the table)
+            return ew_id in self.unreachable and address() is not None
+
+        async def try_once() -> EwLink:
+            addr = address()
+            assert addr is not None
+            return await self._open(addr, check=True)
+
         ev = self._retry[ew_id] = asyncio.Event()
         try:
-            while ew_id in self.unreachable:
-                ev.clear()
-                try:
-                    await asyncio.wait_for(ev.wait(), delay)
-                except TimeoutError:
-                    pass
-                delay = min(RELINK_MAX, delay * 2)
-                table = self._table()
-                addr = table.expert_workers.get(ew_id) if table is not None else None
-                if ew_id not in self.unreachable or addr is None:  # declared dead, or no longer in the table
-                    self.unreachable.pop(ew_id, None)
-                    return
-                try:
-                    link = await asyncio.wait_for(self._open(addr, check=True), RELINK_TIMEOUT)
-                except (PeerDeadError, ProtocolError, TimeoutError) as exc:
-                    tries += 1
-                    if tries in (1, 10) or tries % 100 == 0:
-                        log.info("%s does not answer yet (%d tries; the last: %s)", ew_id, tries,
-                                 type(exc).__name__ if isinstance(exc, TimeoutError) else exc)
-                    continue
-                table = self._table()
-                if ew_id not in self.unreachable or table is None or ew_id not in table.expert_workers:
-                    await link.close()
-                    return
-                self._use_again(ew_id, link)
-                return
+            link = await reach_again(try_once, wanted, ev, ew_id)
         finally:
             if self._retry.get(ew_id) is ev:
                 del self._retry[ew_id]
+        if link is not None and wanted():
+            self._use_again(ew_id, link)
+            return
+        if link is not None:
+            await link.close()
+        self.unreachable.pop(ew_id, None)
 
     def _use_again(self, ew_id: str, link: EwLink) -> None:
         old = self.links.pop(ew_id, None)
@@ -214,19 +204,14 @@ class EwLinks:
     async def _watch(self) -> None:
         nonce = itertools.count(1)
         ticks = Ticks(self.probe_interval if self.probe_interval > 0 else 0.25)
+
+        def credit(link: EwLink, late: float) -> None:  # (this AW's own stall, not the EW's silence)
+            link.last_heard += late
+            link.last_data += late
+
         while True:
-            busy = [link for link in self.links.values() if link.pending and not link.dead]
-            if not busy:
-                self._calls_out.clear()
-                await self._calls_out.wait()
-                ticks.reset()
-                continue
-            late = await ticks.next()
-            if late:  # (this AW's own stall: their messages wait unread, not their silence)
-                for link in busy:
-                    link.last_heard += late
-                    link.last_data += late
-                continue
+            busy = await ticks.busy(lambda: [k for k in self.links.values() if k.pending and not k.dead],
+                                    self._calls_out, credit)
             now = time.monotonic()
             for link in busy:
                 if not link.pending or link.dead:

@@ -176,6 +176,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         step = self.clock.run(self._first, chunks)
         while True:
+            await self._pace(step)
             self._sink(step)
             if step.plan is None:
                 break
@@ -186,6 +187,9 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - t0
         assert step.logits is not None and step.scored is not None
         return step.logits, step.scored
+
+    async def _pace(self, step: StepState) -> None:
+        """After each compute call (a cost model's wait; nothing here)."""
 
     def forward_local(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """A step whose experts add nothing (no EW, no event loop, no checkpoints): the warm-up's

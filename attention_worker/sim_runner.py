@@ -43,26 +43,12 @@ class SimRunner(ModelRunner):
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
 
-    async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.blocking:
-            return await super().forward(chunks)
-        # Many workers share this process and its loop: each layer's cost is a sleep that does not
-        # block the others (compute on a device of their own), and the stand-ins run inline.
-        t0 = time.perf_counter()
-        step = self._begin(chunks)
-        while True:
+    async def _pace(self, step: StepState) -> None:
+        """Many workers share this process and its loop (not `blocking`): each layer's cost is a
+        sleep that does not block the others, as compute on a device of its own would not."""
+        if not self.blocking and self.attention_s:
             assert isinstance(step, SimStep)
             await asyncio.sleep(self.attention_s * ((step.layer + 1 if step.plan else step.layer) - step.first))
-            self._sink(step)
-            if step.plan is None:
-                break
-            t1 = time.perf_counter()
-            parts = await self.refe.run_plan(step.plan)
-            self.expert_wait_s += time.perf_counter() - t1
-            step = self._resume(step, parts)
-        self.forward_s += time.perf_counter() - t0
-        assert step.logits is not None and step.scored is not None
-        return step.logits, step.scored
 
     def _begin(self, chunks: list[Chunk]) -> StepState:
         cfg = self.cfg

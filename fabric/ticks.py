@@ -9,6 +9,10 @@ first tick after a stall would see every peer silent for the whole stall.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class Ticks:
@@ -30,3 +34,20 @@ class Ticks:
         late = max(0.0, now - start - self.interval)
         self._last = now
         return late if late > max(0.005, self.interval / 2) else 0.0
+
+    async def busy(self, peers: Callable[[], list[T]], work: asyncio.Event, credit: Callable[[T, float], None]) -> list[T]:
+        """The peers with work in flight (`peers()`) at the next tick, judged on time: while there
+        are none it waits on `work` at no cost; after a late tick it credits each peer the lateness
+        (`credit`) and waits for the next one."""
+        while True:
+            busy = peers()
+            if not busy:
+                work.clear()
+                await work.wait()
+                self.reset()
+                continue
+            late = await self.next()
+            if not late:
+                return busy
+            for peer in busy:
+                credit(peer, late)

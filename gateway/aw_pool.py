@@ -29,6 +29,7 @@ from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.client import Abort, Attach, Attached, Detach, Submit
 from fabric.messages.control import WorkerInfo
 from fabric.messages.expert import Hello, Ping, Pong
+from fabric.relink import reach_again
 from fabric.ticks import Ticks
 from fabric.transport.base import Connection, Transport
 from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
@@ -37,9 +38,6 @@ log = logging.getLogger(__name__)
 
 
 ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
-RELINK_MIN = 0.05  # seconds before the first try to reach an AW again, doubling...
-RELINK_MAX = 1.0  # ...up to this
-RELINK_TIMEOUT = 1.0  # one try: connect, a ping answered
 
 
 class AwPool:
@@ -111,39 +109,29 @@ class AwPool:
 
     async def _relink(self, worker_id: str) -> None:
         """Tries to reach a lost AW again until it answers a ping, the orchestrator declares it
-        dead, or it leaves the view."""
-        delay = RELINK_MIN
+        dead, or it leaves the view (fabric/relink.py)."""
+
+        def wanted() -> bool:
+            return worker_id in self.unreachable and worker_id in self.known and worker_id not in self.dead
+
         ev = self._retry[worker_id] = asyncio.Event()
         try:
-            while worker_id in self.unreachable:
-                ev.clear()
-                try:
-                    await asyncio.wait_for(ev.wait(), delay)
-                except TimeoutError:
-                    pass
-                delay = min(RELINK_MAX, delay * 2)
-                w = self.known.get(worker_id)
-                if w is None or worker_id in self.dead:
-                    self.unreachable.pop(worker_id, None)
-                    self.hung.discard(worker_id)
-                    return
-                try:
-                    conn, probe = await asyncio.wait_for(self._open(w, check=True), RELINK_TIMEOUT)
-                except (PeerDeadError, ProtocolError, TimeoutError):
-                    continue
-                if worker_id not in self.unreachable or worker_id in self.dead:
-                    for c in (conn, probe):
-                        if c is not None:
-                            await c.close()
-                    return
-                del self.unreachable[worker_id]  # (still `hung` until the orchestrator rules: `vouched`)
-                self.relinks += 1
-                log.warning("%s answers again: using it again", worker_id)
-                self._install(w, conn, probe)
-                return
+            conns = await reach_again(lambda: self._open(self.known[worker_id], check=True), wanted, ev, worker_id)
         finally:
             if self._retry.get(worker_id) is ev:
                 del self._retry[worker_id]
+        if conns is not None and wanted():
+            del self.unreachable[worker_id]  # (still `hung` until the orchestrator rules: `vouched`)
+            self.relinks += 1
+            log.warning("%s answers again: using it again", worker_id)
+            self._install(self.known[worker_id], *conns)
+            return
+        for c in conns or ():
+            if c is not None:
+                await c.close()
+        self.unreachable.pop(worker_id, None)
+        if worker_id in self.dead or worker_id not in self.known:
+            self.hung.discard(worker_id)
 
     def vouched(self, worker_id: str) -> None:
         """The orchestrator says `worker_id` answers: if this gateway found it hung, it was only
@@ -175,18 +163,14 @@ class AwPool:
         hundreds of AWs costs nothing."""
         nonce = itertools.count(1)
         ticks = Ticks(self.probe_interval)
+
+        def credit(client: AwClient, late: float) -> None:  # (this gateway's own stall, not the AW's silence)
+            client.last_heard += late
+
         while True:
-            busy = [c for c in self.clients.values() if c.requests and not c.conn.closed and c.dead_reason is None]
-            if not busy:
-                self._requests_out.clear()
-                await self._requests_out.wait()
-                ticks.reset()
-                continue
-            late = await ticks.next()
-            if late:  # (this gateway's own stall: their messages wait unread, not their silence)
-                for client in busy:
-                    client.last_heard += late
-                continue
+            busy = await ticks.busy(lambda: [c for c in self.clients.values()
+                                             if c.requests and not c.conn.closed and c.dead_reason is None],
+                                    self._requests_out, credit)
             now = time.monotonic()
             for client in busy:
                 if not client.requests or client.conn.closed or client.dead_reason is not None:

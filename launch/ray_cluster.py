@@ -6,16 +6,16 @@ with the role's Ray resources (`--aw-resources '{"GPU": 1}'`, ...). The driver o
 so they all end with it.
 
 Placement (launch/ray_placement.py): attention workers apart, the checkpoint store away from them,
-expert workers and gateways spread; `serve` says which of these does not hold when the cluster is
-too small.
+expert workers and gateways spread; `serve` says which does not hold on a cluster too small.
 
 Main loop (one thread): `ray.wait` on every host's exit, readiness and the orchestrator's requests
-for replacement workers. A worker whose process exits, or whose node dies (its actor fails), is
-reported to the orchestrator, which reroutes and asks for a replacement; the driver starts it on a
-healthy node with free resources (never a node that lost a process, and if possible none that
-holds a copy of the dead EW's experts). The orchestrator and the gateways are restarted by their
-host when their process dies, and by Ray (`max_restarts`) on another node when their node dies;
-the driver then starts them there, and tells every host where the orchestrator is now.
+for replacement workers. A worker whose process exits, or whose actor dies, is reported to the
+orchestrator, which asks for a replacement; the driver starts it on a healthy node with free
+resources (never one that lost a process, if possible none that holds a copy of the dead EW's
+experts); an actor only unavailable for a while (Ray's transient error) is watched again. The
+orchestrator and the gateways are restarted by their host when their process dies, and by Ray on
+another node when their node dies; the driver starts them there and tells every host where the
+orchestrator is now.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from fabric.wire import decode_bytes, encode_bytes
 from launch.config import RESOURCE_FIELDS, ServeConfig
 from launch.launcher import COMMAND, STOP_ORDER, Launcher, Proc, say
 from launch.ray_host import RoleHost, node_label
-from launch.ray_hosts import Host, RemoteProc, host_spec, join_ray, kill_node, sealed_secrets
+from launch.ray_hosts import Host, RemoteProc, host_spec, join_ray, kill_node, node_is_alive, sealed_secrets
 from launch.ray_placement import NodeState, choose_node, spread_notes
 
 log = logging.getLogger("moe-fabric")
@@ -235,18 +235,16 @@ class RaySupervisor(Launcher):
             code: int | None = ray.get(ref)
             why = f"exited with code {code}"
         except ray.exceptions.RayError as exc:
-            node_alive = self._node_alive(host.node_id)
-            if isinstance(exc, ray.exceptions.ActorUnavailableError) and node_alive:
-                # Transient, as Ray documents it (its owner or node hiccuped, a node nearby died): the
-                # process is most likely serving on. Watch again; an actor really gone says so then.
+            alive = node_is_alive(host.node_id)
+            if isinstance(exc, ray.exceptions.ActorUnavailableError) and alive:
+                # Transient, as Ray documents it (its owner or a node near it hiccuped): the process
+                # most likely serves on. Its exit is watched again a moment later.
                 log.info("%s: its actor is unavailable for now (%s); watching it again", host.name, exc)
-                self.pool.submit(self._watch_again, host)
+                threading.Timer(0.5, self.events.put, (lambda: self._rearm(host),)).start()
                 return
-            code, why = None, f"is gone with its node ({type(exc).__name__})" if not node_alive else \
-                f"is gone: its actor died ({type(exc).__name__})"
-            if not node_alive:
-                with self.lock:
-                    self.lost_nodes.add(host.node_id)
+            code, why = None, f"is gone {'' if alive else 'with its node '}({type(exc).__name__})"
+            with self.lock:
+                self.lost_nodes |= set() if alive else {host.node_id}
         if self.stop_requested.is_set():
             return
         if not self.was_ready and host.initial:
@@ -268,24 +266,9 @@ class RaySupervisor(Launcher):
             ray.kill(host.actor, no_restart=True)
         self._tell_orchestrator(encode_bytes(*encode_message(WorkerExited(host.pid, -9 if code is None else code))))
 
-    def _node_alive(self, node_id: str) -> bool:
-        """Whether Ray still counts `node_id` alive (it may not know yet of a node that just died)."""
-        import ray
-
-        try:
-            return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
-        except Exception:  # (the GCS itself unreachable for a moment: no evidence either way)
-            return True
-
-    def _watch_again(self, host: Host) -> None:
-        """In a helper thread: a moment later, the host's exit is watched again (from the main loop)."""
-        time.sleep(0.5)
-
-        def rearm() -> None:
-            if not host.gone and host.exit_ref is None and not self.stop_requested.is_set():
-                host.exit_ref = host.actor.exited.remote()
-
-        self.events.put(rearm)
+    def _rearm(self, host: Host) -> None:
+        if not host.gone and host.exit_ref is None and not self.stop_requested.is_set():
+            host.exit_ref = host.actor.exited.remote()
 
     def _revive(self, host: Host) -> None:
         """In a helper thread: waits for Ray to restart `host`'s actor, then starts its process."""
@@ -394,7 +377,7 @@ class RaySupervisor(Launcher):
         with self.lock:
             actors = list(self.actors)
         for actor in actors:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # (already gone)
                 ray.kill(actor, no_restart=True)
         if self._started_ray:
             ray.shutdown()
@@ -405,8 +388,7 @@ class RaySupervisor(Launcher):
         with self.lock:
             return [(h.name, RemoteProc(h)) for h in self.hosts if h.pid]
 
-    def kill_node(self, node_id: str) -> None:
-        kill_node(node_id)
+    kill_node = staticmethod(kill_node)
 
     def node_of(self, name: str) -> str:
         """The Ray node id where the process `name` runs now."""

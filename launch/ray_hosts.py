@@ -145,3 +145,13 @@ def _kill_own_raylet() -> None:
         if b"raylet" not in f.read():
             raise FabricError(f"the parent of this Ray worker (pid {parent}) is not a raylet")
     os.kill(parent, signal.SIGKILL)
+
+
+def node_is_alive(node_id: str) -> bool:
+    """Whether Ray still counts `node_id` alive (it may not know yet of a node that just died)."""
+    import ray
+
+    try:
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+    except Exception:  # (the GCS itself unreachable for a moment: no evidence either way)
+        return True

@@ -1,0 +1,46 @@
+"""Reaching a peer again after this process lost it: losing a link is a suspicion, not a verdict,
+so the peer is tried again in the background until it answers (or is declared dead, or leaves the
+view). An AW does so for its EWs (attention_worker/ew_links.py), a gateway for its AWs
+(gateway/aw_pool.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fabric.errors import PeerDeadError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RELINK_MIN = 0.05  # seconds before the first try, doubling...
+RELINK_MAX = 1.0  # ...up to this
+RELINK_TIMEOUT = 1.0  # one try at most
+
+
+async def reach_again(try_once: Callable[[], Awaitable[T]], wanted: Callable[[], bool], wake: asyncio.Event,
+                      peer: str) -> T | None:
+    """`try_once()`, each try bounded by RELINK_TIMEOUT, after a pause that doubles from RELINK_MIN
+    to RELINK_MAX (cut short when `wake` is set: the orchestrator vouched for the peer), until a try
+    succeeds (its result) or `wanted()` turns false (None). A lost connection, a malformed answer
+    or a timeout is a failed try."""
+    delay, tries = RELINK_MIN, 0
+    while True:
+        wake.clear()
+        try:
+            await asyncio.wait_for(wake.wait(), delay)
+        except TimeoutError:
+            pass
+        delay = min(RELINK_MAX, delay * 2)
+        if not wanted():
+            return None
+        try:
+            return await asyncio.wait_for(try_once(), RELINK_TIMEOUT)
+        except (PeerDeadError, ProtocolError, TimeoutError) as exc:
+            tries += 1
+            if tries in (1, 10) or tries % 100 == 0:
+                log.info("%s does not answer yet (%d tries; the last: %s)", peer, tries,
+                         type(exc).__name__ if isinstance(exc, TimeoutError) else exc)
