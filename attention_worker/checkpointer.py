@@ -27,7 +27,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
 from fabric.device import HostCopies, done, to_device, to_host
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric.errors import PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import KvAppend, KvDone, KvFetch, KvHandOff, KvPut, KvRestore, KvSync, StoreHello
 from fabric.model.config import ModelConfig
@@ -48,9 +48,9 @@ def _nbytes(msg: Message) -> int:
 class Checkpointer:
     def __init__(self, aw_id: str, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, transport: Transport,
                  mode: str = "incremental", pause_every: int = 8,
-                 on_lost: Callable[[str, str], None] | None = None) -> None:
+                 on_lost: Callable[[str, str, bool], None] | None = None) -> None:
         self.aw_id = aw_id
-        self.on_lost = on_lost  # (store id, reason): tells the orchestrator
+        self.on_lost = on_lost  # (store id, reason, connection ended): tells the orchestrator
         self.cfg = cfg
         self.kv = kv
         self.refe = refe
@@ -144,7 +144,7 @@ class Checkpointer:
         except (PeerDeadError, ProtocolError) as exc:
             log.warning("checkpoint store %s lost (%s): serving on without checkpoints", self.store_id, exc)
             if self.on_lost is not None and self.store_id is not None and self.link is link:
-                self.on_lost(self.store_id, str(exc))
+                self.on_lost(self.store_id, str(exc), connection_ended(exc))
         finally:
             await link.close()
             self._fail_waiters()

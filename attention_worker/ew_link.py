@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.errors import FabricError, PeerDeadError, PeerSilentError, PeerStalledError, ProtocolError
 from fabric.messages.expert import ExpertError, ExpertResult, Ping, Pong
 from fabric.routing import EwAddress
 from fabric.transport.base import Connection
@@ -38,6 +38,8 @@ class EwLink:
     latency: float = 0.0  # smoothed call latency (EWMA)
     rtt: float = 0.0  # smoothed round trip of a probe (EWMA): the yardstick of "silent too long"
     probes: int = 0  # pings sent since it was last heard
+    held: int = 0  # how many of this AW's calls the EW said it holds, in its last Pong...
+    busy_since: float | None = None  # ...and since when its batch under way has run (None: none)
     pinged_at: dict[int, float] = field(default_factory=dict)  # probe nonce -> when it was sent
     closing: bool = False  # closed by this AW (a table without it): its end is no news
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
@@ -49,6 +51,8 @@ class EwLink:
         try:
             while True:
                 msg = await self.data.recv()
+                if isinstance(msg, Pong):  # (a nudge: someone claimed this AW's id there, `bound_elsewhere`)
+                    continue
                 self.last_heard = self.last_data = now = time.monotonic()
                 call_id = getattr(msg, "call_id", -1)
                 sent = self.sent_at.pop(call_id, None)
@@ -67,16 +71,18 @@ class EwLink:
             self.fail(error)
 
     async def control_loop(self) -> None:
-        """Control channel: pongs (and anything else) refresh `last_heard`."""
+        """Control channel: the answers to this AW's probes refresh `last_heard` and `held`."""
         try:
             while True:
                 msg = await self.control.recv()
-                if isinstance(msg, Pong):
-                    self.last_heard = now = time.monotonic()
-                    sent = self.pinged_at.pop(msg.nonce, None)
-                    if sent is not None:
-                        self.rtt = now - sent if not self.rtt else 0.875 * self.rtt + 0.125 * (now - sent)
-                    self.pinged_at = {n: t for n, t in self.pinged_at.items() if n > msg.nonce}
+                sent = self.pinged_at.pop(msg.nonce, None) if isinstance(msg, Pong) else None
+                if not isinstance(msg, Pong) or sent is None:  # (a nudge: `bound_elsewhere`)
+                    continue
+                self.last_heard = now = time.monotonic()
+                self.held = msg.held
+                self.busy_since = now - msg.busy_s if msg.busy_s > 0 else None
+                self.rtt = now - sent if not self.rtt else 0.875 * self.rtt + 0.125 * (now - sent)
+                self.pinged_at = {n: t for n, t in self.pinged_at.items() if n > msg.nonce}
         except (PeerDeadError, ProtocolError) as exc:
             self.fail(exc)
 
@@ -90,10 +96,13 @@ class EwLink:
         answer" also means silent for longer than 10x the link's smoothed probe round trip, as
         TCP's retransmission timeout scales with the measured RTT: on a loaded host (two busy
         loops that share their cores with compute) a healthy EW's answer can take tens of ms.
-        Stall: no result for `deadline` (the send deadline) although the EW may answer probes: its
-        data path is stuck or slow (a reader that stopped reading, a port that drops packets, a
-        step that takes seconds), whatever its control channel says."""
-        if now - self.last_data > deadline:
+        Stall: no result for `deadline` (the send deadline) although the EW answers probes, and its
+        last answer says it holds none of this AW's calls and its batch under way (if any) began
+        after they went out: its data path lost them (a port that drops packets, a reader that
+        stopped reading). An EW that holds them, or whose batch began before they could be read
+        (they wait in its socket), is slow, not stuck (a batch that takes seconds): it is waited
+        for while it answers (its watchdog ends it if its loop stays blocked)."""
+        if now - self.last_data > deadline and not self._held():
             return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
                                                          "with calls outstanding")
         silent = now - self.last_heard
@@ -101,7 +110,7 @@ class EwLink:
             self.probes = 0
             return None
         if self.probes >= misses and silent > max(interval * (misses + 1), 10 * self.rtt):
-            return PeerDeadError(self.addr.worker_id, f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms")
+            return PeerSilentError(self.addr.worker_id, f"no answer to {self.probes} probes in {silent * 1e3:.0f} ms")
         try:
             self.control.send_nowait(Ping(nonce))
         except PeerDeadError as exc:
@@ -109,6 +118,14 @@ class EwLink:
         self.pinged_at[nonce] = now
         self.probes += 1
         return None
+
+    def _held(self) -> bool:
+        """Whether the EW's last answer says it has this AW's outstanding calls, or may have them
+        unread (its batch under way began before the oldest went out, plus a round trip)."""
+        if self.held:
+            return True
+        return self.busy_since is not None and bool(self.sent_at) and \
+            self.busy_since <= min(self.sent_at.values()) + self.rtt
 
     def fail(self, error: FabricError) -> None:
         """Marks the link dead and fails every call waiting on it (they are then replayed); the

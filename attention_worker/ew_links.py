@@ -25,28 +25,27 @@ from typing import Any
 import torch
 
 from attention_worker.ew_link import EwLink
-from fabric.errors import FabricError, PeerDeadError, ProtocolError
+from fabric.errors import FabricError, PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.expert import AwActivity, Hello, Ping, Pong
-from fabric.relink import reach_again
+from fabric.relink import CONNECT_TIMEOUT, reach_again
 from fabric.routing import EwAddress, RoutingTable
 from fabric.ticks import Ticks
 from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger("attention_worker.forwarding")
 
-CONNECT_TIMEOUT = 2.0  # an EW new in a table, at a step boundary
 
 
 class EwLinks:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float,
-                 probe_misses: int, on_suspect: Callable[[str, str], None] | None, device: torch.device | None,
+                 probe_misses: int, on_suspect: Callable[[str, str, bool], None] | None, device: torch.device | None,
                  changed: asyncio.Event, table: Callable[[], RoutingTable | None]) -> None:
         self.aw_id = aw_id
         self.transport = transport  # the data channels'
         self.control_transport = control_transport  # the control channels' (an EW's control port: TCP)
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
-        self.on_suspect = on_suspect  # (EW id, reason): tells the orchestrator, whose verdict is authoritative
+        self.on_suspect = on_suspect  # (EW id, reason, connection ended): tells the orchestrator, whose verdict is authoritative
         self.device = device  # the AW's: calls and results cross as its memory where the link can
         self.changed = changed  # set when an EW becomes usable again (a step waiting for a replica wakes)
         self.links: dict[str, EwLink] = {}
@@ -92,6 +91,11 @@ class EwLinks:
                 raise link
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
+        # What is known of the dead is kept (an id per death, as the orchestrator keeps its records);
+        # of an EW that left alive (scaled in), nothing.
+        listed = table.expert_workers.keys() | self.unreachable.keys() | self.dead
+        self.suspected_at = {w: t for w, t in self.suspected_at.items() if w in listed}
+        self._yardsticks = {w: y for w, y in self._yardsticks.items() if w in listed}
 
     def declared_dead(self, ids: list[str]) -> None:
         """The orchestrator's verdicts: never used again (their relinks stop)."""
@@ -102,9 +106,9 @@ class EwLinks:
                 self._wake(ew_id)
 
     # -- suspicion and relinking -------------------------------------------------------------------
-    def suspect(self, ew_id: str, reason: str) -> None:
-        """`ew_id` is unreachable from here: routed around from now on, the orchestrator told, and
-        tried again in the background."""
+    def suspect(self, ew_id: str, reason: str, closed: bool = False) -> None:
+        """`ew_id` is unreachable from here (`closed`: a connection to it ended): routed around from
+        now on, the orchestrator told, and tried again in the background."""
         if ew_id in self.excluded:
             return
         self.unreachable[ew_id] = reason
@@ -115,7 +119,7 @@ class EwLinks:
             link.fail(PeerDeadError(ew_id, reason))
             self._spawn(link.close())
         if self.on_suspect is not None:
-            self.on_suspect(ew_id, reason)
+            self.on_suspect(ew_id, reason, closed)
         self._spawn(self._relink(ew_id))
 
     def retry(self, ew_id: str) -> None:
@@ -199,7 +203,7 @@ class EwLinks:
         """A link in use died (its connection ended, a probe verdict, a stall)."""
         if self.links.get(link.addr.worker_id) is link:
             log.warning("%s is unreachable (%s); routing around it", link.addr.worker_id, error)
-            self.suspect(link.addr.worker_id, str(error))
+            self.suspect(link.addr.worker_id, str(error), connection_ended(error))
 
     async def _watch(self) -> None:
         nonce = itertools.count(1)

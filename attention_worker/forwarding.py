@@ -1,10 +1,10 @@
 """REFE, the Reconfigurable Forwarding Engine: the AW side of the AW-EW datapath (Tarragon §4.2).
 
-A layer's experts run in three parts, so that no tensor work runs on the event loop:
-`plan_layer` (compute thread) sorts the layer's rows by expert; `run_plan` (event loop) resolves
-each logical expert through the Expert Routing Table, sends one call per EW and awaits the
-results, replaying the calls of an EW it cannot reach on the next replica; `combine` (compute
-thread) adds the weighted results to the residual. The links and which EWs this AW can reach are
+A layer's experts run in three parts: `plan_layer` (tensor work) sorts the layer's rows by
+expert; `run_plan` (awaited) resolves each logical expert through the Expert Routing Table, sends
+one call per EW and awaits the results, replaying the calls of an EW it cannot reach on the next
+replica; `combine` (tensor work) adds the weighted results to the residual. The model runner's
+step runs the tensor parts inline and yields to the loop only while it waits for EWs. The links and which EWs this AW can reach are
 attention_worker/ew_links.py's.
 
 Legend: T tokens, k experts per token, R = T*k rows, D hidden.
@@ -47,7 +47,7 @@ class Piece:
 
 @dataclass
 class LayerPlan:
-    """One MoE layer's rows, sorted by expert (made in the compute thread by `plan_layer`)."""
+    """One MoE layer's rows, sorted by expert (made by `plan_layer`)."""
 
     layer: int
     xs: torch.Tensor  # [R, D] rows in expert order, on the AW's device
@@ -100,7 +100,7 @@ def _rows_of(pieces: list[Piece]) -> Rows:
 
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
-                 probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str], None] | None = None,
+                 probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
                  device: torch.device | None = None) -> None:
         self.aw_id = aw_id
         self.expert_wait = expert_wait
@@ -204,8 +204,8 @@ class ForwardingEngine:
             self.in_flight -= 1
 
     async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The three parts in one (on the event loop: for callers without a compute thread, and
-        Tarragon's expert_io): x [T, D], experts [T, k], weights [T, k] -> [T, D]."""
+        """The three parts in one (for callers outside the model runner's step, and Tarragon's
+        expert_io): x [T, D], experts [T, k], weights [T, k] -> [T, D]."""
         assert self.table is not None
         plan = plan_layer(layer, x, experts, weights, self.table.num_experts)
         return combine(plan, await self.run_plan(plan), x)

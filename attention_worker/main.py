@@ -41,7 +41,7 @@ from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
 from fabric.steps import StepClock
 from fabric.transport import make_transport
-from fabric.transport.base import Listener
+from fabric.transport.base import Listener, Transport
 
 log = logging.getLogger("attention_worker")
 
@@ -54,6 +54,7 @@ class AttentionService(Service):
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
+        self.control_transport: Transport | None = None  # to the EWs' control ports (`registered`)
         self.aw = AttentionWorker(cfg, self.model)
         self.clock = StepClock()
         self.warmup_s: float | None = None
@@ -131,7 +132,8 @@ class AttentionService(Service):
         if self.aw.refe is not None:
             return
         aw = self.aw
-        aw.refe = ForwardingEngine(rt.worker_id, self.transport, rt.control_transport, self.cfg.probe_interval_ms / 1000,
+        self.control_transport = rt.tcp_transport()  # (to the EWs' control ports, from this loop)
+        aw.refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, self.cfg.probe_interval_ms / 1000,
                                    self.cfg.probe_misses, self.cfg.expert_wait_s, rt.report_dead, aw.kv.device)
         aw.ckpt = Checkpointer(rt.worker_id, self.model, aw.kv, aw.refe, self.transport, self.cfg.checkpoint,
                                self.cfg.checkpoint_pause_every, on_lost=rt.report_dead)
@@ -226,6 +228,8 @@ class AttentionService(Service):
 
     def abort(self) -> None:
         self.transport.abort_all()
+        if self.control_transport is not None:
+            self.control_transport.abort_all()
 
     async def close(self) -> None:
         # The store link goes first: closing the gateways' connections lets their requests go, and

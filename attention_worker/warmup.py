@@ -1,4 +1,4 @@
-"""The AW's cold paths, run before it registers (in its compute thread): a worker says it is ready
+"""The AW's cold paths, run before it registers (inline, as its steps run): a worker says it is ready
 only once its first real step will be warm.
 
 A cold first step pays for lazy initialisation (CUDA context and cuBLAS handles, lazily loaded
@@ -29,7 +29,7 @@ def _sequence(i: int, n: int, vocab: int) -> Sequence:
 
 
 def warm_up(runner: ModelRunner) -> int:
-    """Runs the warm-up steps (blocking: call it in the compute thread); returns how many."""
+    """Runs the warm-up steps (blocking, as compute is: the control loop answers meanwhile); returns how many."""
     blocks = runner.kv.blocks
     s, vocab = blocks.block_size, runner.cfg.vocab_size
     widest = min(16, blocks.num_blocks, runner.cfg.max_position // s)

@@ -20,7 +20,7 @@ import torch
 from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
 from fabric import faults
 from fabric.config import CheckpointStoreConfig
-from fabric.errors import AuthError, ProtocolError
+from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import (
     KvAppend,
@@ -37,7 +37,7 @@ from fabric.messages.control import Role, RoutingUpdate
 from fabric.model.config import ModelConfig
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
-from fabric.transport.base import Connection, Listener
+from fabric.transport.base import Connection, Listener, bound_elsewhere
 
 log = logging.getLogger("checkpoint_store")
 
@@ -112,8 +112,7 @@ class CheckpointStore(Service):
         aw = hello.aw_id
         if aw in self.dead_since:
             raise ProtocolError(f"{aw} was declared dead")
-        owner = self.owners.get(aw)
-        if owner is not None and not owner.closed:
+        if await bound_elsewhere(self.owners.get(aw), KvSynced(-1)):
             raise AuthError(f"{conn.peer} claims {aw}, which is connected")
         if aw not in self.log.buckets and len(self.log.buckets) >= self.cfg.max_aws:
             raise ProtocolError(f"{aw}: this store already keeps {self.cfg.max_aws} attention workers' checkpoints")
@@ -133,6 +132,15 @@ class CheckpointStore(Service):
                 self.owner_gone.notify_all()
 
     async def _serve_aw(self, conn: Connection, hello: StoreHello, bucket: AwBucket) -> None:
+        fetches: set[asyncio.Task[None]] = set()  # (a restore's chunks go out beside this AW's appends)
+        try:
+            await self._read_aw(conn, hello, bucket, fetches)
+        finally:
+            for task in fetches:
+                task.cancel()
+
+    async def _read_aw(self, conn: Connection, hello: StoreHello, bucket: AwBucket,
+                       fetches: set[asyncio.Task[None]]) -> None:
         while True:
             msg = await conn.recv()
             if isinstance(msg, KvAppend):
@@ -142,6 +150,7 @@ class CheckpointStore(Service):
                 if msg.k.shape[0] != bucket.layout.num_layers:
                     raise ProtocolError("kv_put: k must hold every layer")
                 self._check_span(msg.start, msg.k.shape[1])
+                self._owned_again(bucket, [msg.request_id])
                 try:
                     bucket.put_tokens(msg.request_id, msg.start, msg.k, msg.v)
                 except StoreFullError as exc:
@@ -154,8 +163,10 @@ class CheckpointStore(Service):
                 await self._hand_off(hello.aw_id, bucket, msg.request_ids)
             elif isinstance(msg, KvSync):
                 await conn.send(KvSynced(msg.nonce))
-            elif isinstance(msg, KvFetch):
-                await self._fetch(msg, hello.aw_id, bucket, conn)
+            elif isinstance(msg, KvFetch):  # (sends are whole messages on every transport: no interleaving)
+                task = asyncio.create_task(self._fetch_quietly(msg, hello.aw_id, bucket, conn))
+                fetches.add(task)
+                task.add_done_callback(fetches.discard)
             else:
                 raise ProtocolError(f"unexpected {msg.kind} on a checkpoint connection")
 
@@ -183,6 +194,7 @@ class CheckpointStore(Service):
             raise ProtocolError("kv_append: spans do not match the columns")
         for start, count in zip(msg.starts, msg.counts):
             self._check_span(start, count)
+        self._owned_again(bucket, msg.request_ids)
         col = 0
         for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
             try:
@@ -192,6 +204,17 @@ class CheckpointStore(Service):
                 self.full_errors += 1
                 log.warning("%s: %s", rid, exc)
             col += count
+
+    def _owned_again(self, bucket: AwBucket, request_ids: list[str]) -> None:
+        """Its owner writes to requests it had handed off (one that came back to it): its own again,
+        neither evictable nor free for another AW's fetch."""
+        if not self.handed_off:
+            return
+        for rid in request_ids:
+            if (bucket.aw_id, rid) in self.handed_off:
+                self.handed_off.discard((bucket.aw_id, rid))
+                if (req := bucket.requests.get(rid)) is not None:
+                    req.orphaned = False
 
     async def _hand_off(self, owner: str, bucket: AwBucket, request_ids: list[str]) -> None:
         """The owner let go of these requests (they resume on another AW): kept, evictable, and
@@ -203,6 +226,15 @@ class CheckpointStore(Service):
                 self.handed_off.add((owner, rid))
         async with self.owner_gone:
             self.owner_gone.notify_all()
+
+    async def _fetch_quietly(self, msg: KvFetch, asker: str, bucket: AwBucket, conn: Connection) -> None:
+        try:
+            await self._fetch(msg, asker, bucket, conn)
+        except PeerDeadError:
+            pass  # the asker is gone: its restore with it
+        except Exception:  # (a bug: the connection is closed, so the asker replays instead of waiting)
+            log.exception("restoring %s of %s to %s failed", msg.request_id, msg.owner, asker)
+            await conn.close()
 
     async def _fetch(self, msg: KvFetch, asker: str, bucket: AwBucket, conn: Connection) -> None:
         """Sends the request's committed KV in chunks of whole blocks (`RESTORE_CHUNK_BYTES`)."""

@@ -118,7 +118,7 @@ class ExpertExecutor:
             self.premapped[(layer, expert)] = (gate_up, down)
 
     def warm_up(self) -> int:
-        """Runs the cold paths before the worker says it is ready (in the compute thread): every
+        """Runs the cold paths before the worker says it is ready (inline, as batches run): every
         hosted expert once (a standby: two of those it mapped ahead), and one layer at each row
         count the kernels treat apart: 1, 3 and 16 (Triton specialises an integer argument equal
         to 1 or divisible by 16), and 80 (past the skinny kernel's 48 rows). Returns the batches run."""
@@ -153,7 +153,7 @@ class ExpertExecutor:
 
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         """One output [R, D] per call, rows in the call's order."""
-        if self.device.type == "cuda":  # (the current device is per thread: a prefill runs in the compute thread)
+        if self.device.type == "cuda":  # (the current device is per thread: set where this runs, whichever)
             with torch.cuda.device(self.device):
                 return self._run(batch)
         return self._run(batch)

@@ -33,7 +33,7 @@ from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
 from fabric.steps import StepClock
 from fabric.transport import make_transport
-from fabric.transport.base import Connection, Listener
+from fabric.transport.base import Connection, Listener, bound_elsewhere
 
 log = logging.getLogger("expert_worker")
 
@@ -54,6 +54,7 @@ class ExpertWorker(Service):
         self.slot = ""  # the placement slot whose experts this EW holds
         self.loaded = False
         self.pending: list[PendingCall] = []
+        self.computing: list[PendingCall] = []  # the batch under way
         self.active_aws: set[str] = set()
         self.wakeup = asyncio.Event()
         self.batches = 0
@@ -75,8 +76,7 @@ class ExpertWorker(Service):
         if hello.aw_id in self.fenced:
             raise ProtocolError(f"{hello.aw_id} was declared dead")
         channels = self.conns.setdefault(hello.aw_id, {})
-        held = channels.get(hello.channel)
-        if held is not None and not held.closed:
+        if await bound_elsewhere(channels.get(hello.channel), Pong(-1)):
             # Identity is bound to the first connection: a second peer that claims this AW's
             # channel while the first is up is an impostor (a reconnecting AW closed the old one).
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
@@ -127,7 +127,7 @@ class ExpertWorker(Service):
         return self.listener.port
 
     def registration(self) -> dict[str, Any]:
-        # (list(...) snapshots at once: a load in the compute thread may be adding entries)
+        # (called on the control loop: list(...) snapshots at once, while a load may be adding entries)
         return {"slot": self.slot, "experts": [list(u) for u in sorted(list(self.executor.experts))], "ready": self.loaded,
                 "info": {"transport": self.transport.name, "gather": self.cfg.gather,
                          "standby": self.cfg.standby and not self.slot}}
@@ -171,6 +171,12 @@ class ExpertWorker(Service):
 
     def busy_for(self) -> float:
         return self.clock.running_for()
+
+    def load(self, peer: str) -> tuple[float, int]:
+        """(control loop) How long the batch under way has run, and how many of AW `peer`'s calls are
+        queued or in it: that AW waits for them, however long the batch takes (attention_worker/ew_link.py)."""
+        held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])  # (lists copied under the GIL)
+        return self.busy_for(), held
 
     def _premap(self) -> None:
         self.executor.choose_kernel()
@@ -281,7 +287,11 @@ class ExpertWorker(Service):
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
             t0 = time.perf_counter()
-            outputs = self.clock.run(self._run, batch)
+            self.computing = batch
+            try:
+                outputs = self.clock.run(self._run, batch)
+            finally:
+                self.computing = []
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):

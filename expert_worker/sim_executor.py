@@ -60,5 +60,5 @@ class SimExecutor(ExpertExecutor):
                 start += n
             rows += start
             outs.append(out)
-        time.sleep(self.expert_s + rows * self.row_s)  # the cost model (this runs in the compute thread)
+        time.sleep(self.expert_s + rows * self.row_s)  # the cost model (it blocks, as compute does)
         return outs

@@ -128,8 +128,8 @@ class WorkerConfig(RoleConfig):
                                 "read; a config.json is enough), everything else as in production", choices=("model", "sim"))
     standby: bool = opt(False, "start as a warm standby: imported, registered, weights mapped ahead, serving nothing until the "
                                "orchestrator wakes it to replace a dead worker")
-    step_timeout_s: float = opt(60.0, "a compute call (an AW's step, an EW's batch) that runs longer than this is a wedged "
-                                      "device or a bug: the worker stops and the fabric replaces it (0: never); a slow "
+    step_timeout_s: float = opt(60.0, "a compute call (an AW's step, an EW's batch), or anything else, that blocks the worker's "
+                                      "data loop longer than this is a wedged device or a bug: the worker stops and the fabric replaces it (0: never); a slow "
                                       "step below it is not a failure, whatever it costs")
     device: str = opt("cpu", "where weights, the KV cache and the compute live: cpu, cuda or cuda:N (the wire and the "
                              "checkpoint store stay in host memory; serve --device cuda hands worker i GPU i modulo "

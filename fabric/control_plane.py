@@ -58,18 +58,24 @@ class ControlPlane:
             return
         sys.setswitchinterval(SWITCH_S)
         ready = threading.Event()
+        failed: list[BaseException] = []
 
         def body() -> None:
-            normal_class()
             try:
-                import uvloop
+                normal_class()
+                try:
+                    import uvloop
 
-                loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-            except ImportError:  # pragma: no cover
-                loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            self.loop = loop
-            ready.set()
+                    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+                except ImportError:  # pragma: no cover
+                    loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(loop)
+                self.loop = loop
+            except BaseException as exc:  # (raised in `start`, not lost in this thread)
+                failed.append(exc)
+                return
+            finally:
+                ready.set()
             try:
                 loop.run_forever()
             finally:
@@ -79,6 +85,9 @@ class ControlPlane:
         self._thread = threading.Thread(target=body, name="control-plane", daemon=True)
         self._thread.start()
         ready.wait()
+        if failed:
+            self._thread = None
+            raise failed[0]
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Runs `coro` on the control loop (from any thread)."""

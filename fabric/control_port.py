@@ -2,10 +2,10 @@
 answered whatever the data plane is doing, and what their control channel carries for the role.
 
 A peer opens one connection, says `Hello(its id, "control")`, then sends `Ping`s, answered here
-with `Pong`, and whatever else its role's channel carries (an EW's AWs: `AwActivity`), handed to
+with `Pong` (with the role's load: an EW's says how many of the peer's calls it holds), and whatever else its role's channel carries (an EW's AWs: `AwActivity`), handed to
 the service (`Service.control_message`, on the control loop; None when the peer's connection
 ends). Identity is bound to the connection: a second peer that claims a connected peer's id is
-refused. Always TCP (with the cluster secret, and TLS where configured), whatever the data
+refused (`bound_elsewhere`: unless the first connection ends meanwhile, a peer reconnecting). Always TCP (with the cluster secret, and TLS where configured), whatever the data
 transport: control messages are small, and UCX is driven from the data plane's loop.
 """
 
@@ -16,15 +16,17 @@ from collections.abc import Callable
 from fabric.errors import AuthError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.expert import Hello, Ping, Pong
-from fabric.transport.base import Connection, Listener, Transport
+from fabric.transport.base import Connection, Listener, Transport, bound_elsewhere
 
 OnMessage = Callable[[str, Message | None], None]
+Load = Callable[[str], tuple[float, int]]  # peer -> (how long the compute call under way has run, the peer's calls held)
 
 
 class ControlPort:
-    def __init__(self, transport: Transport, on_message: OnMessage) -> None:
+    def __init__(self, transport: Transport, on_message: OnMessage, load: Load) -> None:
         self.transport = transport
         self.on_message = on_message  # raises ProtocolError for what the role does not take
+        self.load = load  # what a Pong says besides its nonce (read from this thread: a snapshot)
         self.listener: Listener | None = None
         self.peers: dict[str, Connection] = {}
 
@@ -37,8 +39,7 @@ class ControlPort:
         if not isinstance(hello, Hello) or hello.channel != "control":
             raise ProtocolError(f"expected a control hello, got {hello.kind}")
         peer = hello.aw_id
-        held = self.peers.get(peer)
-        if held is not None and not held.closed:
+        if await bound_elsewhere(self.peers.get(peer), Pong(-1)):
             raise AuthError(f"{conn.peer} claims {peer}'s control channel, which is connected")
         self.on_message(peer, hello)  # (the role may refuse it: a peer declared dead)
         self.peers[peer] = conn
@@ -46,7 +47,7 @@ class ControlPort:
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, Ping):
-                    conn.send_nowait(Pong(msg.nonce))
+                    conn.send_nowait(Pong(msg.nonce, *self.load(peer)))
                 elif isinstance(msg, Hello):
                     raise ProtocolError(f"{peer}: a second hello")
                 else:

@@ -38,10 +38,21 @@ class PeerDeadError(FabricError):
         self.peer = peer
 
 
+class PeerSilentError(PeerDeadError):
+    """The peer answered no probe for longer than its silence bound: hung, cut off, or very slow.
+    A suspicion, as a stall is: its connection did not end."""
+
+
 class PeerStalledError(PeerDeadError):
     """The peer took no data (or gave no result) for the send deadline: a stuck reader on a live
     connection, or a slow one. It may still answer probes: the link is routed around like a dead
     one, and tried again; whether the process is dead is the orchestrator's verdict."""
+
+
+def connection_ended(exc: BaseException) -> bool:
+    """Whether `exc` says a connection ended (an EOF, a reset: the sign of an exit), not that the
+    peer went silent or took no data."""
+    return isinstance(exc, PeerDeadError) and not isinstance(exc, PeerStalledError | PeerSilentError)
 
 
 class RequestError(FabricError):

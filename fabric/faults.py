@@ -7,7 +7,7 @@ nothing here runs.
   while the process serves on: its peers lose a store the orchestrator finds alive.
 - `MOE_FABRIC_TEST_SLOW_STEPS=FIRST_MS,EVERY_MS` (attention and expert workers): the first step
   served (an AW's forward, an EW's batch) takes FIRST_MS longer, every later one EVERY_MS longer,
-  slept in the compute thread: a cold first step and a slow device, as a GPU's look from outside.
+  slept inline, as compute runs: a cold first step and a slow device, as a GPU's look from outside.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def maybe_crash(seed: int, seeds: list[int]) -> None:
 
 
 class SlowSteps:
-    """`MOE_FABRIC_TEST_SLOW_STEPS`: call once per step served, in the compute thread."""
+    """`MOE_FABRIC_TEST_SLOW_STEPS`: call once per step served, where its compute runs."""
 
     def __init__(self, first_s: float, every_s: float) -> None:
         self.first_s, self.every_s = first_s, every_s

@@ -19,6 +19,7 @@ T = TypeVar("T")
 RELINK_MIN = 0.05  # seconds before the first try, doubling...
 RELINK_MAX = 1.0  # ...up to this
 RELINK_TIMEOUT = 1.0  # one try at most
+CONNECT_TIMEOUT = 2.0  # seconds: a first connection to a peer new in the view (a handshake included)
 
 
 async def reach_again(try_once: Callable[[], Awaitable[T]], wanted: Callable[[], bool], wake: asyncio.Event,

@@ -14,8 +14,9 @@ on compute, so a worker whose step takes seconds is not taken for a dead one.
                  RoutingUpdate also becomes `runtime.view`, which the next registration reports back
     report       WorkerStats every second; PeerFailed through `report_dead`, re-sent after every
                  registration for peers still suspected (a new orchestrator heard nothing)
-    watch        a step running past `--step-timeout-s` (a wedged device, a bug): the process exits,
-                 which its peers see at once (the control loop answers for it otherwise)
+    watch        the data plane's loop blocked past `--step-timeout-s` (a step that never ends: a wedged
+                 device, a bug): the process exits, which its peers see at once (the control loop
+                 answers for it otherwise)
     reconnect    the link drops -> the service keeps serving; the link reconnects on its own
     shut down    stop (SIGINT/SIGTERM, Drain, a failed main loop, or Fenced) -> Leaving to the orchestrator,
                  service.close(), the control port and the link closed; idempotent and in this order
@@ -59,11 +60,13 @@ from fabric.messages.control import (
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, mark_failed
 from fabric.transport import make_transport, resolve_transport_name
+from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL = 1.0
 STATS_REFRESH = 30.0  # seconds: unchanged stats are sent again this often
+TURN_INTERVAL = 0.25  # seconds: how often the data plane's loop marks that it turns (the watchdog's)
 EPOCHS_KEPT = 16
 
 
@@ -107,8 +110,14 @@ class Service(abc.ABC):
             raise ProtocolError(f"unexpected {msg.kind} on the control port")
 
     def busy_for(self) -> float:
-        """(any thread) How long the compute call under way has run (0: none): the watchdog's."""
+        """(any thread) How long the compute call under way has run (0: none): the watchdog's log."""
         return 0.0
+
+    def load(self, peer: str) -> tuple[float, int]:
+        """(control loop) What a `Pong` to `peer` says: how long the compute call under way has run,
+        and how many of `peer`'s calls this worker holds (an EW's; read from the data plane's
+        state: a snapshot)."""
+        return self.busy_for(), 0
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -134,14 +143,21 @@ class Runtime:
         self.link = ControlLink(lambda: cfg.orchestrator_addr, self._register, self._deliver, self.secret,
                                 tls.client if tls is not None else None)
         # Peers dial it to probe this worker: TCP whatever the data transport (fabric/control_port.py)
-        self.control_transport = make_transport("tcp", send_timeout=cfg.send_timeout_ms / 1000, secret=cfg.secret,
-                                                tls=tls)
-        self.control_port = ControlPort(self.control_transport, service.control_message)
-        self.suspects: dict[str, str] = {}  # peers this worker found dead -> why (re-reported to a new orchestrator)
+        self.control_transport = self.tcp_transport()
+        self.control_port = ControlPort(self.control_transport, service.control_message, service.load)
+        self.suspects: dict[str, PeerFailed] = {}  # this worker's reports (re-sent to a new orchestrator)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
         self.crashed = False  # killed (fabric/sim_host.py): leaves without a word, as on SIGKILL
         self.epochs_seen: dict[int, float] = {}  # routing-table epoch -> when its view arrived (wall clock)
+        self.turned = time.monotonic()  # when the data plane's loop last turned (the watchdog's)
+
+    def tcp_transport(self) -> Transport:
+        """A TCP transport with this worker's secret, TLS and send deadline: the control port's (on
+        the control loop), or one for a service's control channels to its peers' control ports (on
+        the data loop: a transport and its connections belong to one loop)."""
+        return make_transport("tcp", send_timeout=self.cfg.send_timeout_ms / 1000, secret=self.cfg.secret,
+                              tls=self.cfg.tls)
 
     @property
     def worker_id(self) -> str:
@@ -186,11 +202,12 @@ class Runtime:
             self._ready = True
             notifier().send("READY=1")
 
-    def report_dead(self, peer: str, reason: str) -> None:
+    def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
         """Tells the orchestrator (whose verdict is authoritative) that this worker cannot reach a
-        peer; without an orchestrator now, the next one hears it after this worker registers with it."""
-        self.suspects[peer] = reason
-        self.spawn(self._send_quietly(PeerFailed(peer, reason)))
+        peer (`closed`: its connection ended, not a silence); without an orchestrator now, the next
+        one hears it after this worker registers with it."""
+        self.suspects[peer] = msg = PeerFailed(peer, reason, closed)
+        self.spawn(self._send_quietly(msg))
 
     def cleared(self, peer: str) -> None:
         """The orchestrator vouched for `peer` (PeerAlive)."""
@@ -208,8 +225,8 @@ class Runtime:
         while True:
             msg = await self.inbox.get()
             if isinstance(msg, Registration):
-                for peer, reason in list(self.suspects.items()):
-                    await self._send_quietly(PeerFailed(peer, reason))
+                for report in list(self.suspects.values()):
+                    await self._send_quietly(report)
                 await self.service.registered()
                 continue
             if isinstance(msg, Drain):
@@ -230,6 +247,8 @@ class Runtime:
                 if self.view is not None and msg.view.version < self.view.version:
                     continue  # a stale orchestrator's (the link never follows one; kept for safety)
                 self.view = msg.view
+                for peer in msg.view.dead:  # (ruled on: a new orchestrator needs no report of it)
+                    self.suspects.pop(peer, None)
                 epoch = msg.view.table.epoch if msg.view.table else 0
                 if epoch not in self.epochs_seen:
                     self.epochs_seen[epoch] = time.time()
@@ -267,17 +286,27 @@ class Runtime:
             mark_failed()
             self.stop.set()
 
-    async def _watch_steps(self, timeout: float) -> None:
-        """(control loop) A step that runs past `timeout` is a wedged device or a bug, not
-        slowness: the process exits, as NCCL's watchdog ends one, and its peers see it at once
-        (this loop would answer their probes for it for ever)."""
+    async def _turn(self) -> None:
+        """(data loop) Marks that this loop turns: compute runs inline, so a step that never ends,
+        or anything else that blocks the loop, stops the marks."""
+        while True:
+            self.turned = time.monotonic()
+            await asyncio.sleep(TURN_INTERVAL)
+
+    async def _watchdog(self, timeout: float) -> None:
+        """(control loop) A data plane's loop that has not turned for `timeout` (a compute call,
+        or anything else, blocking it) is a wedged device or a bug, not slowness: the process
+        exits, as NCCL's watchdog ends one, and its peers see it at once (this loop would answer
+        their probes for it for ever)."""
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
-            busy = self.service.busy_for()
-            if busy > timeout:
-                log.error("%s: a compute call has run for %.1f s (--step-timeout-s %g): the device or a kernel is "
-                          "wedged; exiting, so that the fabric takes over this worker's work",
-                          self.worker_id or "this worker", busy, timeout)
+            stuck = time.monotonic() - self.turned
+            if stuck > timeout:
+                busy = self.service.busy_for()
+                log.error("%s: the data plane's loop has not turned for %.1f s (--step-timeout-s %g; %s): the device "
+                          "or a kernel is wedged, or a bug blocks it; exiting, so that the fabric takes over this "
+                          "worker's work", self.worker_id or "this worker", stuck, timeout,
+                          f"a compute call under way for {busy:.1f} s" if busy else "no compute call under way")
                 logging.shutdown()
                 os._exit(1)
 
@@ -290,11 +319,20 @@ class Runtime:
             raise ConfigError("the ucx transport listens on every interface: it needs a cluster secret "
                               "(--cluster-secret-file); or use --transport tcp")
         self.control.start()
-        self.port = await self.service.start(self)
-        self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host, self.cfg.control_port))
+        try:
+            self.port = await self.service.start(self)
+            self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
+                                                                                       self.cfg.control_port))
+        except BaseException:  # (a start that failed half-way: what it opened is closed, the thread joined)
+            with contextlib.suppress(Exception):
+                await self.service.close()
+            self.control.stop()
+            raise
         link_task = asyncio.wrap_future(self.control.submit(self.link.run()))
         step_timeout = float(getattr(self.cfg, "step_timeout_s", 0.0))
-        watch = self.control.submit(self._watch_steps(step_timeout)) if step_timeout > 0 and self.control.separate \
+        self.turned = time.monotonic()
+        self.spawn(self._turn())
+        watch = self.control.submit(self._watchdog(step_timeout)) if step_timeout > 0 and self.control.separate \
             else None
         self.spawn(self._watch_link(link_task))
         self.spawn(self._dispatch(), main_loop=True)

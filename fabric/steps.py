@@ -1,8 +1,9 @@
-"""How long a worker's compute call under way has run: the control plane's watchdog reads it
-(fabric/runtime.py) from its own thread.
+"""How long a worker's compute call under way has run, read from the control plane's thread:
+an EW's `Pong` says it is computing (fabric/control_port.py), the watchdog's log says what blocked
+the loop (fabric/runtime.py).
 
 Compute runs inline on the data plane's loop. Liveness is the control plane's (a thread of its
-own: fabric/control_plane.py), so a step may take seconds; one that takes longer than
+own: fabric/control_plane.py), so a step may take seconds; a loop blocked for longer than
 `--step-timeout-s` is a wedged device or a bug, and the watchdog ends the process.
 """
 

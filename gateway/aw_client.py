@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fabric.errors import PeerDeadError, ProtocolError
+from fabric.errors import PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.client import Attached, PromptLogprobs, PromptScores, RequestFailed, StepOutput, Submit
 from fabric.messages.expert import Ping, Pong
 from fabric.transport.base import Connection
 
-MIN_SILENCE = 0.25  # seconds: the least silence that can declare an AW hung...
+MIN_SILENCE = 0.5  # seconds: the least silence that can declare an AW hung (a 300 ms GC pause is not)
 MAX_SILENCE = 4.0  # ...raised, up to this, for an AW the orchestrator vouched for after that (`AwPool.vouched`)
 REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
 
@@ -115,15 +115,18 @@ class AwClient:
         return max(own, self.reported_load + self.submitted_since)
 
     async def probe_loop(self) -> None:
-        """The control port's answers (its end is not news: the data connection's is)."""
+        """The control port's answers (its end is not news: the data connection's is; probes then
+        go on the data connection, which the AW answers too)."""
         try:
             while True:
                 if isinstance(await self.probe.recv(), Pong):
                     self._heard()
         except (PeerDeadError, ProtocolError):
             pass
+        finally:
+            self.probe = self.conn
 
-    async def read_loop(self, on_lost: Callable[[AwClient, str], None]) -> None:
+    async def read_loop(self, on_lost: Callable[[AwClient, str, bool], None]) -> None:
         reason = "attention worker connection lost"
         death = False
         try:
@@ -152,9 +155,9 @@ class AwClient:
             reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
             # Its connection ended: an exit (the query-of-death rule counts it). Not a verdict of
             # this gateway's (a hung AW: its silence), nor a peer that stopped taking data.
-            death = self.dead_reason is None and type(exc) is PeerDeadError
+            death = self.dead_reason is None and connection_ended(exc)
             if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
-                on_lost(self, str(exc))
+                on_lost(self, str(exc), death)
         finally:
             for p in self.requests.values():
                 if p.attach is not None and not p.attach.done():

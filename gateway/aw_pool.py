@@ -29,7 +29,7 @@ from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.client import Abort, Attach, Attached, Detach, Submit
 from fabric.messages.control import WorkerInfo
 from fabric.messages.expert import Hello, Ping, Pong
-from fabric.relink import reach_again
+from fabric.relink import CONNECT_TIMEOUT, reach_again
 from fabric.ticks import Ticks
 from fabric.transport.base import Connection, Transport
 from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
@@ -42,7 +42,7 @@ ATTACH_TIMEOUT = 2.0  # seconds an AW has to answer an Attach
 
 class AwPool:
     def __init__(self, transport: Transport, routing: str = "least-work", probe_interval: float = 0.01,
-                 probe_misses: int = 3, on_dead: Callable[[str, str], None] | None = None,
+                 probe_misses: int = 3, on_dead: Callable[[str, str, bool], None] | None = None,
                  control_transport: Transport | None = None, my_id: Callable[[], str] = lambda: "gateway") -> None:
         if routing not in ("least-work", "round-robin"):
             raise ValueError(f"unknown routing policy {routing!r}")
@@ -52,7 +52,7 @@ class AwPool:
         self.routing = routing
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
-        self.on_dead = on_dead  # (AW id, reason): tells the orchestrator
+        self.on_dead = on_dead  # (AW id, reason, connection ended): tells the orchestrator
         self.clients: dict[str, AwClient] = {}
         self.dead: set[str] = set()  # AWs the orchestrator declared dead: never used again
         self.known: dict[str, WorkerInfo] = {}  # the serving AWs of the newest view
@@ -76,13 +76,13 @@ class AwPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _lost(self, client: AwClient, reason: str) -> None:
+    def _lost(self, client: AwClient, reason: str, closed: bool) -> None:
         """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears
         it; this gateway tries to reach it again (a live AW whose connection dropped comes back)."""
         self._spawn(client.close())  # (its control connection too)
         if client.worker_id in self.dead or self.clients.get(client.worker_id) is not client:
             return
-        self._unreachable(client.worker_id, reason)
+        self._unreachable(client.worker_id, reason, closed)
 
     def _hung(self, client: AwClient, reason: str) -> None:
         """Silent past its floor: a suspicion. Its requests resume elsewhere (the read loop's end
@@ -96,15 +96,15 @@ class AwPool:
             except PeerDeadError:
                 break
         self.hung.add(client.worker_id)
-        self._unreachable(client.worker_id, reason)
+        self._unreachable(client.worker_id, reason)  # (not `closed`: its silence)
         self._spawn(client.close())
 
-    def _unreachable(self, worker_id: str, reason: str) -> None:
+    def _unreachable(self, worker_id: str, reason: str, closed: bool = False) -> None:
         if worker_id in self.unreachable:
             return
         self.unreachable[worker_id] = reason
         if self.on_dead is not None:
-            self.on_dead(worker_id, reason)
+            self.on_dead(worker_id, reason, closed)
         self._spawn(self._relink(worker_id))
 
     async def _relink(self, worker_id: str) -> None:
@@ -201,6 +201,7 @@ class AwPool:
                 and (wid not in self.clients or self.clients[wid].conn.closed)]
         await asyncio.gather(*(self._connect(w) for w in todo))
         self.hung -= self.dead
+        self.min_silence = {w: f for w, f in self.min_silence.items() if w in alive or w in self.unreachable}
         for wid in [w for w in self.clients if w in self.dead]:
             await self.clients.pop(wid).close()
         for wid in [w for w in self.unreachable if w in self.dead or w not in alive]:
@@ -229,11 +230,11 @@ class AwPool:
 
     async def _connect(self, w: WorkerInfo) -> None:
         self.clients.pop(w.id, None)  # (closed: gone)
-        try:
-            conn, probe = await self._open(w)
-        except PeerDeadError as exc:
-            log.warning("cannot reach %s: %s", w.id, exc)
-            self._unreachable(w.id, f"connect failed: {exc}")
+        try:  # (bounded: a hung AW's kernel still accepts, but its handshake never ends)
+            conn, probe = await asyncio.wait_for(self._open(w, timeout=CONNECT_TIMEOUT), CONNECT_TIMEOUT)
+        except (PeerDeadError, ProtocolError, TimeoutError) as exc:
+            log.warning("cannot reach %s: %s", w.id, exc or "connect timed out")
+            self._unreachable(w.id, f"connect failed: {exc or 'timed out'}")
             return
         self._install(w, conn, probe)
 

@@ -6,8 +6,10 @@ No query of death: a request can be what kills its AW (a bug that one input trig
 elsewhere would kill the next AW, and the next. So every choice counts the AW deaths it saw
 *before it produced a token* on that AW (`deaths`; a token in between resets it): a request that
 saw two in a row is ended with an in-band error and never replayed a third time. Only deaths
-count, AWs whose connection ended (a process that exited): an AW this gateway found silent may
-only have been slow, and its requests resume elsewhere uncounted. Until a suspect
+count: an AW whose connection ended (a process that exited) at once; one this gateway found
+silent (hung) only once the orchestrator declared it dead, as it may only have been slow (its
+requests resume elsewhere, and the silence counts against them if it was a death: `hung_on`,
+looked at when the request needs resuming again). Until a suspect
 (one death) produces a token on its new AW, it is the only suspect this gateway has in flight
 there (aw_pool.py): if that AW dies too, the blame is not shared with innocent requests.
 """
@@ -63,6 +65,7 @@ class Choice:
     done: bool = False  # the client got its last delta
     aw_done: bool = False  # its AW finished it (nothing to abort)
     deaths: int = 0  # AW deaths seen since its last token (see the module's docstring)
+    hung_on: list[str] = field(default_factory=list)  # AWs found hung under it since its last token, not yet dead
     since_submit: int = 0  # tokens since it was last submitted (or attached)
     resumes: int = 0
     origin: str = ""  # the HTTP client's address (its fair share of the waiting queue)
@@ -132,6 +135,7 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                 pool.cleared(choice.client, choice.request_id)  # it made a token here: not a suspect
             choice.since_submit += 1
             choice.deaths = 0
+            choice.hung_on.clear()
             if ev.prompt is not None:
                 choice.prompt = ev.prompt
             if params.max_tokens == 0:  # scoring only: the token that ended the prefill is not the client's
@@ -191,8 +195,14 @@ async def _resume(pool: AwPool, choice: Choice, error: str, wait: float, death: 
     dead = choice.client.worker_id if choice.client is not None else ""
     if choice.client is not None:
         pool.cleared(choice.client, choice.request_id)
-    if death and choice.since_submit == 0:  # it made no token there: it may be what killed it
-        choice.deaths += 1
+    if choice.since_submit == 0:  # it made no token there: it may be what killed (or froze) it
+        if death:
+            choice.deaths += 1
+        elif dead:
+            choice.hung_on.append(dead)
+    declared = [w for w in choice.hung_on if w in pool.dead]  # (silent AWs the orchestrator has ruled on)
+    choice.deaths += len(declared)
+    choice.hung_on = [w for w in choice.hung_on if w not in pool.dead]
     if choice.deaths >= MAX_DEATHS:
         choice.aw_done = True
         log.error("%s: ended after %d attention workers died under it before it produced a token (%s); not "

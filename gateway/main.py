@@ -45,9 +45,9 @@ class GatewayService(Service):
         self.http = web.AppRunner(self.gateway.app(), access_log=None, handler_cancellation=True)
         self.site: web.TCPSite | None = None
 
-    def _report_dead(self, worker_id: str, reason: str) -> None:
+    def _report_dead(self, worker_id: str, reason: str, closed: bool) -> None:
         if self.runtime is not None:
-            self.runtime.report_dead(worker_id, reason)
+            self.runtime.report_dead(worker_id, reason, closed)
 
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime

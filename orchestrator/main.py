@@ -338,14 +338,16 @@ class Orchestrator:
                 link.send(PeerAlive(worker_id))
 
     def _suspected(self, reporter: str, msg: PeerFailed) -> None:
-        """A peer found `msg.worker_id` unreachable and routed around it. With its link gone too,
-        that is an exit; otherwise the worker is probed now, and its lease decides."""
+        """A peer found `msg.worker_id` unreachable and routed around it. A connection of the
+        peer's that ended, with the worker's link gone too, is an exit; otherwise the worker is
+        probed now (if its link is up), and its lease decides."""
         rec = self.cluster.workers.get(msg.worker_id)
         if rec is None or rec.state is WorkerState.DEAD:
             return
         link = self.links.get(msg.worker_id)
         if link is None or link.closed:
-            self._declare(msg.worker_id, f"reported by {reporter} ({msg.reason}), and its link is gone")
+            if msg.closed:
+                self._declare(msg.worker_id, f"reported by {reporter} ({msg.reason}), and its link is gone")
         elif self.verdicts.reported(reporter, msg.worker_id):
             link.send(LinkProbe(next(self._nonce)))
 

@@ -5,12 +5,17 @@ token-identical to the failure-free run."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from fabric.faults import CRASH_ENV
+from fabric.messages.client import Submit
+from gateway.aw_client import Pending
+from gateway.generation import Choice, GenerationError, _resume, start_choice
 from tests.conftest import running_fabric
 from tests.helpers import iter_stream, post_json, wait_for
 from tests.load import BODY, PROMPTS, run_streams
@@ -70,3 +75,56 @@ def test_a_poisoned_request_fails_alone(hf_models: dict[str, Path], tmp_path: Pa
             w["stats"].get("running", 1) == 0 for w in c["workers"] if w["role"] == "attention" and w["state"] == "alive"))
     gateway_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("gateway-*.log"))
     assert "not retried" in gateway_logs  # logged where it was decided
+
+
+class _Pool:
+    """The part of an AwPool that resuming a choice uses: AWs in turn, the orchestrator's verdicts."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+        self.resume = "restore"
+        self.next = 0
+
+    def cleared(self, client: object, request_id: str) -> None:
+        pass
+
+    async def submit(self, submit: Submit, wait: float = 0.0) -> tuple[object, Pending]:
+        self.next += 1
+        return SimpleNamespace(worker_id=f"aw-{self.next}"), Pending(submit)
+
+
+def test_a_request_that_freezes_its_aws_counts_them_once_they_are_declared_dead() -> None:
+    """A request that hangs every AW it runs on (a whole process frozen: its gateway finds it silent)
+    is moved uncounted, as the AW may only be slow; once the orchestrator declares those AWs dead,
+    they count as deaths, and the request is not tried again."""
+
+    async def main() -> tuple[list[int], str]:
+        pool = _Pool()
+        choice = Choice(0, "r", Submit("r", [1, 2], 4, 0.0, 1.0, 0, 0, [], False, []))
+        await start_choice(pool, choice)  # type: ignore[arg-type]
+        deaths = []
+        try:
+            for _ in range(4):
+                hung = choice.client.worker_id  # type: ignore[union-attr]
+                await _resume(pool, choice, f"{hung} is hung", 0.0, death=False)  # type: ignore[arg-type]
+                deaths.append(choice.submit.deaths)
+                pool.dead.add(hung)  # the orchestrator's verdict, after its lease
+        except GenerationError as exc:
+            return deaths, str(exc)
+        return deaths, ""
+
+    deaths, error = asyncio.run(main())
+    assert deaths == [0, 1]  # aw-1: not yet ruled on; aw-1 dead when aw-2 froze too; aw-2 dead at aw-3's
+    assert "died before it produced a token" in error
+
+
+def test_a_slow_aw_found_hung_is_not_counted() -> None:
+    async def main() -> int:
+        pool = _Pool()
+        choice = Choice(0, "r", Submit("r", [1, 2], 4, 0.0, 1.0, 0, 0, [], False, []))
+        await start_choice(pool, choice)  # type: ignore[arg-type]
+        for _ in range(3):  # each AW only slow: vouched for, never declared dead
+            await _resume(pool, choice, "hung", 0.0, death=False)  # type: ignore[arg-type]
+        return choice.submit.deaths
+
+    assert asyncio.run(main()) == 0

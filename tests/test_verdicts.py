@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fabric.config import OrchestratorConfig
 from fabric.messages.control import Heartbeat, LinkProbe, PeerAlive, PeerFailed, Register, Role, WorkerState
 from orchestrator.main import Orchestrator
@@ -144,12 +146,19 @@ def test_a_silent_store_is_declared_dead_when_its_lease_runs_out(hf_models: dict
     assert not any(isinstance(m, PeerAlive) for link in links.values() for m in link.sent)
 
 
-def test_a_reported_worker_whose_link_is_gone_is_dead_at_once(hf_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_reported_worker_whose_link_is_gone_is_dead_at_once_if_a_connection_ended(
+        closed: bool, hf_models: dict[str, Path]) -> None:
+    """An exit closes every socket: the reporter's connection ended and the worker's link is gone.
+    A silence reported while the link is down (a partition) is left to the lease."""
+
     async def main() -> Orchestrator:
         orch, links = cluster(hf_models["mixtral"], hung=False)
-        links["cs-0"].closed = True  # its process exited: every socket closed, its link's too
-        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed by the peer"))
+        links["cs-0"].closed = True  # its link is gone
+        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed by the peer" if closed else "no answer to "
+                                              "3 probes in 40 ms", closed=closed))
         await asyncio.sleep(0.05)
         return orch
 
-    assert asyncio.run(main()).cluster.workers["cs-0"].state is WorkerState.DEAD
+    state = asyncio.run(main()).cluster.workers["cs-0"].state
+    assert state is (WorkerState.DEAD if closed else WorkerState.ALIVE)

@@ -264,6 +264,7 @@ class PeerFailed(Message):
     kind = "peer_failed"
     worker_id: str
     reason: str
+    closed: bool = False  # the reporter saw its connection to the worker end (an EOF, a reset), not a silence
 
 
 @register

@@ -74,5 +74,12 @@ class Ping(Message):
 @register
 @dataclass
 class Pong(Message):
+    """The answer to a `Ping`. An EW's control port also says how long the batch under way has run
+    (`busy_s`, 0: none) and how many of the asking AW's calls it holds, queued or in that batch
+    (`held`): an AW waits for those, and for calls sent while that batch ran (unread until it ends),
+    however long it takes, instead of taking a slow EW for a stuck one."""
+
     kind = "pong"
     nonce: int
+    busy_s: float = 0.0
+    held: int = 0

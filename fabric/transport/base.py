@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 DEFAULT_SEND_TIMEOUT = 1.0  # seconds
+DISPLACE_WAIT = 0.3  # seconds: how long a connection an id is bound to may take to end when a second claims it
 
 
 class Connection(abc.ABC):
@@ -182,6 +183,24 @@ class Transport(abc.ABC):
             await handler(conn)
 
         return authenticated
+
+
+async def bound_elsewhere(held: Connection | None, nudge: Message, wait: float = DISPLACE_WAIT) -> bool:
+    """Whether `held`, the connection a peer's id is bound to, is still up when a second one claims
+    that id: then the second is an impostor, and is refused. A peer that reconnects has closed the
+    first, which may not have ended here yet: waits up to `wait` for its end; `nudge` (a message the
+    peer ignores) is written to it first, so that a peer gone without a word shows as a reset."""
+    if held is None or held.closed:
+        return False
+    try:
+        held.send_nowait(nudge)
+    except PeerDeadError:
+        return False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while not held.closed and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return not held.closed
 
 
 async def guarded(handler: Handler, conn: Connection) -> None:
