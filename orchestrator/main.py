@@ -212,6 +212,8 @@ class Orchestrator:
                 self.verdicts.forget(rec.id)
                 if leaving:
                     self._declare(rec.id, "it left")
+                elif (seen := self.verdicts.exited(rec.id, time.monotonic())) is not None:
+                    self._declare(rec.id, f"its link ended, and {seen}")
                 elif self.cluster.unreachable(rec.id):
                     self._rejoin[rec.id] = asyncio.get_running_loop().call_later(
                         self.cfg.rejoin_grace_ms / 1000, self._not_back, rec.id)
@@ -348,7 +350,10 @@ class Orchestrator:
         if link is None or link.closed:
             if msg.closed:
                 self._declare(msg.worker_id, f"reported by {reporter} ({msg.reason}), and its link is gone")
-        elif self.verdicts.reported(reporter, msg.worker_id):
+            return
+        if msg.closed:  # (its link may end in a moment: the same death seen from here)
+            self.verdicts.connection_ended(msg.worker_id, time.monotonic(), f"{reporter}'s connection to it ended")
+        if self.verdicts.reported(reporter, msg.worker_id):
             link.send(LinkProbe(next(self._nonce)))
 
     async def watch_leases(self) -> None:

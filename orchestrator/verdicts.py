@@ -1,9 +1,10 @@
 """Who is dead: the orchestrator's verdicts, decided on evidence, never on one slow answer.
 
 Evidence of a death:
-- an exit: the worker said it was leaving (`Leaving`), or its link ended and a peer reports it
-  too (a dead process's sockets all close), or its link ended and it did not register again within
-  `--rejoin-grace-ms` (main.py);
+- an exit: the worker said it was leaving (`Leaving`), or its link ended and a peer reports that
+  its own connection to it ended too, in either order within a lease (a dead process's sockets
+  all close), or its link ended and it did not register again within `--rejoin-grace-ms`
+  (main.py);
 - a missed lease: every worker sends a `Heartbeat` on its link every `--heartbeat-ms`. One silent
   for half of `--lease-ms` is probed (`LinkProbe`, answered by its link's reader whatever its
   compute is doing); one silent for the whole lease, its probe unanswered, is dead. A hung process
@@ -44,6 +45,7 @@ class Verdicts:
     tick_s: float = 0.05
     leases: dict[str, Lease] = field(default_factory=dict)
     last_tick: float | None = None
+    ended: dict[str, tuple[float, str]] = field(default_factory=dict)  # worker -> (when, what) a peer's connection to it ended
 
     def watch(self, worker_id: str, now: float, serving: bool) -> None:
         """A worker (re)registered on a live link."""
@@ -78,6 +80,17 @@ class Verdicts:
             return False
         lease.probed = True
         return True
+
+    def connection_ended(self, worker_id: str, now: float, what: str) -> None:
+        """A peer's connection to the worker ended while its link was up: if its link ends within
+        a lease too, that is an exit (`exited`)."""
+        self.ended = {w: e for w, e in self.ended.items() if now - e[0] < self.lease_s}
+        self.ended[worker_id] = (now, what)
+
+    def exited(self, worker_id: str, now: float) -> str | None:
+        """The worker's link ended: what a peer saw end within a lease before, if anything."""
+        when, what = self.ended.pop(worker_id, (0.0, ""))
+        return what if what and now - when < self.lease_s else None
 
     def tick(self, now: float) -> tuple[list[str], list[tuple[str, float]]]:
         """Returns (workers to probe, (worker, silence) whose lease ran out)."""

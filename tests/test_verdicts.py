@@ -81,6 +81,18 @@ def test_reporters_hear_that_a_worker_answers() -> None:
     assert v.heard("cs-0", 0.02) == set()
 
 
+def test_a_connection_that_ended_before_the_link_is_an_exit_for_a_lease() -> None:
+    """A peer's report that its connection ended can arrive before the worker's own link ends (the
+    same death, seen first elsewhere): the link's end within a lease is then an exit, later it is not."""
+    v = Verdicts(LEASE)
+    v.connection_ended("aw-0", 10.0, "gw-1's connection to it ended")
+    assert v.exited("aw-0", 10.2) == "gw-1's connection to it ended"
+    assert v.exited("aw-0", 10.3) is None  # (used once)
+    v.connection_ended("ew-2", 20.0, "aw-1's connection to it ended")
+    assert v.exited("ew-2", 20.0 + LEASE + 0.01) is None  # too long after: the rejoin grace decides
+    assert v.exited("cs-0", 20.0) is None  # nobody saw it end
+
+
 class Link:
     """A worker's link as the orchestrator uses it: it records what is sent; unless hung, it
     answers a probe `delay` later with any message, as the worker's control loop would."""

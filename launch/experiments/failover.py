@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -231,11 +232,13 @@ class Injection:
             await watch
 
     async def watch_exit(self, victim: Proc) -> None:
-        """Records when the victim's process is gone (for at most 10 s)."""
+        """Records when the victim's process is gone (for at most 10 s: the thread's own wait is
+        bounded, or a victim that never exits, an orchestrator Ray restarts elsewhere, would hold
+        asyncio.run's executor shutdown for ever)."""
         try:
-            await asyncio.wait_for(asyncio.to_thread(victim.wait), 10.0)
+            await asyncio.to_thread(victim.wait, 10.0)
             self.gone = self.run.now()
-        except TimeoutError:
+        except (TimeoutError, subprocess.TimeoutExpired):
             pass
 
 
