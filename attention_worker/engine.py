@@ -33,7 +33,7 @@ from fabric import device, faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import Abort, Attach, Detach, PromptLogprobs, RequestFailed, StepOutput, Submit
-from fabric.messages.expert import Ping, Pong
+from fabric.messages.liveness import Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fabric.errors import FabricError, PeerDeadError, PeerSilentError, PeerStalledError, ProtocolError
-from fabric.messages.expert import ExpertError, ExpertResult, Ping, Pong
+from fabric.messages.expert import ExpertError, ExpertResult
+from fabric.messages.liveness import Ping, Pong
 from fabric.routing import EwAddress
 from fabric.transport.base import Connection
 

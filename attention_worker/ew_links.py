@@ -26,7 +26,7 @@ import torch
 
 from attention_worker.ew_link import EwLink
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, connection_ended
-from fabric.messages.expert import AwActivity, Hello, Ping, Pong
+from fabric.messages.liveness import AwActivity, Hello, Ping, Pong
 from fabric.relink import CONNECT_TIMEOUT, reach_again
 from fabric.routing import EwAddress, RoutingTable
 from fabric.ticks import Ticks

@@ -25,7 +25,8 @@ from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
-from fabric.messages.expert import AwActivity, ExpertCall, ExpertError, ExpertResult, Hello, Ping, Pong
+from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
+from fabric.messages.liveness import AwActivity, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.model.weight_store import MappedStore, open_store
 from fabric.process import run_niced_async

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from fabric.errors import AuthError, ProtocolError
 from fabric.messages.base import Message
-from fabric.messages.expert import Hello, Ping, Pong
+from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.transport.base import Connection, Listener, Transport, bound_elsewhere
 
 OnMessage = Callable[[str, Message | None], None]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fabric.errors import PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.client import Attached, PromptLogprobs, PromptScores, RequestFailed, StepOutput, Submit
-from fabric.messages.expert import Ping, Pong
+from fabric.messages.liveness import Ping, Pong
 from fabric.transport.base import Connection
 
 MIN_SILENCE = 0.5  # seconds: the least silence that can declare an AW hung (a 300 ms GC pause is not)

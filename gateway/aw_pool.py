@@ -28,7 +28,7 @@ from typing import Any
 from fabric.errors import PeerDeadError, ProtocolError
 from fabric.messages.client import Abort, Attach, Attached, Detach, Submit
 from fabric.messages.control import WorkerInfo
-from fabric.messages.expert import Hello, Ping, Pong
+from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.relink import CONNECT_TIMEOUT, reach_again
 from fabric.ticks import Ticks
 from fabric.transport.base import Connection, Transport

@@ -12,7 +12,7 @@ import pytest
 
 from fabric import auth
 from fabric.errors import AuthError, ConfigError, PeerDeadError
-from fabric.messages.expert import Ping
+from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
 from tests.helpers import replay_handshake

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fabric.messages.expert import Ping
+from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient
 from gateway.aw_pool import AwPool

@@ -20,7 +20,8 @@ from fabric import auth
 from fabric.control_link import ws_channel
 from fabric.errors import PeerDeadError
 from fabric.messages.base import encode_message
-from fabric.messages.expert import ExpertCall, Hello
+from fabric.messages.expert import ExpertCall
+from fabric.messages.liveness import Hello
 from fabric.wire import MAGIC, PREFIX, encode, encode_bytes
 from launch.local import Fabric
 from tests.conftest import running_fabric

@@ -26,7 +26,8 @@ from fabric.errors import PeerDeadError
 from fabric.messages.base import Message, encode_message
 from fabric.messages.checkpoint import KvFetch, KvPut, KvRestore, KvSync, KvSynced, StoreHello
 from fabric.messages.control import Fenced, Register, Registered, Role
-from fabric.messages.expert import ExpertCall, Hello, Ping, Pong
+from fabric.messages.expert import ExpertCall
+from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.transport import make_transport
 from fabric.transport.base import Connection

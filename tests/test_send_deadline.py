@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fabric.errors import PeerStalledError
-from fabric.messages.expert import ExpertResult, Ping, Pong
+from fabric.messages.expert import ExpertResult
+from fabric.messages.liveness import Ping, Pong
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fabric.errors import ConfigError, PeerDeadError
-from fabric.messages.expert import Ping
+from fabric.messages.liveness import Ping
 from fabric.tls import Tls, write_self_signed
 from fabric.transport import make_transport
 from fabric.transport.base import Connection

@@ -16,7 +16,8 @@ import torch
 from fabric.errors import PeerDeadError
 from fabric.messages.base import encode_message
 from fabric.messages.checkpoint import KvPut
-from fabric.messages.expert import ExpertCall, ExpertResult, Ping
+from fabric.messages.expert import ExpertCall, ExpertResult
+from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener
 

@@ -1,0 +1,17 @@
+"""The orchestrator is restarted on the critical path of its own death: what it imports is its
+restart time. torch alone takes seconds to import (10 s on a loaded 2-core host), so neither the
+orchestrator nor what `moe-fabric orchestrator` loads on the way may import it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_orchestrator_imports_no_torch() -> None:
+    code = "import sys, launch.cli, orchestrator.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
