@@ -126,7 +126,10 @@ def test_a_reported_store_that_answers_is_vouched_for_to_every_reporter(hf_model
         store, aw0, aw1 = "cs-0", "aw-0", "aw-1"
         await orch._handle(aw0, PeerFailed(store, "connection closed"))
         await orch._handle(aw1, PeerFailed(store, "connection closed"))  # while the first probe is out
-        await asyncio.sleep(0.1)
+        for _ in range(200):  # (until the store's answer has reached both reporters, at most 10 s)
+            if all(any(isinstance(m, PeerAlive) for m in links[aw].sent) for aw in (aw0, aw1)):
+                break
+            await asyncio.sleep(0.05)
         return orch, links
 
     orch, links = asyncio.run(main())
