@@ -200,18 +200,13 @@ class Checkpointer:
         self._wake.set()
 
     async def _send_loop(self, link: Connection) -> None:
-        """The low-priority lane: one message at a time, never while expert calls are being sent."""
+        """The low-priority lane: one message at a time, behind the expert calls (a layer's calls
+        all go out before its dispatch first waits, so they are never queued behind a checkpoint)."""
         try:
             while True:
                 if not self.queue:
                     self._wake.clear()
                     await self._wake.wait()
-                    continue
-                # Woken in the middle of a layer, the expert calls that its dispatch has just
-                # created may not have run yet: let them go first, then send behind them.
-                await asyncio.sleep(0)
-                if self.refe.sending:
-                    await self.refe.send_idle.wait()
                     continue
                 msg, ready = self.queue[0]
                 if not ready():  # its KV is still on its way off the device

@@ -79,15 +79,39 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
         row += n
     xs = x.index_select(0, token_of_row)  # [R, D]
     host = to_host(xs)  # (on a GPU: a copy, made before this returns)
-    return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1)[order].to(x.dtype), t)
+    return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1).index_select(0, order).to(x.dtype), t)
 
 
 def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Tensor:
     """The weighted sum of each token's expert results [T, D] (pure), `like` [T, D] its dtype and device."""
-    y = torch.zeros_like(plan.xs)  # [R, D]
-    for rows, res in parts:
-        y[rows] = to_device(res, y.device)
+    y = _joined(parts, plan.xs)  # [R, D]
     return torch.zeros_like(like).index_add_(0, plan.token_of_row, y * plan.weights[:, None])
+
+
+def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
+    """The results in row order [R, D]: joined as they are where they are runs that tile the rows
+    (every EW's rows one run, the usual case), else scattered into place."""
+    runs: list[tuple[slice, torch.Tensor]] = []
+    for rows, res in parts:
+        if not isinstance(rows, slice):
+            runs = []
+            break
+        if rows.stop > rows.start:
+            runs.append((rows, res))
+    runs.sort(key=lambda r: r[0].start)
+    end = 0
+    for rows, _ in runs:
+        if rows.start != end:
+            break
+        end = rows.stop
+    if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
+                                                         and rows.stop > rows.start):
+        ys = [to_device(res, xs.device) for _, res in runs]
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+    y = torch.zeros_like(xs)
+    for rows_, res in parts:
+        y[rows_] = to_device(res, y.device)
+    return y
 
 
 def _rows_of(pieces: list[Piece]) -> Rows:
@@ -96,6 +120,12 @@ def _rows_of(pieces: list[Piece]) -> Rows:
     if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
         return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
     return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
+
+
+def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
+    fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 class ForwardingEngine:
@@ -110,9 +140,6 @@ class ForwardingEngine:
         self.links = EwLinks(aw_id, transport, control_transport, probe_interval, probe_misses, on_suspect, device,
                              self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
-        self.sending = 0  # expert calls being written right now (the checkpoint lane waits for 0)
-        self.send_idle = asyncio.Event()
-        self.send_idle.set()
         self.in_flight = 0  # expert calls sent and not yet answered (the link's idle gap)
         self.replays = 0
         self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
@@ -166,9 +193,13 @@ class ForwardingEngine:
     async def set_active(self, active: bool) -> None:
         self.links.set_active(active)
 
-    async def call(self, ew_id: str, plan: LayerPlan, experts: list[int], counts: list[int], rows: Rows,
-                   replay: bool = False) -> torch.Tensor:
-        """One expert call to one EW: those rows of the plan, grouped as `counts` per expert -> [R', D]."""
+    def post(self, ew_id: str, plan: LayerPlan, experts: list[int], counts: list[int], rows: Rows,
+             replay: bool = False) -> asyncio.Future[torch.Tensor]:
+        """Sends one expert call to one EW, those rows of the plan grouped as `counts` per expert,
+        without waiting (the calls of a layer all go out before its first await); returns the
+        future of its result [R', D]. A call's bytes wait in the connection while the EW is slow to
+        read them; one that takes none within the send deadline loses its link, which fails the
+        future (ew_link.py)."""
         assert self.table is not None
         link = self.links.live(ew_id)
         if link is None:
@@ -179,29 +210,23 @@ class ForwardingEngine:
             link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
             link.probes = 0
             self.links.calls_out()
+        x = plan.rows(rows, link.data.frames_device)  # [R', D]
+        link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay))
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
-        self.sending += 1
-        self.send_idle.clear()
+        return fut
+
+    def _pad(self, ew_id: str, plan: LayerPlan) -> None:
+        """An empty call, so that the EW's gather does not wait for this AW at this layer; the EW
+        answers it with nothing (a reply would cost both sides a wake-up and a message a layer)."""
+        assert self.table is not None
+        link = self.links.live(ew_id)
+        if link is None:
+            return
         try:
-            x = plan.rows(rows, link.data.frames_device)  # [R', D]
-            await link.data.send(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay))
-        except BaseException:
-            # Nobody will await this call's future: take it back, or a later failure of the link
-            # would set an exception on it that nobody retrieves.
-            link.pending.pop(call_id, None)
-            link.sent_at.pop(call_id, None)
-            fut.cancel()
-            raise
-        finally:
-            self.sending -= 1
-            if not self.sending:
-                self.send_idle.set()
-        self.in_flight += 1
-        try:
-            return await fut
-        finally:
-            self.in_flight -= 1
+            link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.host[:0]))
+        except PeerDeadError:
+            pass  # (its read loop finds the link's end)
 
     async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The three parts in one (for callers outside the model runner's step, and Tarragon's
@@ -252,8 +277,9 @@ class ForwardingEngine:
         call's rows and results. Calls to an EW that fails are replayed at once on the next
         replica in the table, flagged so the destination serves them first (Tarragon §5.1); expert
         computation is deterministic, so the result is the same. With `pad`, every reachable EW
-        whose gather policy is sync gets a call, empty or not, so it never waits for this AW in
-        vain (with hundreds of EWs, `--gather threshold` spares those calls)."""
+        whose gather policy is sync and that has no rows of the layer gets an empty call, which it
+        does not answer, so it never waits for this AW in vain (with hundreds of EWs, `--gather
+        threshold` spares those calls)."""
         assert self.table is not None
         todo = self._pieces(plan.layer, plan.spans)
         parts: list[Part] = []
@@ -263,15 +289,23 @@ class ForwardingEngine:
             if pad and not replay:
                 excluded = self.links.excluded
                 for ew, addr in self.table.expert_workers.items():
-                    if addr.sync and ew not in excluded:
-                        route.setdefault(ew, [])
+                    if addr.sync and ew not in excluded and ew not in route:
+                        self._pad(ew, plan)
             ews = list(route)
             idx = [_rows_of([todo[j] for j in route[ew]]) for ew in ews]
-            results = await asyncio.gather(
-                *(self.call(ew, plan, [todo[j].expert for j in route[ew]], [todo[j].rows for j in route[ew]], i, replay)
-                  for ew, i in zip(ews, idx)),
-                return_exceptions=True,
-            )
+            results: list[torch.Tensor | BaseException] = []
+            futs: list[asyncio.Future[torch.Tensor]] = []
+            for ew, i in zip(ews, idx):  # every call out before the first wait
+                try:
+                    futs.append(self.post(ew, plan, [todo[j].expert for j in route[ew]],
+                                          [todo[j].rows for j in route[ew]], i, replay))
+                except PeerDeadError as exc:
+                    futs.append(_failed(exc))
+            self.in_flight += len(futs)
+            try:
+                results = await asyncio.gather(*futs, return_exceptions=True)
+            finally:
+                self.in_flight -= len(futs)
             failed: list[Piece] = []
             for ew, i, res in zip(ews, idx, results):
                 if isinstance(res, PeerDeadError):

@@ -124,6 +124,21 @@ class ModelRunner:
             mask &= kv_pos[None, :] > q_pos[:, None] - self.cfg.sliding_window
         return mask
 
+    def _dense_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables [Bd, Tb] (padded with -1), lens [Bd] -> each decode token's cache slots [Bd, L]
+        (0 past its length) and mask [Bd, 1, 1, L], L the longest: a decode token is its
+        sequence's last, so it sees every position before its length (within the window)."""
+        bd = lens.numel()
+        lmax = int(lens.max()) if bd else 0
+        if not lmax:
+            return torch.zeros(bd, 0, dtype=torch.long), torch.zeros(bd, 1, 1, 0, dtype=torch.bool)
+        bs = self.kv.blocks.block_size
+        pos = torch.arange(lmax)  # [L]
+        blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(bd, lmax))  # [Bd, L]
+        valid = pos[None, :] < lens[:, None]  # [Bd, L]
+        mask = valid & (pos[None, :] > lens[:, None] - 1 - self.cfg.sliding_window) if self.cfg.sliding_window else valid
+        return torch.where(valid, blocks * bs + pos % bs, 0), mask[:, None, None, :]
+
     def prepare(self, chunks: list[Chunk]) -> StepMeta:
         ids: list[int] = []
         positions: list[int] = []
@@ -154,17 +169,13 @@ class ModelRunner:
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype)
         widest = max((len(t) for t in dec_tables), default=0)
         tables = torch.tensor([t + [-1] * (widest - len(t)) for t in dec_tables], dtype=torch.long).view(len(dec_tables), widest)
+        lens = torch.tensor(dec_lens, dtype=torch.long)  # [Bd]
         dec_kv = dec_mask = None
         if self.paged is None:  # torch's path: every decode token's slots and mask, padded to the longest
-            lmax = max(dec_lens, default=0)
-            dec_kv = torch.zeros(len(dec_rows), lmax, dtype=torch.long)
-            dec_mask = torch.zeros(len(dec_rows), 1, 1, lmax, dtype=torch.bool)
-            for i, (length, table) in enumerate(zip(dec_lens, dec_tables)):
-                dec_kv[i, :length] = torch.tensor(self.kv.slots(table, 0, length), dtype=torch.long)
-                dec_mask[i, 0, 0, :] = self._mask(torch.tensor([length - 1]), lmax)[0] & (torch.arange(lmax) < length)
+            dec_kv, dec_mask = self._dense_decode(tables, lens)
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
-            torch.tensor(dec_rows, dtype=torch.long), tables, torch.tensor(dec_lens, dtype=torch.long), dec_kv,
+            torch.tensor(dec_rows, dtype=torch.long), tables, lens, dec_kv,
             dec_mask, prefills, len(dec_rows) == len(ids),
             torch.tensor(sample_rows, dtype=torch.long), torch.tensor(score_rows, dtype=torch.long),
             [(c.seq.request_id, c.start, c.n) for c in chunks],

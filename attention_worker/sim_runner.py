@@ -42,6 +42,7 @@ class SimRunner(ModelRunner):
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
+        self.offsets = torch.arange(cfg.top_k)[None, :]  # [1, k]
 
     async def _pace(self, step: StepState) -> None:
         """Many workers share this process and its loop (not `blocking`): each layer's cost is a
@@ -55,12 +56,15 @@ class SimRunner(ModelRunner):
         meta = self.prepare(chunks)
         pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
         h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos))
+        t = meta.ids.numel()
+        # (what every layer's routing shares, made once a step: the stand-ins are not the fabric's cost)
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos, hashed=meta.ids * 7919 + pos * 104729,
+                                     weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k)))
 
     def _advance(self, step: StepState) -> StepState:
         assert isinstance(step, SimStep)
         cfg, meta = self.cfg, step.meta
-        ids, t, k = meta.ids, meta.ids.numel(), cfg.top_k
+        t = meta.ids.numel()
         step.first = step.layer
         for i in range(step.layer, cfg.num_layers):
             step.layer = i
@@ -72,9 +76,9 @@ class SimRunner(ModelRunner):
             step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
-            base = (ids * 7919 + step.pos * 104729 + i * 1299709) % cfg.num_experts  # [T]
-            experts = (base[:, None] + torch.arange(k)[None, :]) % cfg.num_experts  # [T, k], distinct
-            step.plan = plan_layer(i, step.h, experts, torch.full((t, k), 1.0 / k), cfg.num_experts)
+            base = (step.hashed + i * 1299709) % cfg.num_experts  # [T]
+            experts = (base[:, None] + self.offsets) % cfg.num_experts  # [T, k], distinct
+            step.plan = plan_layer(i, step.h, experts, step.weights, cfg.num_experts)
             return step
         step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
@@ -89,4 +93,6 @@ class SimRunner(ModelRunner):
 @dataclass
 class SimStep(StepState):
     pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
+    hashed: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] the routing hash of (token, position)
+    weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
     first: int = 0  # the first layer the last compute call ran (the inline cost model's sleep)

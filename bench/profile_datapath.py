@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--py-spy", action="store_true", help="also sample attention-worker-0 and expert-worker-0")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer): the fabric's own cost")
     ap.add_argument("--unpinned", action="store_true", help="workers float over the CPUs (default: serve --pin-workers)")
     args = ap.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -63,7 +64,8 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model_dir).vocab_size
     prompts = make_prompts(args.concurrency, 16, vocab, 0)
     cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned)
+                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned,
+                      **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
         asyncio.run(fabric_round(url, prompts, 16))  # warm
@@ -71,7 +73,7 @@ def main() -> None:
         spies = []
         if args.py_spy:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            for name in ("attention-worker-0", "expert-worker-0"):
+            for name in ("attention-worker-0", "expert-worker-0", "gateway-0"):
                 out = args.out / f"{name}.txt"
                 spies.append((name, out, subprocess.Popen(
                     [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),

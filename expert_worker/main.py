@@ -280,10 +280,12 @@ class ExpertWorker(Service):
                 batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
             if not batch:
                 self.wakeup.clear()
+                # (a timer, not wait_for: that wraps the wait in a task of its own, every layer)
+                timer = asyncio.get_running_loop().call_later(wait if wait is not None else 1.0, self.wakeup.set)
                 try:
-                    await asyncio.wait_for(self.wakeup.wait(), wait if wait is not None else 1.0)
-                except TimeoutError:
-                    pass
+                    await self.wakeup.wait()
+                finally:
+                    timer.cancel()
                 continue
             chosen = {id(p) for p in batch}
             self.pending = [p for p in self.pending if id(p) not in chosen]
@@ -296,6 +298,8 @@ class ExpertWorker(Service):
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
             for p, y in zip(batch, outputs):
+                if not p.rows:
+                    continue  # an AW's empty call (so that the gather does not wait for it): nobody waits for an answer
                 try:
                     p.conn.send_nowait(ExpertResult(p.call.call_id, y))  # never wait on one slow AW
                 except PeerDeadError:

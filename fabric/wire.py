@@ -132,17 +132,15 @@ def decode_header(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) 
         raise ProtocolError(f"undecodable header: {exc}") from exc
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise ProtocolError("header is not a map with a string 'kind'")
-    _check_depth(header, limits.max_depth)
+    _check_depth(header, limits.max_depth - 1)
     return header
 
 
 def _check_depth(obj: Any, budget: int) -> None:
+    """Containers nested deeper than `budget` raise. Map keys are scalars (msgpack cannot hash a
+    container), so only values are walked, and only the containers among them."""
     if budget < 0:
         raise ProtocolError("header nested too deeply")
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_depth(k, budget - 1)
-            _check_depth(v, budget - 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    for v in (obj.values() if type(obj) is dict else obj):
+        if type(v) is dict or type(v) is list:
             _check_depth(v, budget - 1)

@@ -156,14 +156,45 @@ def worker_by_pid(cluster: dict[str, Any], pid: int) -> dict[str, Any]:
     return next(w for w in cluster["workers"] if w["pid"] == pid)
 
 
+DIALERS = ("tcp", "unix", "ucx")  # how a test dials a listener: the transports the fabric uses
+
+
+def dialer(name: str, secret: bytes | None = None) -> Any:
+    """A transport that dials as `name` says: tcp (the TCP port only), unix (the same-host socket
+    that a tcp listener on this machine has beside its port; asserted to be the one used), or ucx."""
+    import socket
+
+    from fabric.transport import make_transport, same_host
+    from fabric.transport.tcp import TcpTransport
+
+    if name == "ucx":
+        return make_transport("ucx", secret=secret)
+    if name == "tcp":
+        return TcpTransport(secret=secret, same_host_sockets=False)
+
+    class SameHost(TcpTransport):
+        async def connect(self, host: str, port: int, timeout: float = 10.0) -> Any:
+            path = same_host.path(host, port)
+            assert path is not None and os.path.exists(path), f"no same-host socket for {host}:{port}"
+            conn = await super().connect(host, port, timeout)
+            assert conn._transport.get_extra_info("socket").family == socket.AF_UNIX
+            return conn
+
+    return SameHost(secret=secret)
+
+
+def fabric_transport(dialer_name: str) -> str:
+    """The fabric transport under a dialer's name (the same-host sockets are tcp's)."""
+    return "tcp" if dialer_name == "unix" else dialer_name
+
+
 async def replay_handshake(transport: str, port: int, secret: bytes) -> None:
     """Records a real dialer's handshake bytes (accepted), then plays them to a new connection:
     the listener's nonce is fresh, so the recorded proof is stale and the replay is refused."""
     from fabric import auth
     from fabric.errors import PeerDeadError
-    from fabric.transport import make_transport
 
-    rec = await make_transport(transport).connect("127.0.0.1", port)
+    rec = await dialer(transport).connect("127.0.0.1", port)
     hello = auth.MAGIC + os.urandom(auth.NONCE)
     await rec._write_bytes(hello)
     reply = bytes(await rec._read_exactly(auth.LISTENER_PROOF))
@@ -171,7 +202,7 @@ async def replay_handshake(transport: str, port: int, secret: bytes) -> None:
     await rec._write_bytes(proof)
     assert bytes(await rec._read_exactly(1)) == auth.ACCEPT  # the original exchange is accepted
     await rec.close()
-    replay = await make_transport(transport).connect("127.0.0.1", port)
+    replay = await dialer(transport).connect("127.0.0.1", port)
     try:
         await replay._write_bytes(hello)
         await replay._read_exactly(auth.LISTENER_PROOF)

@@ -1,4 +1,4 @@
-"""The cluster handshake (fabric/auth.py) on both transports: a peer without the secret, with a
+"""The cluster handshake (fabric/auth.py) on every transport (tcp, its same-host sockets, ucx): a peer without the secret, with a
 wrong one, or replaying a recorded handshake is refused before any message of it is read, and the
 listener keeps serving the peers that prove themselves."""
 
@@ -15,9 +15,10 @@ from fabric.errors import AuthError, ConfigError, PeerDeadError
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
-from tests.helpers import replay_handshake
+from tests.helpers import dialer, fabric_transport, replay_handshake
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+TRANSPORTS = ["tcp", "unix",
+              pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 SECRET = b"s" * 32
 OTHER = b"o" * 32
 
@@ -47,20 +48,20 @@ async def ping(conn: Connection, nonce: int) -> int:
 def test_only_peers_with_the_secret_get_in(name: str) -> None:
     async def main() -> None:
         echo = Echo()
-        server = make_transport(name, secret=SECRET)
+        server = make_transport(fabric_transport(name), secret=SECRET)
         listener = await server.listen("127.0.0.1", 0, echo)
         try:
             # The right secret: messages flow both ways.
-            good = await make_transport(name, secret=SECRET).connect("127.0.0.1", listener.port)
+            good = await dialer(name, SECRET).connect("127.0.0.1", listener.port)
             assert await ping(good, 1) == 2
 
             # A wrong secret: the dialer finds the listener does not prove the secret it holds.
             with pytest.raises(PeerDeadError, match="authentication failed"):
-                await make_transport(name, secret=OTHER).connect("127.0.0.1", listener.port)
+                await dialer(name, OTHER).connect("127.0.0.1", listener.port)
 
             # No handshake at all: a message is sent straight away; the listener reads it as a
             # handshake, refuses it, and closes; the handler never sees a message.
-            bare = await make_transport(name).connect("127.0.0.1", listener.port)
+            bare = await dialer(name).connect("127.0.0.1", listener.port)
             await bare.send(Ping(7))
             with pytest.raises(PeerDeadError):
                 await asyncio.wait_for(bare.recv(), 30)
@@ -72,7 +73,7 @@ def test_only_peers_with_the_secret_get_in(name: str) -> None:
             # The listener saw no message from any refused peer, and still serves.
             assert echo.read == 1
             assert await ping(good, 10) == 11
-            again = await make_transport(name, secret=SECRET).connect("127.0.0.1", listener.port)
+            again = await dialer(name, SECRET).connect("127.0.0.1", listener.port)
             assert await ping(again, 20) == 21
             await again.close()
             await good.close()
@@ -88,10 +89,10 @@ def test_a_listener_without_the_secret_is_not_trusted(name: str) -> None:
 
     async def main() -> None:
         echo = Echo()
-        listener = await make_transport(name).listen("127.0.0.1", 0, echo)
+        listener = await make_transport(fabric_transport(name)).listen("127.0.0.1", 0, echo)
         try:
             with pytest.raises(PeerDeadError):
-                await make_transport(name, secret=SECRET).connect("127.0.0.1", listener.port, timeout=10)
+                await dialer(name, SECRET).connect("127.0.0.1", listener.port, timeout=10)
         finally:
             await listener.close()
         assert echo.read == 0

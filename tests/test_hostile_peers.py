@@ -1,4 +1,5 @@
-"""Hostile peers against a running fabric, on every internal port of every role, over tcp and ucx:
+"""Hostile peers against a running fabric, on every internal port of every role, over tcp, tcp's
+same-host sockets and ucx:
 a peer without the cluster secret, with a wrong one, or replaying a recorded handshake is refused
 before any message of it is read; an authenticated peer that claims another worker's identity is
 refused; the admin endpoints want the secret; and through all of it every process keeps serving,
@@ -29,11 +30,10 @@ from fabric.messages.control import Fenced, Register, Registered, Role
 from fabric.messages.expert import ExpertCall
 from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.model.config import ModelConfig
-from fabric.transport import make_transport
 from fabric.transport.base import Connection
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import post_json, replay_handshake, wait_for
+from tests.helpers import dialer, fabric_transport, post_json, replay_handshake, wait_for
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 WRONG = b"w" * 32
@@ -56,12 +56,12 @@ async def refused(conn: Connection) -> bool:
 
 async def outsiders(name: str, port: int, secret: bytes) -> None:
     """No handshake, a wrong secret, and a replayed handshake: all refused."""
-    bare = await make_transport(name).connect("127.0.0.1", port)
+    bare = await dialer(name).connect("127.0.0.1", port)
     await bare.send(Hello("aw-0", "control"))  # a valid message, but no proof first
     assert await refused(bare)
 
     with pytest.raises(PeerDeadError, match="authentication failed"):
-        await make_transport(name, secret=WRONG).connect("127.0.0.1", port)
+        await dialer(name, WRONG).connect("127.0.0.1", port)
 
     await replay_handshake(name, port, secret)  # a recorded handshake, replayed
 
@@ -75,8 +75,8 @@ async def impostors(name: str, fabric: Fabric, secret: bytes) -> None:
     """Authenticated peers that claim another worker's identity, and insiders' bad values."""
     aw = workers(fabric, "attention")[0]["id"]
     model = ModelConfig.from_dir(fabric.cfg.model or "")
-    transport = make_transport(name, secret=secret)
-    control = make_transport("tcp", secret=secret)  # (control ports are TCP whatever the data transport)
+    transport = dialer(name, secret)
+    control = dialer("tcp" if name == "ucx" else name, secret)  # (control ports are TCP whatever the data transport)
 
     for ew in workers(fabric, "expert"):
         # A second control channel for a connected AW: refused (the AW's own stays up).
@@ -207,13 +207,14 @@ def admin_endpoints(fabric: Fabric, secret: bytes) -> None:
     assert fabric.cluster()["workers"]  # with the secret: answered
 
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+TRANSPORTS = ["tcp", "unix",
+              pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_hostile_peers_are_refused_and_the_fabric_serves_on(name: str, hf_models: dict[str, Path],
                                                            tmp_path: Path) -> None:
-    with running_fabric(hf_models["mixtral"], tmp_path, transport=name, aws=1, ews=2,
+    with running_fabric(hf_models["mixtral"], tmp_path, transport=fabric_transport(name), aws=1, ews=2,
                         extra={"checkpoint-store": ["--max-aws", "4"]}) as fabric:
         base = f"http://127.0.0.1:{fabric.port}/v1/completions"
         status, before = post_json(base, BODY)
@@ -231,7 +232,7 @@ def test_hostile_peers_are_refused_and_the_fabric_serves_on(name: str, hf_models
             for port in ports:
                 await outsiders(name, port, secret)
             for port in control_ports:
-                await outsiders("tcp", port, secret)
+                await outsiders("tcp" if name == "ucx" else name, port, secret)
             await impostors(name, fabric, secret)
             if name == "tcp":  # the orchestrator's link is a websocket whatever the transport
                 await control_plane(fabric, secret)

@@ -84,6 +84,14 @@ def test_depth_limit() -> None:
         decode_bytes(encode_bytes({"kind": "hello", "aw_id": obj}))
 
 
+def test_depth_limit_boundary() -> None:
+    """Containers nested as deep as the limit allows pass; one level more does not."""
+    limits = WireLimits(max_depth=4)
+    decode_bytes(encode_bytes({"kind": "hello", "a": [[{"b": "leaf"}]]}), limits)  # a value 4 deep
+    with pytest.raises(ProtocolError, match="deep"):
+        decode_bytes(encode_bytes({"kind": "hello", "a": [[{"b": ["leaf"]}]]}), limits)
+
+
 def as_tensor_frames(frames: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
     """Host frames as the flat uint8 tensors a connection that lands frames on a device hands the
     decoder (one buffer per frame)."""

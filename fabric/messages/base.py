@@ -53,6 +53,11 @@ def _torch_dtypes() -> dict[str, Any]:
 
 
 @functools.cache
+def _torch_itemsizes() -> dict[Any, int]:
+    return {dt: dt.itemsize for dt in _torch_dtypes().values()}
+
+
+@functools.cache
 def _torch_names() -> dict[Any, str]:
     return {v: k for k, v in _torch_dtypes().items()}
 
@@ -350,7 +355,7 @@ def _decode_tensor(meta: Any, frames: Frames, where: str) -> torch.Tensor:
 
     dtype, shape, frame = _frame_of(meta, frames, where, _torch_dtypes())
     on_device = not isinstance(frame, (bytes, bytearray, memoryview))
-    if _check_size(shape, torch.empty((), dtype=dtype).element_size(), frame, where) == 0:
+    if _check_size(shape, _torch_itemsizes()[dtype], frame, where) == 0:
         return torch.empty(shape, dtype=dtype, device=frame.device if on_device else None)  # type: ignore[union-attr]
     if on_device:  # a device frame: a view of it
         return frame.view(dtype).view(shape)  # type: ignore[union-attr,call-overload]

@@ -1,0 +1,273 @@
+"""The fabric's own cost: a fabric with no compute at all (`serve --compute sim --sim-attention-ms 0
+--sim-expert-ms 0`, 2 AWs + 2 EWs, the bench model's shape) decodes C streams; every µs of its time
+between tokens is the fabric's (scheduler, expert calls, gather, sampling, gateway). Beside it, in
+the same run, the floor: one layer's round trip over the bare transport (an AW's rows to two echo
+processes and back, the fabric's own connections and wire, authenticated), and over plain blocking
+sockets.
+
+    python bench/bench_fabric_cost.py --concurrency 1,16,64 --tokens 64 --repeats 3
+
+Per layer = the median time between a stream's tokens / the model's layers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from common import bench_parser, ensure_bench_model, save_figure
+from fabrics import baseline_fabric
+from rounds import fabric_round, make_prompts
+
+from fabric.model.config import ModelConfig
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
+
+SECRET = b"bench-fabric-cost-secret-0123456789"
+
+
+# -- the floor: the bare transport --------------------------------------------------------------
+def _echo_server(port_q: mp.Queue, transport: str) -> None:
+    """An EW with no experts: answers every ExpertCall with its rows."""
+    from fabric.messages.expert import ExpertCall, ExpertResult
+    from fabric.transport import make_transport
+
+    async def main() -> None:
+        t = make_transport(transport, secret=SECRET)
+
+        async def handle(conn):  # type: ignore[no-untyped-def]
+            while True:
+                msg = await conn.recv()
+                assert isinstance(msg, ExpertCall)
+                conn.send_nowait(ExpertResult(msg.call_id, msg.x))
+
+        lis = await t.listen("127.0.0.1", 0, handle)
+        port_q.put(lis.port)
+        await asyncio.Event().wait()
+
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main())
+
+
+def _raw_echo(port_q: mp.Queue) -> None:
+    """Plain blocking socket echo of length-prefixed messages."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        head = _recv_all(conn, 8)
+        if not head:
+            return
+        n = int.from_bytes(head, "little")
+        conn.sendall(head + _recv_all(conn, n))
+
+
+def _recv_all(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return b""
+        buf += chunk
+    return bytes(buf)
+
+
+def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
+    """Median µs of one layer's exchange with 2 EWs (`rows` rows each way, split between them)."""
+    import torch
+
+    from fabric.messages.expert import ExpertCall
+    from fabric.transport.tcp import TcpTransport
+
+    ctx = mp.get_context("spawn")
+    out: dict[str, float] = {}
+    procs = []
+    try:
+        q: mp.Queue = ctx.Queue()
+        for _ in range(2):
+            p = ctx.Process(target=_echo_server, args=(q, "tcp"), daemon=True)
+            p.start()
+            procs.append(p)
+        ports = [q.get(timeout=60) for _ in procs]
+        half = max(1, rows // 2)
+        x = torch.randn(half, hidden)
+
+        async def fabric_wire(same_host: bool) -> float:
+            t = TcpTransport(secret=SECRET, same_host_sockets=same_host)
+            conns = [await t.connect("127.0.0.1", port) for port in ports]
+            times = []
+            for i in range(iters + 20):
+                t0 = time.perf_counter()
+                for c in conns:
+                    await c.send(ExpertCall(i, 1, 0, [0], [half], x))
+                await asyncio.gather(*(c.recv() for c in conns))
+                times.append(time.perf_counter() - t0)
+            for c in conns:
+                await c.close()
+            return statistics.median(times[20:]) * 1e6
+
+        import uvloop
+        out["transport"] = uvloop.run(fabric_wire(False))  # tcp
+        out["unix"] = uvloop.run(fabric_wire(True))  # the same-host socket
+
+        raw = []
+        rq: mp.Queue = ctx.Queue()
+        for _ in range(2):
+            p = ctx.Process(target=_raw_echo, args=(rq,), daemon=True)
+            p.start()
+            procs.append(p)
+            raw.append(rq.get(timeout=60))
+        socks = []
+        for port in raw:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socks.append(s)
+        payload = x.numpy().tobytes()
+        msg = len(payload).to_bytes(8, "little") + payload
+        times = []
+        for _ in range(iters + 20):
+            t0 = time.perf_counter()
+            for s in socks:
+                s.sendall(msg)
+            for s in socks:
+                _recv_all(s, len(msg))
+            times.append(time.perf_counter() - t0)
+        for s in socks:
+            s.close()
+        out["socket"] = statistics.median(times[20:]) * 1e6
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    return out
+
+
+# -- the fabric ---------------------------------------------------------------------------------
+SIM_FLAGS = ["--compute", "sim", "--sim-attention-ms", "0", "--sim-expert-ms", "0"]
+
+
+@contextlib.contextmanager
+def this_fabric(model: Path, log_root: str) -> Iterator[str]:
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, compute="sim",
+                      sim_attention_ms=0.0, sim_expert_ms=0.0, port=free_port(), ready_timeout=300)
+    with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)):
+        yield f"http://{cfg.host}:{cfg.port}/v1/completions"
+
+
+def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, repeats: int,
+                  vocab: int) -> dict[str, dict[int, list[dict]]]:
+    """Rounds alternating between the fabrics, every concurrency in each repeat."""
+    out: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
+    for url in urls.values():
+        asyncio.run(fabric_round(url, make_prompts(8, 16, vocab, 99), 16))  # warm
+    for r in range(repeats):
+        for c in concurrency:
+            for name, url in urls.items():
+                st = asyncio.run(fabric_round(url, make_prompts(c, 16, vocab, r), tokens))
+                st.pop("ids")
+                out[name][c].append(st)
+                print(f"  round {r + 1} {name:>8} {c:>3} streams: TBT p50 {st['tbt_p50_ms']:.2f} ms, "
+                      f"{st['tok_s']:.0f} tok/s", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, "bench/out/fabric-cost")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--floor-iters", type=int, default=500)
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="also run another checkout's fabric (a `git worktree` of an earlier commit), rounds alternating")
+    args = ap.parse_args()
+    args.model_dir = args.model_dir.resolve()  # (a baseline fabric runs in its own tree)
+    vocab = ensure_bench_model(args.model_dir)
+    cfg = ModelConfig.from_dir(args.model_dir)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_root = tempfile.mkdtemp(prefix="fabric-cost-")
+
+    print("the floor: one layer's round trip to 2 echo processes", flush=True)
+    floors = {}
+    for c in conc:
+        # An AW holds c/2 streams: c/2 tokens x top-k rows a layer, split over 2 EWs.
+        rows = max(1, c // 2) * cfg.top_k
+        floors[c] = floor_round_trips(rows, cfg.hidden_size, args.floor_iters)
+        print(f"  {c:>3} streams ({rows} rows): transport tcp {floors[c]['transport']:.0f} µs, "
+              f"unix {floors[c]['unix']:.0f} µs, "
+              f"socket {floors[c]['socket']:.0f} µs", flush=True)
+
+    print("the fabric, zero compute", flush=True)
+    with contextlib.ExitStack() as stack:
+        urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root))}
+        if args.baseline_tree:
+            urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
+                                                                   flags=SIM_FLAGS))
+        runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab)
+    rounds = runs["this"]
+
+    layers = cfg.num_layers
+    rows = []
+    print()
+    base = runs.get("baseline")
+    print("| streams | µs a layer (fabric) | tok/s | transport round trip (tcp) | (same-host socket) | plain socket round trip "
+          "| fabric / transport |"
+          + (" baseline µs a layer | this / baseline (per-round ratio median) |" if base else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if base else ""))
+    for c in conc:
+        per_layer = statistics.median(r["tbt_p50_ms"] for r in rounds[c]) * 1e3 / layers
+        tok_s = statistics.median(r["tok_s"] for r in rounds[c])
+        f = floors[c]
+        row = {"streams": c, "us_per_layer": per_layer, "tok_s": tok_s, "transport_us": f["transport"],
+               "unix_us": f["unix"], "socket_us": f["socket"], "rounds": rounds[c]}
+        line = (f"| {c} | {per_layer:.0f} | {tok_s:.0f} | {f['transport']:.0f} | {f['unix']:.0f} | {f['socket']:.0f} | "
+                f"{per_layer / min(f['transport'], f['unix']):.1f}x |")
+        if base:
+            b_layer = statistics.median(r["tbt_p50_ms"] for r in base[c]) * 1e3 / layers
+            ratio = statistics.median(a["tbt_p50_ms"] / b["tbt_p50_ms"] for a, b in zip(rounds[c], base[c]))
+            row.update(baseline_us_per_layer=b_layer, ratio=ratio, baseline_rounds=base[c])
+            line += f" {b_layer:.0f} | {ratio:.2f}x |"
+        rows.append(row)
+        print(line)
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
+    try:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["streams"] for r in rows]
+        ax.plot(xs, [r["us_per_layer"] for r in rows], "o-", label="fabric, zero compute")
+        if base:
+            ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5, label="baseline tree")
+        ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
+        ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
+        ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("streams")
+        ax.set_ylabel("µs a layer")
+        ax.legend()
+        save_figure(fig, args.out / "fabric_cost.png")
+    except ImportError:
+        pass
+    print(f"\nwrote {args.out}/summary.json", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

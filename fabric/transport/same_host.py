@@ -1,0 +1,51 @@
+"""Where a listener's same-host Unix socket lives: one per (host, port) in a directory only this
+user can enter, so that a dialer on this machine finds its peer's socket from the address it
+already has (a file there means the listener runs on this machine), and nobody else on the host
+can reach it. The cluster handshake runs on it as on TCP.
+
+The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory; a directory
+that another user owns or can write into disables same-host sockets (TCP only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import stat
+import tempfile
+
+log = logging.getLogger(__name__)
+
+MAX_PATH = 100  # bytes; sun_path holds 108 with its terminator
+
+
+@functools.cache
+def directory() -> str | None:
+    """This user's socket directory, made if missing; None where it cannot be trusted."""
+    d = os.environ.get("MOE_FABRIC_SOCKET_DIR") or os.path.join(tempfile.gettempdir(), f"moe-fabric-{os.getuid()}")
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError as exc:
+        log.warning("same-host sockets off: %s: %s", d, exc)
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        log.warning("same-host sockets off: %s is not a directory only this user can use", d)
+        return None
+    return d
+
+
+def path(host: str, port: int) -> str | None:
+    """The socket of the listener at host:port on this machine (None: no same-host socket)."""
+    d = directory()
+    if d is None or not port:
+        return None
+    p = os.path.join(d, f"{host.replace('/', '_')}_{port}.sock")
+    return p if len(p.encode()) <= MAX_PATH else None
+
+
+def remove(p: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(p)
