@@ -26,7 +26,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence
-from attention_worker.sampler import sample, score_tokens, token_logprobs
+from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
 from fabric import device, faults
@@ -261,6 +261,9 @@ class AttentionWorker:
         per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
         done: list[Sequence] = []
         row = 0
+        # The argmax of every sampled row in one op (greedy requests are most of a decode batch).
+        greedy = greedy_rows(logits) if any(c.samples and is_greedy(c.seq.temperature, c.seq.top_k)
+                                            for c in chunks) else []
         for c in chunks:
             seq = c.seq
             seq.num_computed += c.n
@@ -269,7 +272,8 @@ class AttentionWorker:
             row_logits = logits[row]  # [V]
             row += 1
             try:
-                token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids))
+                token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids),
+                               greedy[row - 1] if greedy else None)
                 logprob, top = token_logprobs(row_logits, token, seq.logprobs)
             except Exception as exc:  # this request's own fault: it fails, the worker serves on
                 log.exception("%s: sampling failed; failing this request", seq.request_id)

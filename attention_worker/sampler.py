@@ -27,10 +27,22 @@ def greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))).item())
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, index: int) -> int:
-    """logits [V] -> token id."""
-    if not temperature >= GREEDY_BELOW or top_k == 1:  # (also catches a NaN temperature)
-        return greedy(logits)
+def greedy_rows(logits: torch.Tensor) -> list[int]:
+    """`greedy` of every row of logits [S, V] at once -> S token ids."""
+    if not logits.shape[0]:
+        return []
+    return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1).tolist()
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return not temperature >= GREEDY_BELOW or top_k == 1  # (also catches a NaN temperature)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, index: int,
+           greedy_token: int | None = None) -> int:
+    """logits [V] -> token id (`greedy_token`: this row's `greedy`, where the caller has it)."""
+    if is_greedy(temperature, top_k):
+        return greedy(logits) if greedy_token is None else greedy_token
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.shape[0]:
         kth = torch.topk(scaled, top_k).values[-1]

@@ -172,6 +172,8 @@ def dialer(name: str, secret: bytes | None = None) -> Any:
     if name == "tcp":
         return TcpTransport(secret=secret, same_host_sockets=False)
 
+    assert same_host.enabled(), f"dialing over same-host sockets wants {same_host.ENABLE}=1 (tests: same_host_on)"
+
     class SameHost(TcpTransport):
         async def connect(self, host: str, port: int, timeout: float = 10.0) -> Any:
             path = same_host.path(host, port)
@@ -181,6 +183,14 @@ def dialer(name: str, secret: bytes | None = None) -> Any:
             return conn
 
     return SameHost(secret=secret)
+
+
+def same_host_on(dialer_name: str, monkeypatch: Any) -> None:
+    """Same-host sockets on for a test that dials over them (and the processes it starts)."""
+    if dialer_name == "unix":
+        from fabric.transport import same_host
+
+        monkeypatch.setenv(same_host.ENABLE, "1")
 
 
 def fabric_transport(dialer_name: str) -> str:

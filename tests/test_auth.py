@@ -15,7 +15,7 @@ from fabric.errors import AuthError, ConfigError, PeerDeadError
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
-from tests.helpers import dialer, fabric_transport, replay_handshake
+from tests.helpers import dialer, fabric_transport, replay_handshake, same_host_on
 
 TRANSPORTS = ["tcp", "unix",
               pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
@@ -45,7 +45,9 @@ async def ping(conn: Connection, nonce: int) -> int:
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_only_peers_with_the_secret_get_in(name: str) -> None:
+def test_only_peers_with_the_secret_get_in(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    same_host_on(name, monkeypatch)
+
     async def main() -> None:
         echo = Echo()
         server = make_transport(fabric_transport(name), secret=SECRET)
@@ -84,8 +86,9 @@ def test_only_peers_with_the_secret_get_in(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_listener_without_the_secret_is_not_trusted(name: str) -> None:
+def test_a_listener_without_the_secret_is_not_trusted(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutual: a dialer with the secret refuses a listener that cannot prove it (an impostor)."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> None:
         echo = Echo()

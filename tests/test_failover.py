@@ -1,20 +1,44 @@
 """An expert worker dies (SIGINT) mid-decode: AWs replay its in-flight calls on the shadows, the
 orchestrator publishes the next epoch, and every stream finishes token-identical to the run
-without the failure."""
+without the failure. The deaths of an AW and of an EW also with the links on same-host sockets
+(MOE_FABRIC_SAME_HOST=1)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
 
+import pytest
+
+from fabric.transport import same_host
 from tests.conftest import running_fabric
 from tests.helpers import get_json
 from tests.load import kill_mid_decode
 
+LINKS = ["tcp", "unix"]
 
-def test_attention_worker_death_resumes_every_stream(hf_models: dict[str, Path], tmp_path: Path) -> None:
+
+def links_over(links: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if links == "unix":
+        monkeypatch.setenv(same_host.ENABLE, "1")
+
+
+def assert_links_over(links: str, cluster: dict) -> None:  # type: ignore[type-arg]
+    """With same-host sockets on, every AW, EW and store listens on one (dialers then use it)."""
+    if links == "unix":
+        ports = [w["port"] for w in cluster["workers"] if w["role"] in ("attention", "expert", "checkpoint_store")
+                 and w["state"] == "alive"]
+        assert ports and all(os.path.exists(same_host.path("127.0.0.1", p) or "") for p in ports)
+
+
+@pytest.mark.parametrize("links", LINKS)
+def test_attention_worker_death_resumes_every_stream(links: str, hf_models: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    links_over(links, monkeypatch)
     with running_fabric(hf_models["qwen3_moe"], tmp_path, aws=2, ews=2) as fabric:
+        assert_links_over(links, fabric.cluster())
         reference, outputs, pid = kill_mid_decode(fabric, "attention-worker-0")
         assert outputs == reference  # seeded sampling: the resumed streams continue identically
         cluster = fabric.cluster()
@@ -23,9 +47,13 @@ def test_attention_worker_death_resumes_every_stream(hf_models: dict[str, Path],
     assert "resuming after" in logs
 
 
-def test_expert_worker_death_loses_nothing(hf_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("links", LINKS)
+def test_expert_worker_death_loses_nothing(links: str, hf_models: dict[str, Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    links_over(links, monkeypatch)
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
         assert fabric.cluster()["epoch"] == 1
+        assert_links_over(links, fabric.cluster())
         reference, outputs, pid = kill_mid_decode(fabric, "expert-worker-1")
         assert outputs == reference  # nothing lost, nothing repeated, same tokens
         after = fabric.cluster()

@@ -33,7 +33,7 @@ from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import dialer, fabric_transport, post_json, replay_handshake, wait_for
+from tests.helpers import dialer, fabric_transport, post_json, replay_handshake, same_host_on, wait_for
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 WRONG = b"w" * 32
@@ -213,7 +213,8 @@ TRANSPORTS = ["tcp", "unix",
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_hostile_peers_are_refused_and_the_fabric_serves_on(name: str, hf_models: dict[str, Path],
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    same_host_on(name, monkeypatch)
     with running_fabric(hf_models["mixtral"], tmp_path, transport=fabric_transport(name), aws=1, ews=2,
                         extra={"checkpoint-store": ["--max-aws", "4"]}) as fabric:
         base = f"http://127.0.0.1:{fabric.port}/v1/completions"

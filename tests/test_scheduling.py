@@ -6,7 +6,7 @@ import torch
 
 from attention_worker.kv_cache import BlockManager
 from attention_worker.request import Sequence
-from attention_worker.sampler import sample
+from attention_worker.sampler import greedy, greedy_rows, sample
 from attention_worker.scheduler import Scheduler
 from expert_worker.gather import PendingCall, SyncPolicy, ThresholdPolicy
 from fabric.messages.expert import ExpertCall
@@ -121,3 +121,18 @@ def test_routing_table_and_balanced_placement() -> None:
     assert table.primary(0, 0, {"ew-1"}) == "ew-2"
     assert table.primary(0, 0, {"ew-1", "ew-2"}) is None
     assert table.primary(0, 1) is None and table.replicas_of(0, 0) == ("ew-1", "ew-2")
+
+
+def test_greedy_rows_equal_greedy_row_by_row() -> None:
+    """A step's greedy tokens in one argmax equal each row's: ties to the lowest id, NaN lowest,
+    inf highest, a row of -inf its first id."""
+    torch.manual_seed(0)
+    for _ in range(100):
+        logits = torch.randn(7, 50)
+        logits[0, 3] = float("nan")
+        logits[1] = float("nan")
+        logits[2] = 1.0
+        logits[3, 5] = float("inf")
+        logits[4] = float("-inf")
+        assert greedy_rows(logits) == [greedy(row) for row in logits]
+    assert greedy_rows(torch.zeros(0, 50)) == []

@@ -3,8 +3,11 @@ user can enter, so that a dialer on this machine finds its peer's socket from th
 already has (a file there means the listener runs on this machine), and nobody else on the host
 can reach it. The cluster handshake runs on it as on TCP.
 
-The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory; a directory
-that another user owns or can write into disables same-host sockets (TCP only).
+Off unless $MOE_FABRIC_SAME_HOST is 1: side by side on the 2-core VM (2026-11-26, 2 AW + 2 EW, no
+compute, 4 rounds) it was no faster than loopback TCP at one stream (0.98x the time between
+tokens) and slower at 16 (1.11x), though a lone round trip through it takes 465 µs against 788 µs
+over TCP (docs/performance.md). The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in
+the temp directory; a directory that another user owns or can write into disables them (TCP only).
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ import tempfile
 log = logging.getLogger(__name__)
 
 MAX_PATH = 100  # bytes; sun_path holds 108 with its terminator
+
+
+ENABLE = "MOE_FABRIC_SAME_HOST"
+
+
+def enabled() -> bool:
+    """Whether listeners and dialers made now use same-host sockets (the environment says; a
+    process's children inherit it)."""
+    return os.environ.get(ENABLE) == "1" and directory() is not None
 
 
 @functools.cache

@@ -10,11 +10,11 @@ Send deadline: while asyncio holds back writes (the peer's socket buffer is full
 every `send_timeout` that the peer took some bytes since the last check; a peer that took none is
 cut off (`transport.abort()`), which fails every sender and the reader with PeerDeadError.
 
-Same host: every listener also listens on a Unix socket named after its address
+Same host (with MOE_FABRIC_SAME_HOST=1; off by default, as it measured no faster in a whole
+fabric): every listener also listens on a Unix socket named after its address
 (fabric/transport/same_host.py), and a dialer whose peer has one on this machine connects there
-instead of to the TCP port (the same wire, handshake and deadlines; a wake-up across processes costs
-~60 us against ~145 us over loopback TCP on the 2-core VM). Peers on other hosts, and every
-connection inside TLS, use TCP.
+instead of to the TCP port, with the same wire, handshake and deadlines. Peers on other hosts, and
+every connection inside TLS, use TCP.
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ class TcpTransport(Transport):
                  secret: bytes | None = None, tls: Tls | None = None, same_host_sockets: bool = True) -> None:
         self.limits = limits
         # Unix sockets between processes on one host (never inside TLS: TLS is for crossing hosts).
-        self.same_host = same_host_sockets and tls is None and same_host.directory() is not None
+        self.same_host = same_host_sockets and tls is None and same_host.enabled()
         self.send_timeout = send_timeout
         self.secret = secret
         self._server_ssl = tls.server if tls is not None else None
