@@ -91,16 +91,26 @@ def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Ten
 def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
     """The results in row order [R, D]: joined as they are where they are runs that tile the rows
     (every EW's rows one run, the usual case), else scattered into place."""
-    runs = sorted((p for p in parts if not isinstance(p[0], slice) or p[0].stop > p[0].start),
-                  key=lambda p: p[0].start if isinstance(p[0], slice) else -1)  # (empty calls dropped)
-    bounds = [(rows.start, rows.stop) for rows, _ in runs if isinstance(rows, slice)]
-    if bounds and len(bounds) == len(runs) and bounds[0][0] == 0 and bounds[-1][1] == xs.shape[0] \
-            and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])):
+    runs: list[tuple[slice, torch.Tensor]] = []
+    for rows, res in parts:
+        if not isinstance(rows, slice):
+            runs = []
+            break
+        if rows.stop > rows.start:
+            runs.append((rows, res))
+    runs.sort(key=lambda r: r[0].start)
+    end = 0
+    for rows, _ in runs:
+        if rows.start != end:
+            break
+        end = rows.stop
+    if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
+                                                         and rows.stop > rows.start):
         ys = [to_device(res, xs.device) for _, res in runs]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
     y = torch.zeros_like(xs)
-    for rows, res in parts:
-        y[rows] = to_device(res, y.device)
+    for rows_, res in parts:
+        y[rows_] = to_device(res, y.device)
     return y
 
 
