@@ -76,8 +76,11 @@ def test_attention_worker_sigkill_is_replaced(hf_models: dict[str, Path], tmp_pa
             assert argv[argv.index(b"--boot-nice") + 1] == b"20"
             assert os.getpriority(os.PRIO_PROCESS, repl["pid"]) == os.getpriority(os.PRIO_PROCESS, 0)
             assert os.sched_getscheduler(repl["pid"]) == os.SCHED_BATCH
-        # The new AW takes new requests: with least-work routing and an idle fabric, 8 concurrent
+        # The new AW takes new requests: once every gateway has linked to it (the view says alive
+        # before a gateway has connected), with least-work routing and an idle fabric, 8 concurrent
         # streams land on both AWs.
+        wait_for(fabric, "gateways linked to both AWs", lambda c: all(
+            w["stats"].get("aws_connected") == 2 for w in c["workers"] if w["role"] == "gateway" and w["state"] == "alive"))
         assert run_streams(fabric) == reference
         stats = wait_for(fabric, "AW stats", lambda c: all(
             w["stats"].get("tokens_out", 0) > 0 for w in c["workers"] if w["role"] == "attention" and w["state"] == "alive"))
