@@ -4,7 +4,7 @@ triton, transformers, aiohttp, msgpack, uvloop, pytest; no network, no pip insta
 tree on PYTHONPATH). On a machine without a GPU it runs its CPU part (`--device cpu`) and says
 what needs a GPU.
 
-    1. kernels    the Triton kernels against torch (tests/test_triton_kernels.py: compiled on a
+    1. kernels    the Triton kernels against torch (tests/fabric/test_triton_kernels.py: compiled on a
                   GPU, under Triton's interpreter on the CPU)
     2. parity     greedy output against transformers on the same device, both test architectures,
                   the torch and the Triton kernels (on the CPU: torch only; the interpreter's whole
@@ -61,7 +61,7 @@ def kernels(device: str, out: Path) -> list[Row]:
         import triton  # noqa: F401
     except ImportError:
         return [{"check": "Triton kernels", "result": "skipped", "detail": "no triton here"}]
-    code, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"],
+    code, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fabric/test_triton_kernels.py"],
                      300, out / "kernels.log", env)
     where = "compiled for the GPU" if device != "cpu" else "under the interpreter"
     return [{"check": f"Triton kernels {where} = torch", "result": "pass" if code == 0 else "FAIL",

@@ -19,7 +19,7 @@ from fabric.faults import SLOW_ENV
 from launch.local import Fabric
 from tests.conftest import running_fabric
 from tests.load import run_streams
-from tests.test_parity import assert_matches, reference, run_requests
+from tests.system.test_parity import assert_matches, reference, run_requests
 
 
 def nobody_declared_dead(fabric: Fabric) -> None:

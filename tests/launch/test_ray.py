@@ -18,7 +18,7 @@ from launch.ray_host import node_label
 from tests.conftest import running_fabric
 from tests.helpers import post_json, resumable_stream, wait_for
 from tests.load import BODY, PROMPTS, TOKENS
-from tests.test_parity import assert_matches, reference
+from tests.system.test_parity import assert_matches, reference
 
 ROLE_RESOURCES = {f"{r}_resources": '{"fabric": 1}' for r in ("orchestrator", "gateway", "aw", "ew", "store")}
 

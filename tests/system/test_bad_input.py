@@ -1,7 +1,7 @@
 """Random bytes, truncated frames and oversized length headers thrown at the internal ports of AWs,
 EWs, the checkpoint store and the orchestrator by a peer that holds the cluster secret (so the
 decoders, not the handshake, meet them): each bad connection is closed, every process keeps serving.
-Peers without the secret are tests/test_hostile_peers.py's."""
+Peers without the secret are tests/system/test_hostile_peers.py's."""
 
 from __future__ import annotations
 

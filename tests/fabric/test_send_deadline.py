@@ -1,6 +1,6 @@
 """A peer that stops reading (a stuck reader on a live socket, while its other channels answer)
 loses that connection at the send deadline, and no sender waits on it: on both transports. (In a
-fabric, such a peer is routed around and tried again: tests/test_silent_peers.py's gray failure.)"""
+fabric, such a peer is routed around and tried again: tests/system/test_silent_peers.py's gray failure.)"""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from fabric.messages.supervisor import StartWorker
 from launch.config import ServeConfig
 from launch.supervisor import Child, Supervisor
 from tests.conftest import running_fabric
-from tests.test_parity import assert_matches, reference, run_requests
+from tests.system.test_parity import assert_matches, reference, run_requests
 
 
 def test_device_specs_are_checked() -> None:
