@@ -29,10 +29,19 @@ from attention_worker.request import Sequence
 from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
-from fabric import device, faults
+from fabric import faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
-from fabric.messages.client import Abort, Attach, Detach, PromptLogprobs, RequestFailed, StepOutput, Submit
+from fabric.messages.client import (
+    Abort,
+    Attach,
+    Detach,
+    PromptLogprobs,
+    RequestFailed,
+    StepOutput,
+    Submit,
+    TokenOut,
+)
 from fabric.messages.liveness import Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection
@@ -44,23 +53,30 @@ MAX_RESUME_GRACE_S = 3600.0  # a detached stream is kept at most this long
 
 
 class AttentionWorker:
-    def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig) -> None:
+    """Built once the worker has its id (attention_worker/main.py `registered`), whole: the KV
+    cache, the forwarding engine to the EWs, the checkpointer and the model runner."""
+
+    def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig, kv: KVCache, refe: ForwardingEngine,
+                 ckpt: Checkpointer, runner: ModelRunner) -> None:
         self.cfg = cfg
         self.model = model
-        self.kv = KVCache(model, cfg.block_size, cfg.kv_cache_mib << 20, device.resolve(cfg.device))
-        self.scheduler = Scheduler(self.kv.blocks, cfg.max_batch_tokens, cfg.max_running)
-        self.refe: ForwardingEngine | None = None  # (set once the worker has its id: see main.py)
-        self.ckpt: Checkpointer | None = None
-        self.runner: ModelRunner | None = None
+        self.kv = kv
+        self.scheduler = Scheduler(kv.blocks, cfg.max_batch_tokens, cfg.max_running)
+        self.refe = refe
+        self.ckpt = ckpt
+        self.runner = runner
         self.work = asyncio.Event()
         self.restoring: dict[str, tuple[asyncio.Task[None], Sequence]] = {}  # request -> its restore, under way
-        self.sessions = Sessions(self._find, self._remove)
-        self.owned: dict[Connection, set[str]] = {}  # gateway connection -> the requests it holds
+        self.sessions = Sessions(self._find, self._remove, self._requests)
         self.crash_seed = faults.crash_seed()
         self.steps = 0
         self.tokens_out = 0
         self.failed_requests = 0  # requests failed for an error of their own
         self.restore_join_s = 0.0  # steps spent waiting for restores to join them
+
+    def _requests(self) -> list[Sequence]:
+        """Every request running, waiting or being restored here."""
+        return [*self.scheduler.by_id.values(), *(seq for _, seq in self.restoring.values())]
 
     def _find(self, request_id: str) -> Sequence | None:
         seq = self.scheduler.by_id.get(request_id)
@@ -70,25 +86,20 @@ class AttentionWorker:
 
     # -- gateway connections ------------------------------------------------------------------
     async def handle_client(self, conn: Connection) -> None:
-        mine: set[str] = set()
-        self.owned[conn] = mine
+        """One gateway connection. A request's `Sequence.client` is its one owner: the connection
+        its tokens go to (None: detached)."""
         try:
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, Submit):
-                    self._submit(msg, conn, mine)
+                    self._submit(msg, conn)
                 elif isinstance(msg, Abort):
-                    if self.sessions.abort(conn, msg.request_id, msg.moved):
-                        mine.discard(msg.request_id)
+                    self.sessions.abort(conn, msg.request_id, msg.moved)
                 elif isinstance(msg, Detach):
                     self.sessions.detach(conn, msg.request_id)
-                    mine.discard(msg.request_id)
                 elif isinstance(msg, Attach):
                     reply = self.sessions.attach(conn, msg)
                     if reply.found:
-                        for other in self.owned.values():
-                            other.discard(reply.request_id)
-                        mine.add(reply.request_id)
                         self.work.set()
                     conn.send_nowait(reply)  # before the loop turns: later outputs go to conn now
                 elif isinstance(msg, Ping):  # the gateway's liveness probe
@@ -96,11 +107,10 @@ class AttentionWorker:
                 else:
                     raise ProtocolError(f"unexpected {msg.kind} from a client")
         finally:
-            self.owned.pop(conn, None)
-            self.sessions.connection_lost(conn, mine)  # resumable requests run on, detached
+            self.sessions.connection_lost(conn)  # resumable requests run on, detached
             self.work.set()
 
-    def _submit(self, msg: Submit, conn: Connection, mine: set[str]) -> None:
+    def _submit(self, msg: Submit, conn: Connection) -> None:
         try:
             if not msg.prompt_ids and not msg.output_ids:
                 raise RequestError("empty prompt")
@@ -116,16 +126,19 @@ class AttentionWorker:
                                    "logprobs and prompt_logprobs -1..20, at most 64 stop token ids)")
             old = self._find(msg.request_id)
             if old is not None or msg.request_id in self.sessions.parked:
-                if self._take_over(msg, conn, mine):
+                if self._take_over(msg, conn):
                     return
                 if old is not None and old.client is not None and not old.client.closed:
                     raise RequestError(f"request {msg.request_id} is already running here")
-                if old is not None:  # a detached copy that disagrees with the resume: the gateway's stream wins,
-                    self._remove(msg.request_id)  # re-prefilled: its checkpoint's KvDone is queued, a restore's
-                    msg = dataclasses.replace(msg, restore_from="")  # fetch would overtake it
+                if old is not None:
+                    # A detached copy that disagrees with the resume. The gateway's stream wins and
+                    # is prefilled again, not restored: the copy's KvDone is queued to the store,
+                    # and a restore's fetch would overtake it.
+                    self._remove(msg.request_id)
+                    msg = dataclasses.replace(msg, restore_from="")
             seq = Sequence.from_submit(msg, conn)
             # A request that has yet to score its prompt prefills it whole (no KV restore skips it).
-            if msg.restore_from and self.ckpt is not None and not seq.scores(0, seq.num_tokens):
+            if msg.restore_from and not seq.scores(0, seq.num_tokens):
                 # Each restore waits for the store; they run side by side, not one after another.
                 task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
                 self.restoring[msg.request_id] = (task, seq)
@@ -134,19 +147,15 @@ class AttentionWorker:
         except RequestError as exc:
             conn.send_nowait(RequestFailed(msg.request_id, str(exc), 400))
             return
-        mine.add(msg.request_id)
         self.work.set()
 
-    def _take_over(self, msg: Submit, conn: Connection, mine: set[str]) -> bool:
+    def _take_over(self, msg: Submit, conn: Connection) -> bool:
         """Resumes `msg` onto the copy that still runs (or finished) here detached: its tokens past
         those the gateway has go out at once, the rest as they come (`Sessions.take_over`)."""
         taken = self.sessions.take_over(conn, msg)
         if taken is None:
             return False
         log.info("%s: resumed onto its own detached run here (%d tokens ahead)", msg.request_id, len(taken.outputs))
-        for other in self.owned.values():
-            other.discard(msg.request_id)
-        mine.add(msg.request_id)
         if taken.prompt is not None:
             conn.send_nowait(PromptLogprobs(msg.request_id, taken.prompt))
         if taken.outputs:
@@ -177,7 +186,6 @@ class AttentionWorker:
         """Per-request restoration (Tarragon §6.2): the KV `owner` checkpointed up to its committed
         frontier goes straight into this AW's cache; only the tokens after it are recomputed. With
         nothing stored (or no store), the request re-prefills (replay)."""
-        assert self.ckpt is not None
         t0 = time.perf_counter()
         try:
             n = await self.ckpt.restore(seq, owner)
@@ -201,7 +209,6 @@ class AttentionWorker:
 
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:
-        assert self.refe is not None and self.runner is not None
         while not stop.is_set():
             await self.refe.apply_next_table()  # a new routing table takes effect between steps
             if not self.scheduler.has_work:
@@ -225,9 +232,8 @@ class AttentionWorker:
                 continue
             self._score(chunks, scored)
             self._emit(chunks, logits)
-            if self.ckpt is not None:
-                self.ckpt.step_done(self.scheduler.running)
-                await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
+            self.ckpt.step_done(self.scheduler.running)
+            await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 
     async def expire_loop(self) -> None:
         """Aborts detached requests past their grace (the main loop may be idle)."""
@@ -258,7 +264,7 @@ class AttentionWorker:
             row += n
 
     def _emit(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
-        per_client: dict[Connection, list[list[Any]]] = defaultdict(list)
+        per_client: dict[Connection, list[TokenOut]] = defaultdict(list)
         done: list[Sequence] = []
         row = 0
         # The argmax of every sampled row in one op (greedy requests are most of a decode batch).
@@ -288,7 +294,7 @@ class AttentionWorker:
                 except PeerDeadError:
                     pass
             reason = seq.append(token)
-            out = [seq.request_id, token, reason, logprob, top]
+            out = TokenOut(seq.request_id, token, reason, logprob, top)
             seq.outputs.append(out)
             if seq.client is not None:
                 per_client[seq.client].append(out)
@@ -312,7 +318,7 @@ class AttentionWorker:
         restoring = self.restoring.pop(request_id, None)
         if restoring is not None:
             restoring[0].cancel()  # aborted while its KV was on the way
-        if (self.scheduler.remove(request_id) is not None or restoring is not None) and self.ckpt is not None:
+        if self.scheduler.remove(request_id) is not None or restoring is not None:
             self.ckpt.finished([request_id], hand_off)
 
     def _fail_all(self, chunks: list[Chunk], message: str) -> None:
@@ -322,28 +328,24 @@ class AttentionWorker:
             self._tell(c.seq, RequestFailed(c.seq.request_id, message, 503))
 
     def stats(self) -> dict[str, Any]:
-        b = self.kv.blocks
+        b, refe, links = self.kv.blocks, self.refe, self.refe.links
         detached = sum(1 for s in self.scheduler.by_id.values() if s.client is None)
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_blocks_used": b.num_blocks - b.num_free, "kv_blocks_free": b.num_free,
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
-            "outstanding_work": self.scheduler.outstanding_work(), "failed_requests": self.failed_requests,
+            "failed_requests": self.failed_requests,
             "detached": detached, "parked": len(self.sessions.parked), "attaches": self.sessions.attaches,
             "detaches": self.sessions.detaches, "expired": self.sessions.expired,
-            "replays": self.refe.replays if self.refe else 0,
-            "expert_waits": self.refe.expert_waits if self.refe else 0,
+            "replays": refe.replays, "expert_waits": refe.expert_waits,
             # EWs routed around: declared dead, or unreachable from here (tried again in the background)
-            "dead_expert_workers": sorted(self.refe.links.excluded) if self.refe else [],
-            "unreachable_expert_workers": sorted(self.refe.links.unreachable) if self.refe else [],
-            "suspected_at": dict(self.refe.links.suspected_at) if self.refe else {},  # EW -> when this AW last lost it
-            "ew_relinks": self.refe.links.relinks if self.refe else 0,
-            "probes_sent": self.refe.links.probes_sent if self.refe else 0,
-            "epochs_applied": {str(e): t for e, t in self.refe.applied.items()} if self.refe else {},
-            **(self.ckpt.stats() if self.ckpt else {}),
+            "dead_expert_workers": sorted(links.excluded), "unreachable_expert_workers": sorted(links.unreachable),
+            "suspected_at": dict(links.suspected_at),  # EW -> when this AW last lost it
+            "ew_relinks": links.relinks, "probes_sent": links.probes_sent,
+            "epochs_applied": {str(e): t for e, t in refe.applied.items()},
+            **self.ckpt.stats(),
             "restore_join_s": round(self.restore_join_s, 3),
-            "forward_s": round(self.runner.forward_s, 3) if self.runner else 0.0,
-            "expert_wait_s": round(self.runner.expert_wait_s, 3) if self.runner else 0.0,
+            "forward_s": round(self.runner.forward_s, 3), "expert_wait_s": round(self.runner.expert_wait_s, 3),
         }
 
 

@@ -23,16 +23,28 @@ import torch
 from attention_worker.checkpointer import Checkpointer
 from attention_worker.engine import AttentionWorker
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import ModelRunner
 from attention_worker.sim_runner import SimRunner
 from attention_worker.warmup import warm_up
-from fabric import faults
+from fabric import device, faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.kernels import choose
 from fabric.kernels.choose import DecodeAttention
 from fabric.messages.base import Message
-from fabric.messages.control import ClusterView, PeerAlive, Role, RoutingUpdate, Wake, WorkerReady
+from fabric.messages.control import (
+    ClusterView,
+    Life,
+    Origin,
+    PeerAlive,
+    Role,
+    RoutingUpdate,
+    Traits,
+    Wake,
+    WorkerReady,
+    WorkerStats,
+)
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
 from fabric.model.weight_store import open_store
@@ -41,7 +53,7 @@ from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
 from fabric.steps import StepClock
 from fabric.transport import make_transport
-from fabric.transport.base import Listener, Transport
+from fabric.transport.base import Connection, Listener, Transport
 
 log = logging.getLogger("attention_worker")
 
@@ -55,7 +67,10 @@ class AttentionService(Service):
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
         self.control_transport: Transport | None = None  # to the EWs' control ports (`registered`)
-        self.aw = AttentionWorker(cfg, self.model)
+        # The KV cache is sized now (registration reports it); the engine that serves from it is
+        # built once, when the worker has its id (`registered`).
+        self.kv = KVCache(self.model, cfg.block_size, cfg.kv_cache_mib << 20, device.resolve(cfg.device))
+        self.aw: AttentionWorker | None = None
         self.clock = StepClock()
         self.warmup_s: float | None = None
         self.weights: AttentionWeights | None = None
@@ -74,16 +89,24 @@ class AttentionService(Service):
         if self.cfg.compute != "sim":  # (a sim AW has no weights, and nothing cold)
             await self._load_weights()  # (a standby too: when woken it only starts serving)
             await self._warm_up()
-        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.aw.handle_client)
+        self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self._client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
-                 self.transport.name, self.aw.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
+                 self.transport.name, self.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
         return self.listener.port
+
+    async def _client(self, conn: Connection) -> None:
+        """A gateway's connection. Gateways find this worker in the view only once it serves; a
+        peer that connects before it has an engine is not one of them."""
+        if self.aw is None:
+            await conn.close()
+            return
+        await self.aw.handle_client(conn)
 
     async def _load_weights(self) -> None:
         """Maps the weights from the host's weight store where it has them, else reads the checkpoint
         (off the loop: the kernel may be built on first use, a store may still be publishing)."""
         t0 = time.perf_counter()
-        dtype, where = self.model.torch_dtype, self.aw.kv.device
+        dtype, where = self.model.torch_dtype, self.kv.device
 
         def load() -> AttentionWeights:
             # (it may build the CPU's kernels)
@@ -109,7 +132,7 @@ class AttentionService(Service):
         """The cold paths, before this worker registers (attention_worker/warmup.py)."""
         assert self.weights is not None
         t0 = time.perf_counter()
-        runner = ModelRunner(self.model, self.weights, self.aw.kv, None, self.attention)  # type: ignore[arg-type]
+        runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention)  # type: ignore[arg-type]
         steps = self.clock.run(warm_up, runner)
         self.warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps in %.0f ms", steps, self.warmup_s * 1e3)
@@ -118,35 +141,42 @@ class AttentionService(Service):
         return self.clock.running_for()
 
     def registration(self) -> dict[str, Any]:
-        return {"ready": self.serving, "info": {"transport": self.transport.name, "kv_blocks": self.aw.kv.blocks.num_blocks,
-                                                "block_size": self.cfg.block_size,
-                                                "standby": not self.awake,
-                                                **({"warmup_ms": round(self.warmup_s * 1e3, 1)}
-                                                   if self.warmup_s is not None else {}),
-                                                **({"replaces": self.woken_for} if self.woken_for else {})}}
+        life = Life(Origin.REPLACEMENT, self.woken_for) if self.woken_for else Life(standby=not self.awake)
+        warmup_ms = round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else 0.0
+        return {"ready": self.serving, "life": life,
+                "traits": Traits(transport=self.transport.name, kv_blocks=self.kv.blocks.num_blocks,
+                                 block_size=self.cfg.block_size, warmup_ms=warmup_ms)}
 
     async def registered(self) -> None:
         """The first registration names this worker: its expert links and checkpoints carry the id."""
-        rt = self.runtime
+        rt, cfg, kv = self.runtime, self.cfg, self.kv
         assert rt is not None
-        if self.aw.refe is not None:
+        if self.aw is not None:
             return
-        aw = self.aw
         self.control_transport = rt.tcp_transport()  # (to the EWs' control ports, from this loop)
-        aw.refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, self.cfg.probe_interval_ms / 1000,
-                                   self.cfg.probe_misses, self.cfg.expert_wait_s, rt.report_dead, aw.kv.device)
-        aw.ckpt = Checkpointer(rt.worker_id, self.model, aw.kv, aw.refe, self.transport, self.cfg.checkpoint,
-                               self.cfg.checkpoint_pause_every, on_lost=rt.report_dead)
+        refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, cfg.probe_interval_ms / 1000,
+                                cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device)
+        ckpt = Checkpointer(rt.worker_id, self.model, kv, refe, self.transport, cfg.checkpoint,
+                            cfg.checkpoint_pause_every, on_lost=rt.report_dead)
+        runner: ModelRunner
+        if cfg.compute == "sim":
+            runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1)
+        else:
+            assert self.weights is not None  # (loaded in `start`)
+            runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps())
+        runner.kv_sink = ckpt.record_layer
+        self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 
     async def handle(self, msg: Message) -> None:
-        rt, refe = self.runtime, self.aw.refe
-        assert rt is not None and refe is not None
+        rt, aw = self.runtime, self.aw
+        assert rt is not None and aw is not None  # (messages come after the first registration)
+        refe = aw.refe
         if isinstance(msg, PeerAlive):
             refe.links.retry(msg.worker_id)  # (whether it is used again is this AW's own probes' call)
             rt.cleared(msg.worker_id)
-            self.aw.work.set()
-            ckpt = self.aw.ckpt
-            if ckpt is not None and msg.worker_id == ckpt.store_id and not ckpt.active:
+            aw.work.set()
+            ckpt = aw.ckpt
+            if msg.worker_id == ckpt.store_id and not ckpt.active:
                 rt.spawn(self._rejoin_store())
         elif isinstance(msg, RoutingUpdate):
             refe.links.declared_dead(msg.view.dead)
@@ -159,7 +189,7 @@ class AttentionService(Service):
                 self.linked = True
                 await self._serve()
             elif refe.offer_table(table):
-                self.aw.work.set()  # switched at the next step boundary
+                aw.work.set()  # switched at the next step boundary
         elif isinstance(msg, Wake) and not self.awake:
             log.info("woken to replace %s", msg.replaces)
             self.awake, self.woken_for = True, msg.replaces
@@ -168,18 +198,9 @@ class AttentionService(Service):
     async def _serve(self) -> None:
         """Starts serving once both the weights and the EW links are there."""
         rt, aw = self.runtime, self.aw
-        assert rt is not None and aw.refe is not None and aw.ckpt is not None
-        sim = self.cfg.compute == "sim"
-        if self.serving or not self.linked or not self.awake or (self.weights is None and not sim):
+        assert rt is not None and aw is not None
+        if self.serving or not self.linked or not self.awake:
             return
-        if sim:
-            aw.runner = SimRunner(self.model, aw.kv, aw.refe, self.cfg.sim_attention_ms, self.clock,
-                                  blocking=self.cfg.sim_workers == 1)
-        else:
-            assert self.weights is not None
-            aw.runner = ModelRunner(self.model, self.weights, aw.kv, aw.refe, self.attention, self.clock,
-                                    faults.slow_steps())
-        aw.runner.kv_sink = aw.ckpt.record_layer
         self.serving = True
         table = aw.refe.next_table or aw.refe.table
         with contextlib.suppress(PeerDeadError):
@@ -202,8 +223,9 @@ class AttentionService(Service):
         """Checkpoints go to the first live checkpoint store; a new one (a replacement), or the one
         this AW lost but the orchestrator vouched for, is connected to, and gets the running
         requests' KV again."""
+        assert self.aw is not None
         ckpt = self.aw.ckpt
-        if ckpt is None or ckpt.mode == "off":
+        if ckpt.mode == "off":
             return
         stores = view.serving(Role.STORE)
         if ckpt.active and any(w.id == ckpt.store_id for w in stores):
@@ -215,16 +237,17 @@ class AttentionService(Service):
             except PeerDeadError as exc:
                 log.warning("cannot reach checkpoint store %s: %s", w.id, exc)
 
-    def stats(self) -> dict[str, Any] | None:
-        if self.aw.refe is None:
+    def stats(self) -> WorkerStats | None:
+        if self.aw is None:
             return None
         w, rt = self.weights, self.runtime
-        return {**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
+        return WorkerStats({**self.aw.stats(), "weights_mib_read": round(w.bytes_read / 2**20, 1) if w else 0.0,
                 "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None,
                 "compute_busy_s": round(self.clock.busy_s, 3),
                 "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
                 # (what the scale experiment reads: when each epoch's view arrived; see also the engine's)
-                "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}}
+                "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}},
+                           outstanding_work=self.aw.scheduler.outstanding_work())
 
     def abort(self) -> None:
         self.transport.abort_all()
@@ -234,11 +257,11 @@ class AttentionService(Service):
     async def close(self) -> None:
         # The store link goes first: closing the gateways' connections lets their requests go, and
         # the store must keep those checkpoints for the AWs that resume them.
-        if self.aw.ckpt is not None:
+        if self.aw is not None:
             await self.aw.ckpt.close_link()
         if self.listener is not None:
             await self.listener.close()  # and every gateway connection: they resume elsewhere at once
-        if self.aw.refe is not None:
+        if self.aw is not None:
             await self.aw.refe.close()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fabric.messages.client import PromptScores, Submit
+from fabric.messages.client import PromptScores, Submit, TokenOut
 
 
 class Status(enum.Enum):
@@ -36,7 +36,7 @@ class Sequence:
     client: Any = None  # the connection that receives this request's tokens (None: detached)
     submit: Submit | None = None  # as the gateway sent it (an Attach must ask for the same generation)
     detached_until: float | None = None  # no client: kept running for an Attach until then (monotonic)
-    outputs: list[list[Any]] = field(default_factory=list)  # every StepOutput row so far (see Attached)
+    outputs: list[TokenOut] = field(default_factory=list)  # every token sent so far (see Attached)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -53,7 +53,7 @@ class Sequence:
             msg.replay_chunk, client, msg,
         )
         # Tokens made before a resume (on an AW that died): their logprobs stayed with the gateway.
-        seq.outputs = [[msg.request_id, t, None, None, None] for t in msg.output_ids]
+        seq.outputs = [TokenOut(msg.request_id, t, None, None, None) for t in msg.output_ids]
         seq.prompt_logprobs = msg.prompt_logprobs
         return seq
 

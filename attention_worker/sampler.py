@@ -9,6 +9,8 @@ finite logits instead of reaching `torch.multinomial`, which raises on it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fabric.logprobs import finite
@@ -60,18 +62,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def token_logprobs(logits: torch.Tensor, token: int, k: int) -> list[object]:
-    """[logprob of `token`, top-k [[id, logprob], ...]] under the raw distribution, or [None, None]
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float | None, list[list[Any]] | None]:
+    """(logprob of `token`, top-k [[id, logprob], ...]) under the raw distribution, or (None, None)
     when the request asked for none (k < 0). A non-finite value becomes `FLOOR_LOGPROB`
     (fabric/logprobs.py)."""
     if k < 0:
-        return [None, None]
+        return None, None
     logp = torch.log_softmax(logits.float(), dim=-1)
-    top: list[list[float]] | None = None
+    top: list[list[Any]] | None = None
     if k > 0:
         values, ids = torch.topk(logp, min(k, logp.shape[0]))
         top = [[int(i), finite(float(v))] for i, v in zip(ids.tolist(), values.tolist())]
-    return [finite(float(logp[token])), top]
+    return finite(float(logp[token])), top
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:

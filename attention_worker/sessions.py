@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from attention_worker.request import Sequence
-from fabric.messages.client import Attach, Attached, PromptScores, Submit
+from fabric.messages.client import Attach, Attached, PromptScores, Submit, TokenOut
 from fabric.transport.base import Connection
 
 log = logging.getLogger(__name__)
@@ -42,19 +42,22 @@ class Parked:
     @classmethod
     def of(cls, seq: Sequence, until: float) -> Parked:
         assert seq.submit is not None
-        lps = [row[3:] for row in seq.outputs] if seq.logprobs >= 0 else None
-        return cls(seq.submit, [row[1] for row in seq.outputs], seq.outputs[-1][2] if seq.outputs else None, lps,
-                   until, seq.prompt_scores)
+        lps = [[row.logprob, row.top] for row in seq.outputs] if seq.logprobs >= 0 else None
+        return cls(seq.submit, [row.token for row in seq.outputs], seq.outputs[-1].finish if seq.outputs else None,
+                   lps, until, seq.prompt_scores)
 
-    def outputs(self) -> list[list[Any]]:
+    def outputs(self) -> list[TokenOut]:
         rid, last = self.submit.request_id, len(self.tokens) - 1
-        return [[rid, t, self.finish if i == last else None, *(self.logprobs[i] if self.logprobs else (None, None))]
+        return [TokenOut(rid, t, self.finish if i == last else None,
+                         *(self.logprobs[i] if self.logprobs else (None, None)))
                 for i, t in enumerate(self.tokens)]
 
 
 class Sessions:
-    def __init__(self, find: Callable[[str], Sequence | None], remove: Callable[[str, bool], None]) -> None:
+    def __init__(self, find: Callable[[str], Sequence | None], remove: Callable[[str, bool], None],
+                 requests: Callable[[], Iterable[Sequence]]) -> None:
         self.find = find  # a running, waiting or restoring request by id
+        self.requests = requests  # every such request
         self.remove = remove  # aborts a request and frees its KV (True: hands its checkpoints over)
         self.parked: dict[str, Parked] = {}
         self.detaches = 0
@@ -71,12 +74,10 @@ class Sessions:
         else:
             self.remove(seq.request_id, False)
 
-    def connection_lost(self, conn: Connection, request_ids: set[str]) -> None:
-        """A gateway connection closed: its requests go on detached or are aborted."""
-        for rid in request_ids:
-            seq = self.find(rid)
-            if seq is not None and seq.client is conn:
-                self.let_go(seq)
+    def connection_lost(self, conn: Connection) -> None:
+        """A gateway connection closed: the requests it held go on detached or are aborted."""
+        for seq in [s for s in self.requests() if s.client is conn]:
+            self.let_go(seq)
 
     def detach(self, conn: Connection, request_id: str) -> None:
         seq = self.find(request_id)
@@ -129,7 +130,7 @@ class Sessions:
         if seq is not None:
             if (seq.client is not None and not seq.client.closed) or seq.submit is None:
                 return None
-            tokens, found_submit, outputs, prompt = [row[1] for row in seq.outputs], seq.submit, seq.outputs, seq.prompt_scores
+            tokens, found_submit, outputs, prompt = [row.token for row in seq.outputs], seq.submit, seq.outputs, seq.prompt_scores
         elif rid in self.parked:
             parked = self.parked[rid]
             tokens, found_submit, outputs, prompt = parked.tokens, parked.submit, parked.outputs(), parked.prompt

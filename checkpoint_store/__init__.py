@@ -1,1 +1,1 @@
-"""Checkpoint store process: host-memory KV checkpoints of every AW's live requests (Tarragon §6)."""
+"""The checkpoint store process, which holds host-memory KV checkpoints of every AW's live requests (Tarragon §6)."""

@@ -1,16 +1,17 @@
-"""The checkpoint store's memory: per AW a bounded bucket, per request an append log of per-token,
-per-layer KV segments with a commit record per token (Tarragon §6.1, "async log + commit
-record"). A token is committed once every layer of it is in; a request's committed frontier is
-the number of leading tokens 0..n-1 that are all committed, so a gap (a lost or late segment)
-holds the frontier until it is filled. Segments may arrive out of order or twice: a duplicate of
-a (token, layer) already held is ignored (computation is deterministic, so its data is the same).
+"""The checkpoint store's memory.
+
+Per AW there is a bounded bucket. Per request there is an append log of per-token, per-layer KV
+segments, with a commit record per token (Tarragon §6.1, "async log + commit record"). A token is
+committed once every layer of it is in. A request's committed frontier is the number of leading
+tokens 0..n-1 that are all committed. So a gap, a lost or late segment, holds the frontier until it
+is filled. Segments may arrive out of order or twice. A duplicate of a (token, layer) already held
+is ignored. Computation is deterministic, so its data is the same.
 
 Capacity: a request its AW reports finished (the client has its last token) is freed at once
-(`finish`). The requests of a dead AW are *orphaned*: kept until fetched (re-homed to the AW that
-restores them) or until the bucket is dropped, and they are what a full bucket evicts, least
-recently used first. A live request is never evicted: `StoreFullError`
-tells the caller this segment was not stored (that request then falls back to replay if its AW
-dies).
+(`finish`). The requests of a dead AW are *orphaned*. They are kept until fetched, and then re-homed
+to the AW that restores them, or until the bucket is dropped. They are what a full bucket evicts,
+least recently used first. A live request is never evicted. Instead, `StoreFullError` tells the
+caller this segment was not stored. That request then falls back to replay if its AW dies.
 
 Legend: L layers, n tokens, K kv heads, d head dim.
 """
@@ -28,7 +29,7 @@ from fabric.errors import FabricError
 
 
 class StoreFullError(FabricError):
-    """The bucket is full of live requests; this segment is not stored."""
+    """The bucket is full of live requests, so this segment is not stored."""
 
     recoverable = True
 
@@ -52,9 +53,11 @@ class KvLayout:
 
 
 class BlockPool:
-    """KV blocks of BLOCK_TOKENS tokens, k and v [L, B, K, d] each, reused: a finished request's
-    blocks go to the next one, so steady-state checkpointing neither allocates nor copies on growth
-    (fresh memory costs a page fault per 4 KiB on first touch)."""
+    """Reused KV blocks of BLOCK_TOKENS tokens, k and v [L, B, K, d] each.
+
+    A finished request's blocks go to the next one. So steady-state checkpointing neither allocates
+    nor copies on growth. Fresh memory costs a page fault per 4 KiB on first touch.
+    """
 
     BLOCK_TOKENS = 32
 
@@ -73,10 +76,12 @@ class BlockPool:
 
 
 class RequestLog:
-    """One request's segments, stored in blocks of B tokens (k, v [L, B, K, d] each, from a
-    `BlockPool`), with a commit record per token: a bitmask of the layers present (bit l = layer
-    l). A span is a tensor copy per block it touches and a little integer arithmetic, however many
-    layers and tokens it carries."""
+    """One request's segments, stored in blocks of B tokens from a `BlockPool`.
+
+    Each block holds k, v [L, B, K, d]. The commit record per token is a bitmask of the layers
+    present (bit l = layer l). A span costs a tensor copy per block it touches and a little integer
+    arithmetic, however many layers and tokens it carries.
+    """
 
     def __init__(self, layout: KvLayout, pool: BlockPool) -> None:
         self.layout = layout
@@ -85,7 +90,8 @@ class RequestLog:
         self.present: list[int] = []  # per token: bitmask of the layers held
         self.full = (1 << layout.num_layers) - 1  # a committed token's mask
         self.frontier = 0  # committed tokens: 0..frontier-1 all have every layer
-        self.bytes = 0  # bytes of the segments held (the blocks hold up to B-1 tokens more)
+        # Bytes of the segments held. The blocks hold up to B-1 tokens more.
+        self.bytes = 0
         self.duplicates = 0
         self.out_of_order = 0
         self.last_seq = 0
@@ -114,8 +120,10 @@ class RequestLog:
         self.blocks = []
 
     def append_span(self, layer: int, start: int, seq_no: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Layers layer .. layer+m-1 of tokens start .. start+n-1, k, v [m, n, K, d]; returns the
-        bytes added (segments already held are duplicates: ignored and counted)."""
+        """Appends layers layer .. layer+m-1 of tokens start .. start+n-1, k, v [m, n, K, d].
+
+        Returns the bytes added. Segments already held are duplicates, which are ignored and counted.
+        """
         m, n = k.shape[0], k.shape[1]
         if seq_no < self.last_seq:
             self.out_of_order += 1
@@ -162,9 +170,11 @@ class RequestLog:
         return torch.cat([k for _, k, _ in parts], dim=1), torch.cat([v for _, _, v in parts], dim=1)
 
     def chunks(self, upto: int, max_bytes: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Committed tokens [0, upto) as consecutive (start, k, v [L, c, K, d]) of whole blocks,
-        each chunk at most `max_bytes` of k and v together but at least one block. A chunk of one
-        full block is the block itself (no copy); committed tokens are never written again."""
+        """Committed tokens [0, upto) as consecutive (start, k, v [L, c, K, d]) of whole blocks.
+
+        Each chunk holds at most `max_bytes` of k and v together, but at least one block. A chunk of
+        one full block is the block itself, not a copy. Committed tokens are never written again.
+        """
         if upto > self.frontier:
             raise ValueError(f"tokens up to {upto} requested, only {self.frontier} committed")
         size = BlockPool.BLOCK_TOKENS
@@ -229,7 +239,10 @@ class AwBucket:
         return req.frontier if req is not None else 0
 
     def finish(self, request_id: str) -> None:
-        """The request ended normally on its AW (or is evicted): nothing will need it again."""
+        """Frees a request that ended normally on its AW, or is evicted.
+
+        Nothing will need it again.
+        """
         req = self.drop(request_id)
         if req is not None:
             req.release()
@@ -265,14 +278,20 @@ class CheckpointLog:
         return b
 
     def move(self, request_id: str, src: str, dst: str) -> None:
-        """Re-homes a request (its AW died and `dst` restored it): live again."""
+        """Re-homes a request whose AW died to `dst`, which restored it.
+
+        The request is live again.
+        """
         req = self.buckets[src].drop(request_id)
         if req is not None and dst in self.buckets:
             req.orphaned = False
             self.buckets[dst].adopt(request_id, req)
 
     def orphan(self, aw_id: str) -> None:
-        """`aw_id` died: its requests wait to be fetched and may be evicted meanwhile."""
+        """Marks `aw_id` as dead.
+
+        Its requests wait to be fetched and may be evicted meanwhile.
+        """
         bucket = self.buckets.get(aw_id)
         for req in bucket.requests.values() if bucket is not None else ():
             req.orphaned = True

@@ -1,11 +1,14 @@
-"""Checkpoint store process (Tarragon §6, FailSafe §3.2, AnchorTP §III-A): holds the KV cache of
-every AW's live requests in host memory, outside the AWs' failure domains.
+"""Checkpoint store process (Tarragon §6, FailSafe §3.2, AnchorTP §III-A).
 
-Per AW connection: `StoreHello` (who, and its KV layout) -> a bucket sized for it; then a stream
-of `KvAppend` (some layers of one step), `KvPut` (whole requests), `KvDone` (finished: freed) and
-`KvSync` (a barrier). A restoring AW sends `KvFetch(owner, request)`: the store answers with the
-request's committed KV (`KvRestore`) and re-homes the request to the asking AW's bucket, so it
-stays protected there. Buckets of dead AWs are kept for `--orphan-ttl-s`, then dropped.
+It holds the KV cache of every AW's live requests in host memory, outside the AWs' failure domains.
+
+Each AW connection starts with a `StoreHello` (who, and its KV layout), which gets a bucket sized
+for it. Then come `KvAppend` (some layers of one step), `KvPut` (whole requests), `KvDone`
+(finished requests, which are freed) and `KvSync` (a barrier).
+
+A restoring AW sends `KvFetch(owner, request)`. The store answers with the request's committed KV
+(`KvRestore`). It re-homes the request to the asking AW's bucket, so it stays protected there.
+Buckets of dead AWs are kept for `--orphan-ttl-s`, then dropped.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fabric.messages.checkpoint import (
     KvSynced,
     StoreHello,
 )
-from fabric.messages.control import Role, RoutingUpdate
+from fabric.messages.control import Role, RoutingUpdate, Traits, WorkerStats
 from fabric.model.config import ModelConfig
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
@@ -41,8 +44,10 @@ from fabric.transport.base import Connection, Listener, bound_elsewhere
 
 log = logging.getLogger("checkpoint_store")
 
-OWNER_GONE_WAIT_S = 5.0  # a fetch from a bucket whose owner is still connected waits this long for it to go
-RESTORE_CHUNK_BYTES = 4 << 20  # k and v of one KvRestore message, at most (one block at least)
+# How long a fetch from a bucket whose owner is still connected waits for the owner to go.
+OWNER_GONE_WAIT_S = 5.0
+# The most bytes of k and v in one KvRestore message. A message holds at least one block.
+RESTORE_CHUNK_BYTES = 4 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,12 +59,14 @@ class CheckpointStore(Service):
         self.log = CheckpointLog()
         self.model = ModelConfig.from_dir(cfg.model)
         self.owners: dict[str, Connection] = {}  # AW -> its live connection (identity is bound to it)
-        self.owner_gone = asyncio.Condition()  # notified when an owner's connection ends or it is declared dead
+        # Notified when an owner's connection ends or the owner is declared dead.
+        self.owner_gone = asyncio.Condition()
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
         self.listener: Listener | None = None
         self.dead_since: dict[str, float] = {}  # AW -> when the orchestrator declared it dead
-        self.handed_off: set[tuple[str, str]] = set()  # (owner, request) its owner let go of: another AW may take it
+        # (owner, request) pairs the owner let go of. Another AW may take them.
+        self.handed_off: set[tuple[str, str]] = set()
         self.fetches = 0
         self.fetch_hits = 0
         self.restored_tokens = 0
@@ -68,8 +75,8 @@ class CheckpointStore(Service):
 
     # -- the role runtime's side ---------------------------------------------------------------
     async def start(self, runtime: Runtime) -> int:
-        # Copies only: a second intra-op thread buys nothing here and, on a host whose cores the
-        # workers keep busy, makes every small tensor copy wait for a thread to be scheduled.
+        # This process only copies. A second intra-op thread buys nothing here. On a host whose cores
+        # the workers keep busy, it makes every small tensor copy wait for a thread to be scheduled.
         torch.set_num_threads(1)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
         runtime.spawn(self._expire())
@@ -83,7 +90,7 @@ class CheckpointStore(Service):
             runtime.spawn(conn.close())
 
     def registration(self) -> dict[str, Any]:
-        return {"ready": True, "info": {"transport": self.transport.name, "bucket_mib": self.cfg.bucket_mib}}
+        return {"ready": True, "traits": Traits(transport=self.transport.name, bucket_mib=int(self.cfg.bucket_mib))}
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, RoutingUpdate):
@@ -117,8 +124,10 @@ class CheckpointStore(Service):
         if aw not in self.log.buckets and len(self.log.buckets) >= self.cfg.max_aws:
             raise ProtocolError(f"{aw}: this store already keeps {self.cfg.max_aws} attention workers' checkpoints")
         layout = KvLayout(hello.num_layers, hello.num_kv_heads, hello.head_dim, DTYPES[hello.dtype])
-        if aw in self.log.buckets:  # a live AW back after its link dropped: it re-sends its running requests'
-            self.log.drop_aw(aw)  # KV, and those that finished meanwhile would never hear their KvDone here
+        # A live AW is back after its link dropped. It re-sends its running requests' KV, and those
+        # that finished meanwhile would never hear their KvDone here.
+        if aw in self.log.buckets:
+            self.log.drop_aw(aw)
         bucket = self.log.bucket(aw, layout, self.cfg.bucket_mib << 20)
         self.owners[aw] = conn
         log.info("%s checkpoints here (%d layers, %d kv heads x %d, %s)", aw, layout.num_layers,
@@ -132,7 +141,7 @@ class CheckpointStore(Service):
                 self.owner_gone.notify_all()
 
     async def _serve_aw(self, conn: Connection, hello: StoreHello, bucket: AwBucket) -> None:
-        fetches: set[asyncio.Task[None]] = set()  # (a restore's chunks go out beside this AW's appends)
+        fetches: set[asyncio.Task[None]] = set()  # a restore's chunks go out beside this AW's appends
         try:
             await self._read_aw(conn, hello, bucket, fetches)
         finally:
@@ -163,7 +172,8 @@ class CheckpointStore(Service):
                 await self._hand_off(hello.aw_id, bucket, msg.request_ids)
             elif isinstance(msg, KvSync):
                 await conn.send(KvSynced(msg.nonce))
-            elif isinstance(msg, KvFetch):  # (sends are whole messages on every transport: no interleaving)
+            elif isinstance(msg, KvFetch):
+                # Sends are whole messages on every transport, so nothing interleaves.
                 task = asyncio.create_task(self._fetch_quietly(msg, hello.aw_id, bucket, conn))
                 fetches.add(task)
                 task.add_done_callback(fetches.discard)
@@ -178,8 +188,10 @@ class CheckpointStore(Service):
             raise ProtocolError(f"checkpoint KV of shape {tuple(k.shape)} does not fit the layout")
 
     def _check_span(self, start: int, count: int) -> None:
-        """Token positions within the model's context: nothing is allocated for a position no
-        request can reach."""
+        """Checks that token positions are within the model's context.
+
+        Nothing is allocated for a position no request can reach.
+        """
         if not 0 <= start <= start + count <= self.model.max_position:
             raise ProtocolError(f"checkpoint tokens {start}..+{count} are outside the model's context "
                                 f"({self.model.max_position})")
@@ -206,8 +218,11 @@ class CheckpointStore(Service):
             col += count
 
     def _owned_again(self, bucket: AwBucket, request_ids: list[str]) -> None:
-        """Its owner writes to requests it had handed off (one that came back to it): its own again,
-        neither evictable nor free for another AW's fetch."""
+        """Reclaims handed-off requests that their owner writes to again.
+
+        Such a request came back to its owner. It is the owner's own again, neither evictable nor
+        free for another AW's fetch.
+        """
         if not self.handed_off:
             return
         for rid in request_ids:
@@ -217,8 +232,10 @@ class CheckpointStore(Service):
                     req.orphaned = False
 
     async def _hand_off(self, owner: str, bucket: AwBucket, request_ids: list[str]) -> None:
-        """The owner let go of these requests (they resume on another AW): kept, evictable, and
-        free for that AW's fetch, which may be waiting already."""
+        """Handles the owner letting go of these requests, which resume on another AW.
+
+        They are kept, evictable, and free for that AW's fetch, which may be waiting already.
+        """
         for rid in request_ids:
             req = bucket.requests.get(rid)
             if req is not None:
@@ -232,7 +249,8 @@ class CheckpointStore(Service):
             await self._fetch(msg, asker, bucket, conn)
         except PeerDeadError:
             pass  # the asker is gone: its restore with it
-        except Exception:  # (a bug: the connection is closed, so the asker replays instead of waiting)
+        except Exception:
+            # A bug. The connection is closed, so the asker replays instead of waiting.
             log.exception("restoring %s of %s to %s failed", msg.request_id, msg.owner, asker)
             await conn.close()
 
@@ -254,18 +272,21 @@ class CheckpointStore(Service):
         self.log.move(msg.request_id, msg.owner, asker)  # protected on its new AW from now on
         self.fetch_hits += 1
         self.restored_tokens += n
-        # The asker sends nothing for this request until its restore ends, and committed tokens
-        # are never rewritten: the blocks stay as they are while their chunks are on the way.
+        # The asker sends nothing for this request until its restore ends. Committed tokens are never
+        # rewritten. So the blocks stay as they are while their chunks are on the way.
         for start, k, v in req.chunks(n, RESTORE_CHUNK_BYTES):  # k, v [L, c, K, d]
             await conn.send(KvRestore(msg.call_id, n, start, k, v))
             self.restored_bytes += k.numel() * k.element_size() * 2
         log.info("restored %s (%d tokens) from %s's bucket to %s", msg.request_id, n, msg.owner, asker)
 
     async def _owner_gone(self, owner: str, request_id: str) -> bool:
-        """A bucket is served to its owner, or to another AW once the owner is gone (its connection
-        ended: the process died; or the orchestrator declared it dead: a hung one) or has handed
-        the request over. A restore races the owner's death by a few ms, and a silent owner's
-        verdict or hand-off by up to a lease, so a fetch waits for it, bounded."""
+        """Waits, bounded, until the owner is gone or has handed the request over; True if so.
+
+        A bucket is served to its owner, or to another AW once the owner is gone or has handed the
+        request over. The owner is gone once its connection ended (the process died) or the
+        orchestrator declared it dead (a hung one). A restore races the owner's death by a few ms,
+        and a silent owner's verdict or hand-off by up to a lease. So a fetch waits for it, bounded.
+        """
 
         def gone() -> bool:
             conn = self.owners.get(owner)
@@ -289,17 +310,18 @@ class CheckpointStore(Service):
             if now - since > self.cfg.orphan_ttl_s:
                 self.log.drop_aw(aw)
                 del self.dead_since[aw]
-        buckets = self.log.buckets  # (hand-offs of requests evicted or dropped since)
+        # Drop hand-offs of requests evicted or dropped since.
+        buckets = self.log.buckets
         self.handed_off = {(o, r) for o, r in self.handed_off if o in buckets and r in buckets[o].requests}
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self) -> WorkerStats:
+        return WorkerStats({
             "buckets": len(self.log.buckets), "requests": sum(len(b.requests) for b in self.log.buckets.values()),
             "bytes_used": self.log.bytes_used, "fetches": self.fetches, "restores": self.fetch_hits,
             "restored_tokens": self.restored_tokens, "restored_bytes": self.restored_bytes,
             "store_full_errors": self.full_errors,
             "per_aw": {aw: b.stats() for aw, b in self.log.buckets.items()},
-        }
+        })
 
 
 async def serve(cfg: CheckpointStoreConfig, stop: asyncio.Event) -> None:

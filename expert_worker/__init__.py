@@ -1,1 +1,1 @@
-"""The expert worker process: hosts (layer, expert) FFNs and batches tokens across AWs per layer."""
+"""The expert worker process, which hosts (layer, expert) FFNs and batches tokens across AWs per layer."""

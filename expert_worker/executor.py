@@ -1,8 +1,8 @@
-"""Runs a gathered batch: rows grouped by (layer, expert) across calls, each expert once.
+"""Runs a gathered batch, with rows grouped by (layer, expert) across calls and each expert run once.
 
-Experts live on the worker's device (`--device`); calls arrive and results leave in host memory.
-With `--kernel triton`, a layer's hosted experts are stacked ([E', D, 2I], [E', I, D]) and a batch
-runs each layer's experts in one fused launch (fabric/kernels/triton_moe.py).
+Experts live on the worker's device (`--device`). Calls arrive and results leave in host memory.
+With `--kernel triton`, a layer's hosted experts are stacked as [E', D, 2I] and [E', I, D]. A batch
+then runs each layer's experts in one fused launch (fabric/kernels/triton_moe.py).
 
 Legend: R rows of one call, N rows of one expert across calls, D hidden, I intermediate, E' the
 experts of a layer this worker hosts.
@@ -26,7 +26,10 @@ from fabric.model.weight_store import MappedStore
 
 
 class LayerStack:
-    """One layer's hosted experts, stacked for the fused kernel: `order[i]` is the expert at index i."""
+    """One layer's hosted experts, stacked for the fused kernel.
+
+    `order[i]` is the expert at index i.
+    """
 
     def __init__(self, order: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.order = order
@@ -38,7 +41,7 @@ class LayerStack:
 class ExpertExecutor:
     def __init__(self, cfg: ModelConfig, kernel: str = "auto", device: str = "cpu") -> None:
         self.cfg = cfg
-        self.device = torch.device(device)  # (resolved, checked, by the worker: fabric/device.py)
+        self.device = torch.device(device)  # resolved and checked by the worker (fabric/device.py)
         self.triton = choose.triton_module("triton_moe", self.device) if kernel == "triton" else None
         self.stacks: dict[int, LayerStack] = {}  # --kernel triton: layer -> its hosted experts, stacked
         # (layer, expert) -> (gate_up_t, down_t) in their serving layout (fabric/model/expert_weights.py)
@@ -46,12 +49,13 @@ class ExpertExecutor:
         self.tokens_by_expert: dict[tuple[int, int], int] = {}
         self.bytes_read = 0  # from the checkpoint
         self.bytes_mapped = 0  # from the host's weight store
-        # (the skinny GEMM is the CPU's: elsewhere, and with triton, experts keep torch's layout)
+        # The skinny GEMM is the CPU's. Elsewhere, and with triton, experts keep torch's layout.
         self.want_kernel = expert_kernel(cfg, kernel) if self.device.type == "cpu" and kernel != "triton" else "torch"
-        self.gemm: skinny.SkinnyGemm | None = None  # (chosen by the first load, off the event loop: it may build)
+        # Chosen by the first load, off the event loop, since it may build.
+        self.gemm: skinny.SkinnyGemm | None = None
         self.chosen = False
-        # A standby's mappings of every expert in the weight store, made ahead (page tables: the
-        # pages are the store's); the first assignment takes its slot's and drops the rest.
+        # A standby's mappings of every expert in the weight store, made ahead. They are only page
+        # tables; the pages are the store's. The first assignment takes its slot's and drops the rest.
         self.premapped: dict[tuple[int, int], ExpertTensors] = {}
 
     @property
@@ -61,14 +65,20 @@ class ExpertExecutor:
         return "triton" if self.triton is not None else "skinny" if self.gemm is not None else "torch"
 
     def choose_kernel(self) -> str:
-        """Chooses (and if need be builds) the kernel; returns the layout name the store keys on."""
+        """Chooses the kernel, building it if need be.
+
+        Returns the layout name the store keys on.
+        """
         if not self.chosen:
             self.gemm, self.chosen = skinny.gemm_for(self.want_kernel, self.cfg.torch_dtype), True
         return "skinny" if self.gemm is not None else "torch"
 
     def load(self, model_dir: str | Path, units: list[tuple[int, int]], store: MappedStore | None = None) -> None:
-        """Takes these experts from a standby's mappings made ahead, maps them from the weight store,
-        or reads only their tensors from the checkpoint (blocking; call from a thread)."""
+        """Loads these experts.
+
+        It takes them from a standby's mappings made ahead, maps them from the weight store, or reads
+        only their tensors from the checkpoint. It blocks, so call it from a thread.
+        """
         self.choose_kernel()
         ckpt: Checkpoint | None = None
         mapped_before = store.bytes_mapped if store is not None else 0
@@ -93,10 +103,13 @@ class ExpertExecutor:
             self.bytes_read += ckpt.bytes_read
 
     def _place(self, new: dict[tuple[int, int], ExpertTensors]) -> None:
-        """Newly loaded experts onto the device, and, for the fused kernel, the stacks of their
-        layers rebuilt (the experts then views into their stack: one copy on the device). An expert
-        is served once it is in `experts`, so it goes there last (the main loop runs batches while a
-        load is under way in its thread)."""
+        """Puts newly loaded experts onto the device.
+
+        For the fused kernel, it also rebuilds the stacks of their layers. The experts are then views
+        into their stack, so there is one copy on the device. An expert is served once it is in
+        `experts`, so it goes there last. The main loop runs batches while a load is under way in its
+        thread.
+        """
         if self.triton is None:
             self.experts.update({u: (gate_up.to(self.device), down.to(self.device))
                                  for u, (gate_up, down) in new.items()})  # (on the CPU: themselves)
@@ -104,27 +117,34 @@ class ExpertExecutor:
         for layer in sorted({lyr for lyr, _ in new}):
             have = {e: t for (lyr, e), t in [*self.experts.items(), *new.items()] if lyr == layer}
             order = sorted(have)
-            # (those already stacked are views on the device, the new ones still in host memory)
+            # Those already stacked are views on the device. The new ones are still in host memory.
             gate_up = torch.stack([have[e][0].to(self.device) for e in order])
             down = torch.stack([have[e][1].to(self.device) for e in order])
             self.stacks[layer] = LayerStack(order, gate_up, down)
             self.experts.update({(layer, e): (gate_up[i], down[i]) for i, e in enumerate(order)})
 
     def premap(self, store: MappedStore, units: list[tuple[int, int]]) -> None:
-        """A standby's: maps every one of `units` ahead (blocking; call from a thread)."""
+        """For a standby, maps every one of `units` ahead.
+
+        It blocks, so call it from a thread.
+        """
         self.choose_kernel()
         for layer, expert in units:
             gate_up, down = (store.get(n) for n in expert_names(layer, expert))
             self.premapped[(layer, expert)] = (gate_up, down)
 
     def warm_up(self) -> int:
-        """Runs the cold paths before the worker says it is ready (inline, as batches run): every
-        hosted expert once (a standby: two of those it mapped ahead), and one layer at each row
-        count the kernels treat apart: 1, 3 and 16 (Triton specialises an integer argument equal
-        to 1 or divisible by 16), and 80 (past the skinny kernel's 48 rows). Returns the batches run."""
+        """Runs the cold paths before the worker says it is ready; returns the number of batches run.
+
+        They run inline, as batches run. Every hosted expert runs once. A standby uses two of the
+        experts it mapped ahead. One layer also runs at each row count the kernels treat apart:
+        1, 3 and 16, since Triton specialises an integer argument equal to 1 or divisible by 16,
+        and 80, past the skinny kernel's 48 rows.
+        """
         self.choose_kernel()
         scratch = [] if self.experts else sorted(self.premapped)[:2]
-        if scratch:  # (a standby: its kernels and JIT warmed on experts it may never serve)
+        # A standby warms its kernels and JIT on experts it may never serve.
+        if scratch:
             self._place({u: self.premapped[u] for u in scratch})
         counts = dict(self.tokens_by_expert)
         try:
@@ -153,7 +173,8 @@ class ExpertExecutor:
 
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         """One output [R, D] per call, rows in the call's order."""
-        if self.device.type == "cuda":  # (the current device is per thread: set where this runs, whichever)
+        # The current device is per thread, so set it in whichever thread this runs.
+        if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 return self._run(batch)
         return self._run(batch)
@@ -181,7 +202,8 @@ class ExpertExecutor:
             ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
         else:
             ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
-        on_host = not outs or outs[0].device.type == "cpu"  # (the calls came as host memory; over UCX with CUDA, as the GPU's)
+        # Whether the calls came as host memory. Over UCX with CUDA, they come as the GPU's.
+        on_host = not outs or outs[0].device.type == "cpu"
         if on_host:
             ys = [dev.to_host(y) for y in ys]
         for unit, y in zip(units, ys):  # y [N, D]
@@ -189,12 +211,16 @@ class ExpertExecutor:
             for ci, s, n in groups[unit]:
                 outs[ci][s : s + n] = y[offset : offset + n]
                 offset += n
-        if not on_host:  # the results leave as device memory, which the transport reads outside the stream's order
+        # The results leave as device memory, which the transport reads outside the stream's order.
+        if not on_host:
             torch.cuda.current_stream(self.device).synchronize()
         return outs
 
     def _fused(self, units: list[tuple[int, int]], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each layer's rows through one fused launch over its stacked experts; one [N, D] per unit."""
+        """Runs each layer's rows through one fused launch over its stacked experts.
+
+        Returns one [N, D] per unit.
+        """
         assert self.triton is not None
         ys: list[torch.Tensor | None] = [None] * len(units)
         for layer in sorted({lyr for lyr, _ in units}):
@@ -204,7 +230,7 @@ class ExpertExecutor:
             for i, j in mine:
                 counts[i] = xs[j].shape[0]
             y = self.triton.fused_moe(torch.cat([xs[j] for _, j in mine]), counts, stack.gate_up, stack.down)
-            y = y.to(self.cfg.torch_dtype)  # (the kernel accumulates and returns fp32)
+            y = y.to(self.cfg.torch_dtype)  # the kernel accumulates and returns fp32
             start = 0
             for i, j in mine:
                 ys[j] = y[start : start + counts[i]]

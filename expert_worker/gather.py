@@ -1,7 +1,8 @@
-"""Gather policies: when does an EW run the expert calls it has collected?
+"""Gather policies, which decide when an EW runs the expert calls it has collected.
 
-Layer-wise batching (Tarragon §2.1): calls for the same layer from different AWs are run together,
-each expert once per batch. A policy only decides *which pending calls run now*; it never mutates.
+This is layer-wise batching (Tarragon §2.1). Calls for the same layer from different AWs run
+together, each expert once per batch. A policy only decides *which pending calls run now*. It
+never mutates.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ class GatherPolicy(abc.ABC):
     def select(self, pending: list[PendingCall], active_aws: set[str], now: float) -> tuple[list[PendingCall], float | None]:
         """Returns (calls to run now, seconds until the next time-based decision or None).
 
-        `active_aws` are the AWs alive and currently running a batch; a dead or idle AW is never
-        waited for."""
+        `active_aws` are the AWs alive and currently running a batch. A dead or idle AW is never
+        waited for.
+        """
 
 
 class SyncPolicy(GatherPolicy):
-    """Runs once every active AW has delivered a call (each AW has at most one outstanding call
-    per EW, so all active AWs are then blocked here); `max_wait` bounds the wait for stragglers."""
+    """Runs once every active AW has delivered a call.
+
+    Each AW has at most one outstanding call per EW, so all active AWs are then blocked here.
+    `max_wait` bounds the wait for stragglers.
+    """
 
     def __init__(self, max_wait: float) -> None:
         self.max_wait = max_wait

@@ -1,10 +1,12 @@
 """Expert worker process.
 
 Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
-over the rows of all calls in the batch -> send each AW its results. Connection handlers only
-validate and enqueue. The AWs' control channels (their probes, whether they have a batch running)
-and the orchestrator link are served on the control plane's loop (fabric/runtime.py), which never
-waits for a batch, however long it takes. The data path does not need the orchestrator.
+over the rows of all calls in the batch -> send each AW its results.
+
+Connection handlers only validate and enqueue. The AWs' control channels carry their probes and
+whether they have a batch running. They and the orchestrator link are served on the control
+plane's loop (fabric/runtime.py). That loop never waits for a batch, however long it takes. The
+data path does not need the orchestrator.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from fabric import device, faults
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
-from fabric.messages.control import AssignExperts, ClusterView, Role, RoutingUpdate, WorkerReady
+from fabric.messages.control import (
+    AssignExperts,
+    ClusterView,
+    Life,
+    Role,
+    RoutingUpdate,
+    Traits,
+    WorkerReady,
+    WorkerStats,
+)
 from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
 from fabric.messages.liveness import AwActivity, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
@@ -60,9 +71,12 @@ class ExpertWorker(Service):
         self.wakeup = asyncio.Event()
         self.batches = 0
         self.compute_s = 0.0  # cumulative time running experts (for stats)
-        self.epoch = 0  # newest routing-table epoch seen (from the orchestrator or on a call)
-        self.stale_calls = 0  # calls tagged with an older epoch: still served (we host the expert)
-        self.fenced: set[str] = set()  # AWs the orchestrator declared dead: never waited for, never served
+        # Newest routing-table epoch seen, from the orchestrator or on a call.
+        self.epoch = 0
+        # Calls tagged with an older epoch. They are still served, as we host the expert.
+        self.stale_calls = 0
+        # AWs the orchestrator declared dead. They are never waited for and never served.
+        self.fenced: set[str] = set()
         self.conns: dict[str, dict[str, Connection]] = {}  # AW -> channel ("control", "data") -> its connection
         self.slow = faults.slow_steps()  # the test-only fault hook: slow batches
         self.clock = StepClock()
@@ -70,7 +84,10 @@ class ExpertWorker(Service):
 
     # -- connection handlers ------------------------------------------------------------------
     async def handle_conn(self, conn: Connection) -> None:
-        """An AW's data channel (its control channel is on this worker's control port)."""
+        """Serves an AW's data channel.
+
+        Its control channel is on this worker's control port.
+        """
         hello = await conn.recv()
         if not isinstance(hello, Hello) or hello.channel != "data":
             raise ProtocolError(f"expected a data hello, got {hello.kind}")
@@ -78,12 +95,13 @@ class ExpertWorker(Service):
             raise ProtocolError(f"{hello.aw_id} was declared dead")
         channels = self.conns.setdefault(hello.aw_id, {})
         if await bound_elsewhere(channels.get(hello.channel), Pong(-1)):
-            # Identity is bound to the first connection: a second peer that claims this AW's
-            # channel while the first is up is an impostor (a reconnecting AW closed the old one).
+            # Identity is bound to the first connection. A second peer that claims this AW's channel
+            # while the first is up is an impostor. A reconnecting AW closed the old one.
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
         if hello.channel == "data":
-            conn.land_frames_on(self.executor.device)  # (calls and results as the GPU's memory where UCX can)
+            # Calls and results land as the GPU's memory where UCX can.
+            conn.land_frames_on(self.executor.device)
         try:
             await self._data_loop(hello.aw_id, conn)
         finally:
@@ -97,7 +115,10 @@ class ExpertWorker(Service):
                 self.wakeup.set()
 
     def control_message(self, peer: str, msg: Message | None) -> None:
-        """(control loop) An AW's control channel: its hello, whether it has a batch running, its end."""
+        """Handles an AW's control channel, on the control loop.
+
+        It carries the AW's hello, whether it has a batch running, and its end.
+        """
         if isinstance(msg, Hello):
             if peer in self.fenced:
                 raise ProtocolError(f"{peer} was declared dead")
@@ -119,7 +140,8 @@ class ExpertWorker(Service):
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
-        if self.cfg.standby:  # warm: the kernel loaded now and every expert of the store mapped ahead
+        # A standby is warm: the kernel is loaded now and every expert of the store mapped ahead.
+        if self.cfg.standby:
             await run_niced_async(self._premap, self.cfg.boot_nice)
             await self._warm_up()
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
@@ -128,10 +150,11 @@ class ExpertWorker(Service):
         return self.listener.port
 
     def registration(self) -> dict[str, Any]:
-        # (called on the control loop: list(...) snapshots at once, while a load may be adding entries)
+        # Called on the control loop. list(...) snapshots at once, while a load may be adding entries.
         return {"slot": self.slot, "experts": [list(u) for u in sorted(list(self.executor.experts))], "ready": self.loaded,
-                "info": {"transport": self.transport.name, "gather": self.cfg.gather,
-                         "standby": self.cfg.standby and not self.slot}}
+                "life": Life(standby=self.cfg.standby and not self.slot),
+                "traits": Traits(transport=self.transport.name, gather=self.cfg.gather,
+                                 warmup_ms=round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else 0.0)}
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, AssignExperts):
@@ -156,12 +179,16 @@ class ExpertWorker(Service):
         try:
             await self.runtime.send(WorkerReady(self.epoch, msg.op))
         except PeerDeadError:
-            pass  # the next orchestrator learns it from the registration (ready, slot, experts)
+            # The next orchestrator learns it from the registration (ready, slot, experts).
+            pass
         self.runtime.ready()
 
     async def _warm_up(self) -> None:
-        """Runs the cold paths (the kernels' build, JIT, first launches) once, in the compute
-        thread, before the worker first says it is ready: the first real batch is then warm."""
+        """Runs the cold paths once, in the compute thread, before the worker first says it is ready.
+
+        The cold paths are the kernels' build, JIT and first launches. The first real batch is then
+        warm.
+        """
         if self.warmup_s is not None:
             return
         t0 = time.perf_counter()
@@ -174,8 +201,11 @@ class ExpertWorker(Service):
         return self.clock.running_for()
 
     def load(self, peer: str) -> tuple[float, int]:
-        """(control loop) How long the batch under way has run, and how many of AW `peer`'s calls are
-        queued or in it: that AW waits for them, however long the batch takes (attention_worker/ew_link.py)."""
+        """How long the batch under way has run, and how many of AW `peer`'s calls are queued or in it.
+
+        Called on the control loop. That AW waits for those calls, however long the batch takes
+        (attention_worker/ew_link.py).
+        """
         held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])  # (lists copied under the GIL)
         return self.busy_for(), held
 
@@ -194,12 +224,16 @@ class ExpertWorker(Service):
         if self.cfg.compute == "sim":
             return None
         assert isinstance(self.executor, ExpertExecutor)
-        self.executor.choose_kernel()  # (the layout the store must have: the kernel's, on this device)
+        # The store must have the kernel's layout, on this device.
+        self.executor.choose_kernel()
         return open_store(self.cfg.weight_store, self.cfg.model, self.model.torch_dtype, self.executor.gemm,
                           self.cfg.weight_store_wait_s)
 
     def _load(self, units: list[tuple[int, int]]) -> None:
-        """From the host's weight store where it has them, else from the checkpoint (in a thread)."""
+        """Loads experts from the host's weight store where it has them, else from the checkpoint.
+
+        Runs in a thread.
+        """
         store = self._store() if any(u not in self.executor.premapped for u in units) else None
         try:
             self.executor.load(self.cfg.model, units, store)
@@ -207,13 +241,15 @@ class ExpertWorker(Service):
             if store is not None:
                 store.close()
 
-    def stats(self) -> dict[str, Any]:
-        tokens = {f"{lyr}:{e}": n for (lyr, e), n in dict(self.executor.tokens_by_expert).items()}
-        return {"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
-                "stale_calls": self.stale_calls, "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
-                "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
-                "tokens_by_expert": tokens, "kernel": self.executor.kernel,
-                "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None}
+    def stats(self) -> WorkerStats:
+        rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
+        return WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
+                            "stale_calls": self.stale_calls,
+                            "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
+                            "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
+                            "kernel": self.executor.kernel,
+                            "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None},
+                           tokens_by_expert=rows)
 
     def abort(self) -> None:
         self.transport.abort_all()
@@ -223,9 +259,11 @@ class ExpertWorker(Service):
             await self.listener.close()
 
     async def routing_update(self, view: ClusterView) -> None:
-        """From the orchestrator: the newest epoch, and the workers it declared dead. An EW never
-        waits for a dead AW (Tarragon §5.2): it leaves the gather set at once, its pending calls
-        are dropped and its connections closed (a hung AW that wakes up is not served)."""
+        """Applies the orchestrator's newest epoch and the workers it declared dead.
+
+        An EW never waits for a dead AW (Tarragon §5.2). The AW leaves the gather set at once, its
+        pending calls are dropped and its connections closed. So a hung AW that wakes up is not served.
+        """
         self.epoch = max(self.epoch, view.table.epoch if view.table else 0)
         newly = [w for w in view.dead if w not in self.fenced]  # (only AWs ever connect here)
         for aw_id in newly:
@@ -244,7 +282,8 @@ class ExpertWorker(Service):
     async def _data_loop(self, aw_id: str, conn: Connection) -> None:
         while True:
             msg = await conn.recv()
-            if isinstance(msg, Ping):  # an AW checking that this data path works again (a relink)
+            if isinstance(msg, Ping):
+                # An AW checking that this data path works again (a relink).
                 conn.send_nowait(Pong(msg.nonce))
                 continue
             if not isinstance(msg, ExpertCall):
@@ -274,13 +313,14 @@ class ExpertWorker(Service):
     async def main_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             replays = [p for p in self.pending if p.call.replay]
-            if replays:  # replayed work from a dead EW's AWs goes first, whatever the policy says
+            # Replayed work from a dead EW's AWs goes first, whatever the policy says.
+            if replays:
                 batch, wait = replays, None
             else:
                 batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
             if not batch:
                 self.wakeup.clear()
-                # (a timer, not wait_for: that wraps the wait in a task of its own, every layer)
+                # A timer, not wait_for, which would wrap the wait in a task of its own every layer.
                 timer = asyncio.get_running_loop().call_later(wait if wait is not None else 1.0, self.wakeup.set)
                 try:
                     await self.wakeup.wait()
@@ -299,14 +339,18 @@ class ExpertWorker(Service):
             self.batches += 1
             for p, y in zip(batch, outputs):
                 if not p.rows:
-                    continue  # an AW's empty call (so that the gather does not wait for it): nobody waits for an answer
+                    # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
+                    continue
                 try:
                     p.conn.send_nowait(ExpertResult(p.call.call_id, y))  # never wait on one slow AW
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
-        """One batch (on this loop: the control plane answers for the worker meanwhile)."""
+        """Runs one batch on this loop.
+
+        The control plane answers for the worker meanwhile.
+        """
         if self.slow is not None:
             self.slow()
         return self.executor.run(batch)

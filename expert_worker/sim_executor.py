@@ -1,8 +1,10 @@
-"""`--compute sim` for an expert worker: everything as in production but the expert math, which a
-cost model replaces: a batch of one layer takes `expert_ms` (plus `expert_row_us` per row), and a
-row's output is its input scaled by a factor of its (layer, expert), so outputs are deterministic,
-depend on which expert ran them, and weigh what real ones weigh on the wire (hidden size, dtype).
-No weights are read or mapped."""
+"""`--compute sim` for an expert worker, as in production except for the expert math.
+
+A cost model replaces the expert math. A batch of one layer takes `expert_ms`, plus `expert_row_us`
+per row. A row's output is its input scaled by a factor of its (layer, expert). So outputs are
+deterministic and depend on which expert ran them. They weigh what real ones weigh on the wire
+(hidden size, dtype). No weights are read or mapped.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from fabric.model.weight_store import MappedStore
 
 
 def sim_factor(layer: int, expert: int) -> float:
-    """What sim expert (layer, expert) multiplies a row by (small: the residual stream stays bounded)."""
+    """The factor by which sim expert (layer, expert) multiplies a row.
+
+    It is small, so the residual stream stays bounded.
+    """
     return 0.01 * (1 + (layer * 31 + expert * 7) % 13)
 
 
@@ -45,7 +50,7 @@ class SimExecutor(ExpertExecutor):
         pass
 
     def warm_up(self) -> int:
-        return 0  # (nothing cold: no kernels, no weights)
+        return 0  # nothing cold: no kernels, no weights
 
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         outs = []
@@ -61,6 +66,7 @@ class SimExecutor(ExpertExecutor):
             rows += start
             outs.append(out)
         cost = self.expert_s + rows * self.row_s
-        if cost > 0:  # (a sleep of 0 still costs ~90 us on the 2-core VM: none at all for a zero-cost model)
-            time.sleep(cost)  # the cost model (it blocks, as compute does)
+        # A sleep of 0 still costs ~90 us on the 2-core VM, so a zero-cost model does not sleep at all.
+        if cost > 0:
+            time.sleep(cost)  # the cost model; it blocks, as compute does
         return outs

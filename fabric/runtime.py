@@ -53,6 +53,7 @@ from fabric.messages.control import (
     Register,
     Role,
     RoutingUpdate,
+    Traits,
     ViewDelta,
     ViewRequest,
     WorkerStats,
@@ -99,8 +100,8 @@ class Service(abc.ABC):
     async def handle(self, msg: Message) -> None:
         """One control message from the orchestrator (RoutingUpdate, AssignExperts, PeerAlive)."""
 
-    def stats(self) -> dict[str, Any] | None:
-        """A small load report for /cluster, or None for none."""
+    def stats(self) -> WorkerStats | None:
+        """This worker's load: the figures decisions read, and a report for /cluster (None: none)."""
         return None
 
     def control_message(self, peer: str, msg: Message | None) -> None:
@@ -167,7 +168,7 @@ class Runtime:
         """(control loop) `service.registration()` reads the data plane's state from this thread:
         a snapshot, taken under the GIL."""
         fields = self.service.registration()
-        fields["info"] = {**fields.get("info", {}), "node": node_name()}
+        fields.setdefault("traits", Traits()).node = node_name()
         cfg = self.cfg
         return Register(self.service.role, os.getpid(), cfg.host, cfg.advertise_port or self.port, self.link.worker_id,
                         self.link.generation, self.view,
@@ -259,7 +260,7 @@ class Runtime:
     async def _report(self) -> None:
         """Stats every second while they change, else every `STATS_REFRESH` (an idle cluster of
         hundreds of workers stays quiet); after every registration at once."""
-        last: dict[str, Any] | None = None
+        last: WorkerStats | None = None
         last_at = 0.0
         registrations = 0
         while True:
@@ -275,7 +276,7 @@ class Runtime:
             if stats == last and now - last_at < STATS_REFRESH and registrations == self.link.registrations:
                 continue
             last, last_at, registrations = stats, now, self.link.registrations
-            await self._send_quietly(WorkerStats(stats))
+            await self._send_quietly(stats)
 
     async def _watch_link(self, link_task: asyncio.Future[None]) -> None:
         await asyncio.wait([link_task])

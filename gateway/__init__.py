@@ -1,1 +1,1 @@
-"""The gateway process: the OpenAI-compatible HTTP front door; spreads requests over AWs."""
+"""The gateway process, an OpenAI-compatible HTTP front door that spreads requests over AWs."""

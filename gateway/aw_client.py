@@ -1,7 +1,10 @@
-"""One AW as a gateway sees it (`AwClient`): its connection, the requests in flight there and the
-queues their tokens go to, its reported load, and whether it is hung (no answer to probes for
-longer than its messages usually take). Probes go to the AW's control port (a second connection),
-answered by its control plane, so a step that takes seconds is not silence."""
+"""One AW as a gateway sees it (`AwClient`).
+
+It holds the AW's connection, the requests in flight there and the queues their tokens go to, and
+its reported load. It also tells whether the AW is hung, that is, gives no answer to probes for
+longer than its messages usually take. Probes go to the AW's control port, a second connection
+answered by its control plane. So a step that takes seconds is not silence.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +14,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fabric.errors import PeerDeadError, ProtocolError, connection_ended
-from fabric.messages.client import Attached, PromptLogprobs, PromptScores, RequestFailed, StepOutput, Submit
+from fabric.messages.client import Attached, PromptLogprobs, PromptScores, RequestFailed, StepOutput, Submit, TokenOut
 from fabric.messages.liveness import Ping, Pong
 from fabric.transport.base import Connection
 
-MIN_SILENCE = 0.5  # seconds: the least silence that can declare an AW hung (a 300 ms GC pause is not)
-MAX_SILENCE = 4.0  # ...raised, up to this, for an AW the orchestrator vouched for after that (`AwPool.vouched`)
-REPORT_TTL = 1.0  # seconds an AW's load report counts once this gateway has nothing there
+# The least silence, in seconds, that can declare an AW hung. A 300 ms GC pause cannot.
+MIN_SILENCE = 0.5
+# The least silence is raised, up to this, for an AW the orchestrator vouched for after such a
+# verdict (`AwPool.vouched`).
+MAX_SILENCE = 4.0
+# Seconds an AW's load report counts once this gateway has nothing there.
+REPORT_TTL = 1.0
 
 
 @dataclass
 class Event:
-    """One item of a request's stream: a token (with finish reason when it is the last) or an error."""
+    """One item of a request's stream, a token or an error.
+
+    The last token carries the finish reason.
+    """
 
     token: int | None = None
     finish_reason: str | None = None
@@ -30,14 +40,15 @@ class Event:
     top: list[list[float]] | None = None
     error: str | None = None
     status: int = 0
-    retryable: bool = False  # the AW was lost: the request can resume on another AW
-    death: bool = False  # ...because its connection ended (a process that exited), not a verdict of silence
+    # The AW was lost, so the request can resume on another AW.
+    retryable: bool = False
+    # The AW was lost because its connection ended (a process that exited), not by a verdict of silence.
+    death: bool = False
     prompt: PromptScores | None = None  # with the first token, if the request scores its prompt
 
 
-def token_event(row: list[object]) -> Event:
-    _, token, finish, logprob, top = row
-    return Event(token=token, finish_reason=finish, logprob=logprob, top=top)  # type: ignore[arg-type]
+def token_event(row: TokenOut) -> Event:
+    return Event(token=row.token, finish_reason=row.finish, logprob=row.logprob, top=row.top)
 
 
 @dataclass
@@ -59,13 +70,17 @@ class AwClient:
         self.prober: asyncio.Task[None] | None = None
         self.probes = 0  # pings sent since it was last heard
         self.last_heard = time.monotonic()
-        self.gap = 0.0  # smoothed time between messages while requests are in flight (EWMA)
+        # Smoothed time between messages while requests are in flight (EWMA).
+        self.gap = 0.0
         self.dead_reason: str | None = None
-        self.suspect: str | None = None  # the suspect request in flight here, until it produces a token
-        self.reported_load = 0  # the AW's outstanding work at its last step output (all gateways')
+        # The suspect request in flight here, until it produces a token.
+        self.suspect: str | None = None
+        # The AW's outstanding work, of all gateways, at its last step output.
+        self.reported_load = 0
         self.reported_at = 0.0
         self.submitted_since = 0  # work this gateway submitted since that report
-        self.min_silence = MIN_SILENCE  # the least silence that finds it hung (`AwPool.vouched` raises it)
+        # The least silence that finds it hung. `AwPool.vouched` raises it.
+        self.min_silence = MIN_SILENCE
 
     def _heard(self) -> None:
         now = time.monotonic()
@@ -75,17 +90,22 @@ class AwClient:
         self.last_heard = now
 
     def check(self, now: float, interval: float, misses: int, nonce: int) -> str | None:
-        """One look at an AW with requests in flight (the pool's watcher calls it every tick): why
-        it is hung, or None after pinging it if it has been silent too long. A hung AW (SIGSTOP)
-        keeps its connection open: while requests are in flight and the link has been silent for
-        `interval` and the usual gap between its messages, ping; after `misses` unanswered probes
-        and a silence over 5x the usual gap between its messages and over `min_silence` (a busy AW
-        answers between layers, but its first step warms torch up, and on a loaded host it may not
-        be scheduled for a while), the AW is declared dead and its requests resume elsewhere. A
-        false verdict costs a re-prefill of its requests, not tokens (a resume that lands on the
-        slow AW again takes over its own run there), and raises this AW's `min_silence`."""
+        """One look at an AW with requests in flight; the pool's watcher calls it every tick.
+
+        Returns why the AW is hung, or None. Before returning None, it pings the AW if it has been
+        silent too long.
+
+        A hung AW (SIGSTOP) keeps its connection open. So it is pinged while requests are in flight
+        and the link has been silent for `interval` and for the usual gap between its messages. It is
+        declared dead, and its requests resume elsewhere, after `misses` unanswered probes and a
+        silence over 5x that usual gap and over `min_silence`. A busy AW answers between layers. But
+        its first step warms torch up, and on a loaded host it may not be scheduled for a while.
+
+        A false verdict costs a re-prefill of its requests, not tokens. A resume that lands on the
+        slow AW again takes over its own run there. The verdict also raises this AW's `min_silence`.
+        """
         silent = now - self.last_heard
-        # An AW is silent for a whole step between its outputs: no probe before that is due.
+        # An AW is silent for a whole step between its outputs. No probe is due before that.
         if silent < max(interval, self.gap):
             self.probes = 0
             return None
@@ -107,16 +127,22 @@ class AwClient:
 
     @property
     def outstanding_work(self) -> int:
-        """This AW's outstanding work as far as this gateway knows: its own requests', or the
-        AW's last report plus what this gateway sent since, whichever is more."""
+        """This AW's outstanding work as far as this gateway knows.
+
+        It is the larger of two: the work of this gateway's own requests, or the AW's last report
+        plus what this gateway sent since.
+        """
         own = sum(p.work for p in self.requests.values())
         if not self.requests and time.monotonic() - self.reported_at > REPORT_TTL:
             return own  # nothing of ours there for a while: that report is stale
         return max(own, self.reported_load + self.submitted_since)
 
     async def probe_loop(self) -> None:
-        """The control port's answers (its end is not news: the data connection's is; probes then
-        go on the data connection, which the AW answers too)."""
+        """Reads the control port's answers.
+
+        The control port's end is not news, unlike the data connection's. Once it ends, probes go on
+        the data connection, which the AW answers too.
+        """
         try:
             while True:
                 if isinstance(await self.probe.recv(), Pong):
@@ -138,9 +164,9 @@ class AwClient:
                 if isinstance(msg, StepOutput):
                     self.reported_load, self.submitted_since, self.reported_at = msg.load, 0, time.monotonic()
                     for row in msg.outputs:
-                        p = self.requests.get(row[0])
+                        p = self.requests.get(row.request_id)
                         if p is not None:
-                            self._deliver(row[0], p, row)
+                            self._deliver(row.request_id, p, row)
                 elif isinstance(msg, PromptLogprobs):
                     p = self.requests.get(msg.request_id)
                     if p is not None:
@@ -153,10 +179,10 @@ class AwClient:
                         p.queue.put_nowait(Event(error=msg.message, status=msg.status, retryable=msg.retryable))
         except (PeerDeadError, ProtocolError) as exc:
             reason = f"attention worker {self.worker_id} lost: {self.dead_reason or exc}"
-            # Its connection ended: an exit (the query-of-death rule counts it). Not a verdict of
-            # this gateway's (a hung AW: its silence), nor a peer that stopped taking data.
+            # `death`: its connection ended, meaning the process exited. The query-of-death rule counts it.
+            # It is not this gateway's verdict on a hung AW's silence, nor a peer that stopped taking data.
             death = self.dead_reason is None and connection_ended(exc)
-            if self.dead_reason is None:  # (a hung one was reported by the pool's watcher)
+            if self.dead_reason is None:  # a hung one was reported by the pool's watcher
                 on_lost(self, str(exc), death)
         finally:
             for p in self.requests.values():
@@ -165,9 +191,9 @@ class AwClient:
                 p.queue.put_nowait(Event(error=reason, status=503, retryable=True, death=death))
             self.requests.clear()
 
-    def _deliver(self, rid: str, p: Pending, row: list[object]) -> None:
+    def _deliver(self, rid: str, p: Pending, row: TokenOut) -> None:
         p.work = max(0, p.work - 1)
-        if row[2] is not None:  # finished
+        if row.finish is not None:
             del self.requests[rid]
         ev = token_event(row)
         ev.prompt, p.prompt = p.prompt, None

@@ -1,19 +1,19 @@
 """The gateway's connections to AWs and the choice of AW for each request.
 
-Each new request goes to the AW with the least outstanding work (prompt tokens still to prefill
-plus tokens still to decode, FailSafe §3.1). Several gateways share the AWs, so no gateway's own
-count is the AW's: each AW reports its whole outstanding work with every step output, and a
-gateway adds what it submitted since that report.
+Each new request goes to the AW with the least outstanding work. That is prompt tokens still to
+prefill plus tokens still to decode (FailSafe §3.1). Several gateways share the AWs, so no gateway's
+own count is the AW's. Each AW reports its whole outstanding work with every step output. A gateway
+adds what it submitted since that report.
 
 Suspects (see gateway/generation.py): a request whose AW died before it produced a token may be
-what killed it. At most one suspect per AW is in flight from this gateway until it produces a
-token, so that if the AW dies again, the suspect that was on it is the one that gets the blame.
+what killed it. At most one suspect per AW is in flight from this gateway, until it produces a
+token. So if the AW dies again, the suspect that was on it is the one that gets the blame.
 
-Reachability is this gateway's own: an AW it finds hung (silent past its floor) or whose
-connection ends is routed around (its requests resume elsewhere; a hung one is told so, with
-`Abort(moved)`, for when it wakes) and tried again in the background (`_relink`: connect, a ping
-answered) with a pause that doubles from 50 ms to 1 s. Only the orchestrator's verdict (the view's
-dead) retires an AW for good.
+Reachability is this gateway's own. An AW it finds hung (silent past its floor), or whose
+connection ends, is routed around, and its requests resume elsewhere. A hung one is told so with
+`Abort(moved)`, for when it wakes. The AW is tried again in the background (`_relink`: connect,
+then a ping answered), with a pause that doubles from 50 ms to 1 s. Only the orchestrator's
+verdict (the view's dead) retires an AW for good.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class AwPool:
         if routing not in ("least-work", "round-robin"):
             raise ValueError(f"unknown routing policy {routing!r}")
         self.transport = transport
-        self.control_transport = control_transport  # to AWs' control ports (None: probes on the data connection)
+        # To AWs' control ports. None means probes go on the data connection.
+        self.control_transport = control_transport
         self.my_id = my_id  # this gateway's worker id (its control channels say it)
         self.routing = routing
         self.probe_interval = probe_interval  # 0: no probes
@@ -56,13 +57,16 @@ class AwPool:
         self.clients: dict[str, AwClient] = {}
         self.dead: set[str] = set()  # AWs the orchestrator declared dead: never used again
         self.known: dict[str, WorkerInfo] = {}  # the serving AWs of the newest view
-        self.unreachable: dict[str, str] = {}  # AWs this gateway lost -> why; tried again in the background
-        self.hung: set[str] = set()  # those of them it found hung (silent), until they answer again
+        # AWs this gateway lost -> why. They are tried again in the background.
+        self.unreachable: dict[str, str] = {}
+        # Those of them it found hung (silent), until they answer again.
+        self.hung: set[str] = set()
         self.relinks = 0
         self.min_silence: dict[str, float] = {}  # AW -> its silence floor, where false verdicts raised it
-        # How a dead AW's requests resume elsewhere: "restore" (from the checkpoint store, replay
-        # if it has nothing), "parallel" (replay: re-prefill prompt + emitted tokens) or
-        # "sequential" (replay, one emitted token per step; a baseline).
+        # How a dead AW's requests resume elsewhere:
+        # - "restore": from the checkpoint store, or by replay if it has nothing.
+        # - "parallel": replay, re-prefilling prompt + emitted tokens.
+        # - "sequential": replay, one emitted token per step. A baseline.
         self.resume = "restore"
         self.changed = asyncio.Event()  # set whenever an AW joins or a suspect slot frees up
         self._turn = 0
@@ -77,17 +81,22 @@ class AwPool:
         task.add_done_callback(self._tasks.discard)
 
     def _lost(self, client: AwClient, reason: str, closed: bool) -> None:
-        """Its connection closed or broke: the orchestrator, whose verdict is authoritative, hears
-        it; this gateway tries to reach it again (a live AW whose connection dropped comes back)."""
+        """Handles an AW whose connection closed or broke.
+
+        The orchestrator, whose verdict is authoritative, hears of it. This gateway tries to reach
+        the AW again, as a live AW whose connection dropped comes back.
+        """
         self._spawn(client.close())  # (its control connection too)
         if client.worker_id in self.dead or self.clients.get(client.worker_id) is not client:
             return
         self._unreachable(client.worker_id, reason, closed)
 
     def _hung(self, client: AwClient, reason: str) -> None:
-        """Silent past its floor: a suspicion. Its requests resume elsewhere (the read loop's end
-        tells them), and the AW hears that they moved, for when it wakes: it hands their
-        checkpoints over instead of running them on."""
+        """Handles an AW silent past its floor, which is a suspicion.
+
+        Its requests resume elsewhere; the read loop's end tells them. The AW hears that they moved,
+        for when it wakes. It then hands their checkpoints over instead of running them on.
+        """
         client.dead_reason = reason
         log.warning("%s is hung: %s; its requests resume elsewhere", client.worker_id, reason)
         for rid in list(client.requests):
@@ -134,10 +143,13 @@ class AwPool:
             self.hung.discard(worker_id)
 
     def vouched(self, worker_id: str) -> None:
-        """The orchestrator says `worker_id` answers: if this gateway found it hung, it was only
-        slow (a long pause, a loaded host). It is tried again now, and found hung from now on only
-        after twice the silence that was too little (up to MAX_SILENCE), so a slow AW is not given
-        up on over and over, each time resuming its requests elsewhere."""
+        """Handles the orchestrator saying that `worker_id` answers.
+
+        If this gateway found it hung, it was only slow (a long pause, a loaded host). It is tried
+        again now. From now on it is found hung only after twice the silence that was too little, up
+        to MAX_SILENCE. So a slow AW is not given up on over and over, each time resuming its
+        requests elsewhere.
+        """
         if worker_id in self.hung:
             self.hung.discard(worker_id)
             floor = min(MAX_SILENCE, 2 * self.min_silence.get(worker_id, MIN_SILENCE))
@@ -150,7 +162,10 @@ class AwPool:
             ev.set()
 
     def _track(self, client: AwClient, request_id: str, pending: Pending) -> None:
-        """A request in flight on `client`: its silence counts from now if it was idle."""
+        """Records a request in flight on `client`.
+
+        If the client was idle, its silence counts from now.
+        """
         if not client.requests:
             client.last_heard = time.monotonic()  # an idle link is not a silent one: count from now
             client.probes = 0
@@ -158,13 +173,16 @@ class AwPool:
         client.requests[request_id] = pending
 
     async def _watch(self) -> None:
-        """The one liveness watcher of every AW this gateway talks to: it ticks only while some AW
-        has requests in flight, and looks only at those (`AwClient.check`); an idle gateway of
-        hundreds of AWs costs nothing."""
+        """The one liveness watcher of every AW this gateway talks to.
+
+        It ticks only while some AW has requests in flight, and looks only at those
+        (`AwClient.check`). So an idle gateway of hundreds of AWs costs nothing.
+        """
         nonce = itertools.count(1)
         ticks = Ticks(self.probe_interval)
 
-        def credit(client: AwClient, late: float) -> None:  # (this gateway's own stall, not the AW's silence)
+        # Credits this gateway's own stall, which is not the AW's silence.
+        def credit(client: AwClient, late: float) -> None:
             client.last_heard += late
 
         while True:
@@ -179,7 +197,8 @@ class AwPool:
                     reason = client.check(now, self.probe_interval, self.probe_misses, next(nonce))
                     if reason is not None:
                         self._hung(client, reason)
-                except Exception:  # one AW's trouble must not stop the watching of the others
+                except Exception:
+                    # One AW's trouble must not stop the watching of the others.
                     log.exception("checking %s failed", client.worker_id)
 
     @property
@@ -191,9 +210,11 @@ class AwPool:
         self.changed = asyncio.Event()
 
     async def update(self, aws: list[WorkerInfo], dead: list[str]) -> None:
-        """Connects to AWs new in the view (side by side) and drops those declared dead; an AW the
-        view lists as unreachable (its orchestrator link is down) stays in use, and one this gateway
-        lost is left to its relink."""
+        """Connects to AWs new in the view, side by side, and drops those declared dead.
+
+        An AW the view lists as unreachable (its orchestrator link is down) stays in use. One this
+        gateway lost is left to its relink.
+        """
         self.dead.update(dead)
         alive = {w.id: w for w in aws if w.serving and w.id not in self.dead}
         self.known = alive
@@ -210,8 +231,11 @@ class AwPool:
 
     async def _open(self, w: WorkerInfo, check: bool = False,
                     timeout: float = 5.0) -> tuple[Connection, Connection | None]:
-        """A data connection to `w` and one to its control port (probes); with `check`, a ping
-        answered on the data connection first (it serves, not only accepts)."""
+        """Opens a data connection to `w` and one to its control port, for probes.
+
+        With `check`, a ping must first be answered on the data connection. That shows the AW
+        serves, not only accepts.
+        """
         conns: list[Connection] = []
         try:
             conns.append(await self.transport.connect(w.host, w.port, timeout=timeout))
@@ -230,7 +254,8 @@ class AwPool:
 
     async def _connect(self, w: WorkerInfo) -> None:
         self.clients.pop(w.id, None)  # (closed: gone)
-        try:  # (bounded: a hung AW's kernel still accepts, but its handshake never ends)
+        # Bounded: a hung AW's kernel still accepts, but its handshake never ends.
+        try:
             conn, probe = await asyncio.wait_for(self._open(w, timeout=CONNECT_TIMEOUT), CONNECT_TIMEOUT)
         except (PeerDeadError, ProtocolError, TimeoutError) as exc:
             log.warning("cannot reach %s: %s", w.id, exc or "connect timed out")
@@ -257,8 +282,10 @@ class AwPool:
         return [c for c in self.clients.values() if not c.conn.closed and c.worker_id not in self.unreachable]
 
     def pick(self, suspect: bool = False) -> AwClient | None:
-        """The AW for a new request (None: none fits now). A suspect only goes where no other
-        suspect from this gateway is in flight."""
+        """The AW for a new request, or None if none fits now.
+
+        A suspect only goes where no other suspect from this gateway is in flight.
+        """
         live = [c for c in self.live() if not suspect or c.suspect is None]
         if not live:
             return None
@@ -268,8 +295,11 @@ class AwPool:
         return min(live, key=lambda c: (c.outstanding_work, len(c.requests)))
 
     async def submit(self, submit: Submit, wait: float = 0.0) -> tuple[AwClient, Pending]:
-        """Sends `submit` to an AW; waits up to `wait` seconds for one that fits (a resumed request
-        whose AW died, while its replacement boots). Raises PeerDeadError if there is none."""
+        """Sends `submit` to an AW, waiting up to `wait` seconds for one that fits.
+
+        The wait serves a resumed request whose AW died, while its replacement boots. Raises
+        PeerDeadError if there is none.
+        """
         suspect = submit.deaths > 0
         deadline = time.monotonic() + wait
         while True:
@@ -298,14 +328,16 @@ class AwPool:
         return client, pending
 
     def cleared(self, client: AwClient, request_id: str) -> None:
-        """The suspect `request_id` produced a token on `client` (or left it): the slot is free."""
+        """Frees the suspect slot once `request_id` produced a token on `client` or left it."""
         if client.suspect == request_id:
             client.suspect = None
             self._changed()
 
     async def attach(self, submit: Submit) -> tuple[AwClient, Pending, Attached] | None:
-        """Asks every AW whether it runs `submit` (a stream whose client or gateway went away);
-        the first that does is bound to this gateway. None: no AW has it."""
+        """Asks every AW whether it runs `submit`, a stream whose client or gateway went away.
+
+        The first that does is bound to this gateway. Returns None if no AW has it.
+        """
         asks: list[tuple[AwClient, Pending]] = []
         for client in self.live():
             p = Pending(submit, work=submit.max_tokens)
@@ -329,7 +361,8 @@ class AwPool:
                 continue
             if found is None:
                 found = (client, p, reply)
-            else:  # a second copy (deterministic: the same tokens): keep one
+            else:
+                # A second copy. It is deterministic, so it has the same tokens. Keep one.
                 await self.abort(client, submit.request_id)
         return found
 

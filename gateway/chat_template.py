@@ -1,6 +1,8 @@
-"""Renders chat messages with the model's own template (`tokenizer_config.json`), the way
-transformers does: a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and a
-`raise_exception` helper. A template error is the request's fault (400), never the gateway's."""
+"""Renders chat messages with the model's own template (`tokenizer_config.json`).
+
+As in transformers, it uses a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and a
+`raise_exception` helper. A template error is the request's fault (400), never the gateway's.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +57,10 @@ def _token_text(value: Any) -> str | None:
 
 
 def validate_messages(raw: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages -> [{"role", "content": str}]; content parts of type text are joined."""
+    """Validates OpenAI chat messages into [{"role", "content": str}].
+
+    Content parts of type text are joined.
+    """
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
     out = []

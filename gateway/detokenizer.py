@@ -1,5 +1,8 @@
-"""Incremental detokenisation that never splits a multi-byte character: text is released only
-once the decoded suffix no longer ends in U+FFFD (an incomplete UTF-8 sequence)."""
+"""Incremental detokenisation that never splits a multi-byte character.
+
+Text is released only once the decoded suffix no longer ends in U+FFFD, which marks an incomplete
+UTF-8 sequence.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.prefix = 0  # decode window start (context for tokenizers whose pieces depend on it)
+        # Start of the decode window. It gives context to tokenizers whose pieces depend on it.
+        self.prefix = 0
         self.read = 0  # ids before this are already released as text
 
     def _decode(self, ids: list[int]) -> str:
@@ -26,7 +30,10 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is left at the end (possibly a replacement character for a truncated sequence)."""
+        """Returns whatever is left at the end.
+
+        This may be a replacement character for a truncated sequence.
+        """
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)

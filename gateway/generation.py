@@ -1,17 +1,22 @@
-"""One choice of one request: submit to an AW (or attach to the AW that runs it), turn its tokens into
-text deltas (incremental detokenisation, stop strings held back), resume it when its AW dies, and
-keep timing for the metrics.
+"""One choice of one request.
 
-No query of death: a request can be what kills its AW (a bug that one input triggers). Resuming it
-elsewhere would kill the next AW, and the next. So every choice counts the AW deaths it saw
-*before it produced a token* on that AW (`deaths`; a token in between resets it): a request that
-saw two in a row is ended with an in-band error and never replayed a third time. Only deaths
-count: an AW whose connection ended (a process that exited) at once; one this gateway found
-silent (hung) only once the orchestrator declared it dead, as it may only have been slow (its
-requests resume elsewhere, and the silence counts against them if it was a death: `hung_on`,
-looked at when the request needs resuming again). Until a suspect
-(one death) produces a token on its new AW, it is the only suspect this gateway has in flight
-there (aw_pool.py): if that AW dies too, the blame is not shared with innocent requests.
+It submits the choice to an AW, or attaches to the AW that runs it. It turns the AW's tokens into
+text deltas, with incremental detokenisation and stop strings held back. It resumes the choice when
+its AW dies, and keeps timing for the metrics.
+
+This guards against a query of death. A request can be what kills its AW, through a bug that one
+input triggers. Resuming it elsewhere would kill the next AW, and the next. So every choice counts
+the AW deaths it saw *before it produced a token* on that AW (`deaths`). A token in between resets
+the count. A request that saw two in a row is ended with an in-band error and never replayed a
+third time.
+
+Only deaths count. An AW whose connection ended (a process that exited) counts at once. An AW this
+gateway found silent (hung) counts only once the orchestrator declared it dead, as it may only have
+been slow. Its requests resume elsewhere. The silence counts against them if it was a death:
+`hung_on` is looked at when the request needs resuming again.
+
+Until a suspect (one death) produces a token on its new AW, it is the only suspect this gateway has
+in flight there (aw_pool.py). So if that AW dies too, the blame is not shared with innocent requests.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from gateway.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 
-MAX_DEATHS = 2  # AW deaths a request may see before it produces a token; the next is not tried
+# AW deaths a request may see before it produces a token. The next is not tried.
+MAX_DEATHS = 2
 
 
 Entry = tuple[int, float | None, list[list[float]] | None]  # (token, its logprob, top [[token, logprob], ...])
@@ -42,7 +48,10 @@ Entry = tuple[int, float | None, list[list[float]] | None]  # (token, its logpro
 
 @dataclass
 class Delta:
-    """What a choice produced since the last delta; `index` is the token's position in the choice."""
+    """What a choice produced since the last delta.
+
+    `index` is the token's position in the choice.
+    """
 
     text: str
     token_ids: list[int]
@@ -57,18 +66,22 @@ class Choice:
     index: int
     request_id: str
     submit: Submit
-    resumable: bool = False  # a stream: when its HTTP client leaves, the AW keeps it for a resume
+    # A stream. When its HTTP client leaves, the AW keeps it for a resume.
+    resumable: bool = False
     client: AwClient | None = None
     pending: Pending | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     done: bool = False  # the client got its last delta
     aw_done: bool = False  # its AW finished it (nothing to abort)
-    deaths: int = 0  # AW deaths seen since its last token (see the module's docstring)
-    hung_on: list[str] = field(default_factory=list)  # AWs found hung under it since its last token, not yet dead
+    # AW deaths seen since its last token (see the module's docstring).
+    deaths: int = 0
+    # AWs found hung under it since its last token, not yet dead.
+    hung_on: list[str] = field(default_factory=list)
     since_submit: int = 0  # tokens since it was last submitted (or attached)
     resumes: int = 0
-    origin: str = ""  # the HTTP client's address (its fair share of the waiting queue)
+    # The HTTP client's address, for its fair share of the waiting queue.
+    origin: str = ""
     prompt: PromptScores | None = None  # its prompt's scores (echo with logprobs, prompt_logprobs)
 
 
@@ -88,9 +101,12 @@ async def start_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> None:
 
 
 async def attach_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> bool:
-    """Resumes a stream whose client came back (Last-Event-ID): binds to the AW that still runs it;
-    if none does (its AW died meanwhile, or its grace passed), generates it again from the start
-    (sampling depends only on the seed and the token index: the same tokens). True if attached."""
+    """Resumes a stream whose client came back (Last-Event-ID); returns True if attached.
+
+    It binds to the AW that still runs the stream. If none does, because its AW died meanwhile or its
+    grace passed, it generates the stream again from the start. Sampling depends only on the seed and
+    the token index, so this gives the same tokens.
+    """
     t0 = time.monotonic()
     found = await pool.attach(choice.submit)
     if found is None:
@@ -106,8 +122,11 @@ async def attach_choice(pool: AwPool, choice: Choice, wait: float = 0.0) -> bool
 
 async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer: Any, metrics: Metrics,
                      arrived: float, skip: int = 0, resume_wait: float = 0.0) -> AsyncIterator[Delta]:
-    """Yields a delta per token from token `skip` on (earlier ones, which the client has, only
-    advance the detokeniser); raises GenerationError if the fabric fails the choice."""
+    """Yields a delta per token from token `skip` on.
+
+    Earlier tokens, which the client has, only advance the detokeniser. Raises GenerationError if
+    the fabric fails the choice.
+    """
     detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     stop = StopMatcher(list(params.stop)) if detok is not None else StopMatcher([])
     pending = choice.pending
@@ -138,7 +157,8 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
             choice.hung_on.clear()
             if ev.prompt is not None:
                 choice.prompt = ev.prompt
-            if params.max_tokens == 0:  # scoring only: the token that ended the prefill is not the client's
+            # Scoring only. The token that ended the prefill is not the client's.
+            if params.max_tokens == 0:
                 choice.aw_done = choice.done = True
                 choice.finish_reason = "length"
                 if skip == 0:
@@ -189,18 +209,22 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
 
 
 async def _resume(pool: AwPool, choice: Choice, error: str, wait: float, death: bool) -> Pending:
-    """Its AW died (or went silent): resume on a healthy one from the store's checkpoint (or by
-    re-prefilling the prompt plus the tokens already emitted). Sampling depends only on (seed,
-    token index), so the stream continues with exactly the next token."""
+    """Resumes the choice on a healthy AW after its AW died or went silent.
+
+    It resumes from the store's checkpoint, or by re-prefilling the prompt plus the tokens already
+    emitted. Sampling depends only on (seed, token index), so the stream continues with exactly the
+    next token.
+    """
     dead = choice.client.worker_id if choice.client is not None else ""
     if choice.client is not None:
         pool.cleared(choice.client, choice.request_id)
-    if choice.since_submit == 0:  # it made no token there: it may be what killed (or froze) it
+    # It made no token there, so it may be what killed or froze the AW.
+    if choice.since_submit == 0:
         if death:
             choice.deaths += 1
         elif dead:
             choice.hung_on.append(dead)
-    declared = [w for w in choice.hung_on if w in pool.dead]  # (silent AWs the orchestrator has ruled on)
+    declared = [w for w in choice.hung_on if w in pool.dead]  # silent AWs the orchestrator has ruled on
     choice.deaths += len(declared)
     choice.hung_on = [w for w in choice.hung_on if w not in pool.dead]
     if choice.deaths >= MAX_DEATHS:

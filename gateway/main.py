@@ -1,12 +1,12 @@
-"""Gateway process: the OpenAI-compatible HTTP front door (gateway/server.py) plugged into the role
-runtime.
+"""The gateway process: the OpenAI-compatible HTTP front door (gateway/server.py) in the role runtime.
 
-Several gateways may share one HTTP port (`--reuse-port`, SO_REUSEPORT; `moe-fabric serve` runs
-two): the kernel spreads new connections over them, so a dead gateway costs only the connections
-it held, and its clients resume their streams on another (gateway/streaming.py). A gateway joins
-the port only once it can serve (it is connected to an attention worker), so a restarted one never
-answers 503 to connections that a live one could have served; on SIGTERM it leaves the port at once
-and then drains.
+Several gateways may share one HTTP port (`--reuse-port`, SO_REUSEPORT). `moe-fabric serve` runs
+two. The kernel spreads new connections over them. So a dead gateway costs only the connections it
+held, and its clients resume their streams on another (gateway/streaming.py).
+
+A gateway joins the port only once it can serve, that is, once it is connected to an attention
+worker. So a restarted one never answers 503 to connections that a live one could have served. On
+SIGTERM it leaves the port at once and then drains.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from fabric.config import GatewayConfig
 from fabric.messages.base import Message
-from fabric.messages.control import PeerAlive, Role, RoutingUpdate
+from fabric.messages.control import PeerAlive, Role, RoutingUpdate, Traits, WorkerStats
 from fabric.runtime import Runtime, Service
 from fabric.transport import make_transport
 from fabric.transport.base import LISTEN_BACKLOG
@@ -55,14 +55,15 @@ class GatewayService(Service):
         return self.cfg.port  # listened on once an AW is reachable (see _listen)
 
     def registration(self) -> dict[str, Any]:
-        return {"ready": self.site is not None, "info": {"model": self.gateway.model_name}}
+        return {"ready": self.site is not None, "traits": Traits(model=self.gateway.model_name)}
 
     async def registered(self) -> None:
         assert self.runtime is not None
         self.gateway.worker_id = self.runtime.worker_id
 
     async def handle(self, msg: Message) -> None:
-        if isinstance(msg, PeerAlive):  # an AW this gateway lost answers the orchestrator: try it now
+        if isinstance(msg, PeerAlive):
+            # An AW this gateway lost answers the orchestrator. Try it now.
             self.pool.vouched(msg.worker_id)
             assert self.runtime is not None
             self.runtime.cleared(msg.worker_id)
@@ -83,14 +84,15 @@ class GatewayService(Service):
                  self.gateway.model_name, ", port shared" if self.cfg.reuse_port else "")
         self.runtime.ready()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         m = self.gateway.metrics
-        return {"requests_active": self.gateway.active, "requests_waiting": m.n_waiting,
-                "aws_connected": len(self.pool.live())}
+        return WorkerStats({"requests_active": self.gateway.active, "requests_waiting": m.n_waiting,
+                            "aws_connected": len(self.pool.live())})
 
     async def close(self) -> None:
         if self.site is not None:
-            await self.site.stop()  # off the shared port at once: new connections go to the other gateways
+            # Leave the shared port at once. New connections go to the other gateways.
+            await self.site.stop()
         await self.gateway.drain()
         await self.http.cleanup()
         await self.pool.close()

@@ -1,5 +1,8 @@
-"""Prometheus metrics of the gateway (names prefixed `moe_fabric_`), plus the per-worker gauges
-it refreshes from the orchestrator's cluster view at each scrape."""
+"""Prometheus metrics of the gateway.
+
+Names are prefixed `moe_fabric_`. The per-worker gauges are refreshed from the orchestrator's
+cluster view at each scrape.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.n_waiting = 0  # mirrors the waiting gauge, for the gateway's queue limit
-        self.waiting_by_origin: dict[str, int] = {}  # per client address: its share of the queue
+        self.waiting_by_origin: dict[str, int] = {}  # share of the queue per client address
         self.running = Gauge("moe_fabric_requests_running", "Requests producing tokens", registry=r)
         self.waiting = Gauge("moe_fabric_requests_waiting", "Requests admitted but without a first token yet", registry=r)
         self.finished = Counter("moe_fabric_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r)

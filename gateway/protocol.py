@@ -47,8 +47,11 @@ def _const(text: str) -> float:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A request body as JSON: 400 for anything malformed, nested deeper than MAX_DEPTH, or with
-    an integer longer than MAX_INT_DIGITS (Python refuses to convert 4300 digits, with a 500)."""
+    """Parses a request body as JSON.
+
+    Raises ApiError 400 for anything malformed, nested deeper than MAX_DEPTH, or with an integer
+    longer than MAX_INT_DIGITS. Python refuses to convert 4300 digits, which would be a 500.
+    """
     try:
         body = json.loads(raw, parse_int=_int_literal, parse_constant=_const)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -69,8 +72,10 @@ def parse_json(raw: bytes) -> Any:
 
 @dataclass(frozen=True)
 class GenParams:
-    """What both endpoints ask of the fabric: one or more prompts (token ids, or text to tokenize),
-    `n` choices each."""
+    """What both endpoints ask of the fabric.
+
+    That is one or more prompts, as token ids or text to tokenize, with `n` choices each.
+    """
 
     prompts: tuple[tuple[list[int] | None, str | None], ...]  # (ids, None) or (None, text)
     max_tokens: int | None  # None: up to the context
@@ -86,17 +91,25 @@ class GenParams:
     ignore_eos: bool
     return_token_ids: bool
     logprobs: int  # -1: none; 0: sampled token only; k: top k too
-    echo: bool = False  # the prompt back in front of the completion (with its logprobs, if `logprobs`)
-    prompt_logprobs: int = -1  # vLLM's `prompt_logprobs`: -1 none; k: each prompt token's, and the top k
+    # The prompt back in front of the completion, with its logprobs if `logprobs`.
+    echo: bool = False
+    # vLLM's `prompt_logprobs`. -1 is none. k is each prompt token's, and the top k.
+    prompt_logprobs: int = -1
 
     @property
     def choices(self) -> int:
-        """Choices in the response: `n` per prompt, prompt by prompt (index = prompt * n + j)."""
+        """Choices in the response, `n` per prompt, prompt by prompt.
+
+        A choice's index is prompt * n + j.
+        """
         return len(self.prompts) * self.n
 
     @property
     def scores(self) -> int:
-        """What the fabric scores in the prompt's prefill: -1 nothing, else the top k to keep."""
+        """What the fabric scores in the prompt's prefill.
+
+        -1 is nothing. Otherwise it is the top k to keep.
+        """
         return max(self.prompt_logprobs, self.logprobs if self.echo else -1)
 
 
@@ -204,8 +217,11 @@ def parse_completion(body: Any, vocab_size: int, context: int) -> GenParams:
 
 
 def parse_tokenize(body: Any) -> tuple[str | None, Any, bool]:
-    """vLLM's `POST /tokenize`: (prompt text, or None with chat messages; the messages; add
-    special tokens: default true for a prompt, false for messages, as vLLM does)."""
+    """Parses vLLM's `POST /tokenize` into (prompt text, messages, add special tokens).
+
+    The prompt text is None with chat messages. Add special tokens defaults to true for a prompt and
+    false for messages, as vLLM does.
+    """
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     if "messages" in body:
@@ -217,7 +233,7 @@ def parse_tokenize(body: Any) -> tuple[str | None, Any, bool]:
 
 
 def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
-    """vLLM's `POST /detokenize`: the token ids."""
+    """Parses vLLM's `POST /detokenize` into the token ids."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     tokens = body.get("tokens")

@@ -11,8 +11,11 @@ from gateway.protocol import GenParams
 
 
 class Formatter:
-    """Builds the JSON of one request's responses; `chat` picks the chat shapes. `prompts` are the
-    token ids of each prompt (a choice's is prompts[index // n])."""
+    """Builds the JSON of one request's responses.
+
+    `chat` picks the chat shapes. `prompts` are the token ids of each prompt. A choice's prompt is
+    prompts[index // n].
+    """
 
     def __init__(self, chat: bool, rid: str, created: int, model: str, params: GenParams, tokenizer: Any,
                  prompts: list[list[int]]) -> None:
@@ -43,8 +46,10 @@ class Formatter:
             "".join(self._token_text(t) for t in ids)
 
     def _scored(self, k: int, scores: PromptScores | None, top_k: int) -> list[tuple[int, Any]]:
-        """Prompt k's tokens after the first, each with (logprob, rank, top [[id, logprob], ...]),
-        or None where there are no scores."""
+        """Prompt k's tokens after the first, each with its scores.
+
+        The scores are (logprob, rank, top [[id, logprob], ...]), or None where there are none.
+        """
         out: list[tuple[int, Any]] = []
         for i, t in enumerate(self.prompts[k][1:]):
             if scores is None or i >= scores.logprobs.shape[0]:
@@ -56,15 +61,21 @@ class Formatter:
         return out
 
     def _prompt_entries(self, k: int, scores: PromptScores | None) -> list[Entry]:
-        """The logprobs entries of prompt k's tokens, as OpenAI echoes them: the first has none."""
+        """The logprobs entries of prompt k's tokens, as OpenAI echoes them.
+
+        The first token has none.
+        """
         out: list[Entry] = [(self.prompts[k][0], None, None)]
         for t, s in self._scored(k, scores, max(self.params.logprobs, 0)):
             out.append((t, None, None) if s is None else (t, s[0], s[2]))
         return out
 
     def _prompt_logprobs(self, k: int, scores: PromptScores | None) -> list[dict[str, Any] | None]:
-        """vLLM's `prompt_logprobs`: per prompt token (the first: null), the token itself and the
-        top `prompt_logprobs`, keyed by token id, each with its logprob, rank and text."""
+        """vLLM's `prompt_logprobs`.
+
+        Each prompt token gets the token itself and the top `prompt_logprobs`, keyed by token id.
+        Each entry has its logprob, rank and text. The first prompt token gets null.
+        """
         out: list[dict[str, Any] | None] = [None]
         for t, s in self._scored(k, scores, self.params.prompt_logprobs):
             if s is None:
@@ -79,7 +90,10 @@ class Formatter:
 
     def _completion_item(self, index: int, text: str, entries: list[Entry], scores: PromptScores | None,
                          first: bool, offsets: bool) -> dict[str, Any]:
-        """A text-completion choice (whole or a chunk); `first`: it starts the choice (echo goes there)."""
+        """A text-completion choice, whole or a chunk.
+
+        `first` means it starts the choice, which is where echo goes.
+        """
         k = index // self.params.n
         if first and self.params.echo:
             text = self._prompt_text(k) + text
@@ -145,7 +159,10 @@ class Formatter:
         return body
 
     def chunk(self, index: int, delta: Delta | None, first: bool = False) -> dict[str, Any]:
-        """One streamed chunk; `delta` None with `first` is the chat role announcement."""
+        """One streamed chunk.
+
+        `delta` None with `first` is the chat role announcement.
+        """
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": delta.text if delta else ""}
             item: dict[str, Any] = {"index": index, "delta": d, "logprobs": None, "finish_reason": None}

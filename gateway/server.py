@@ -1,10 +1,11 @@
-"""The gateway's HTTP side: the OpenAI-compatible API.
+"""The gateway's HTTP side, the OpenAI-compatible API.
 
 Per request: authenticate -> validate -> render (chat template) and tokenize -> one submit per
-choice to the least-loaded AW (or, for a stream resumed with Last-Event-ID, attach to the AWs
-that run it) -> relay tokens as text (incremental detokenisation, stop strings) -> when a stream's
-client leaves, its AW keeps it for a resume; other requests are aborted at once. SIGTERM drains:
-new requests get 503, running ones finish (bounded by the drain timeout).
+choice to the least-loaded AW -> relay tokens as text (incremental detokenisation, stop strings).
+A stream resumed with Last-Event-ID attaches to the AWs that run it instead. When a stream's client
+leaves, its AW keeps it for a resume. Other requests are aborted at once.
+
+SIGTERM drains. New requests get 503, and running ones finish, bounded by the drain timeout.
 """
 
 from __future__ import annotations
@@ -58,18 +59,21 @@ def load_tokenizer(model_dir: str) -> Any:
     return Tokenizer.from_file(str(path))
 
 
-OFF_LOOP_CHARS = 16 << 10  # longer prompts are tokenized (and chats rendered) in a thread
-# A prompt longer than this many characters a token of the context cannot fit it: refused before it
-# is tokenized (a token spans a few characters; 64 leaves room for runs of whitespace). A 6 MiB
-# prompt took the tokenizer 8 s, and turning its 1.2M ids into Python held the GIL long enough to
-# silence the gateway's control thread past its lease.
+# Longer prompts are tokenized, and chats rendered, in a thread.
+OFF_LOOP_CHARS = 16 << 10
+# A prompt longer than this many characters per token of the context cannot fit it. It is refused
+# before it is tokenized. A token spans a few characters; 64 leaves room for runs of whitespace.
+# A 6 MiB prompt took the tokenizer 8 s. Turning its 1.2M ids into Python held the GIL long enough
+# to silence the gateway's control thread past its lease.
 MAX_CHARS_PER_TOKEN = 64
 
 
 async def _off_loop(fn: Callable[[], T], size: int) -> T:
-    """Runs `fn` on the event loop when `size` is small, else in a thread: a multi-MiB prompt takes
-    seconds to tokenize, and the loop must keep serving every other stream (and pinging its
-    supervisor's watchdog) meanwhile."""
+    """Runs `fn` on the event loop when `size` is small, else in a thread.
+
+    A multi-MiB prompt takes seconds to tokenize. Meanwhile the loop must keep serving every other
+    stream and pinging its supervisor's watchdog.
+    """
     if size <= OFF_LOOP_CHARS:
         return fn()
     return await asyncio.to_thread(fn)
@@ -107,8 +111,10 @@ class Gateway:
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """API key, draining, body cap, and OpenAI-shaped errors for everything under /v1 (and
-        vLLM's /tokenize and /detokenize)."""
+        """API key, draining, body cap, and OpenAI-shaped errors for the API paths.
+
+        These are everything under /v1, and vLLM's /tokenize and /detokenize.
+        """
         if not request.path.startswith("/v1/") and request.path not in ("/tokenize", "/detokenize"):
             return await handler(request)
         try:
@@ -121,7 +127,8 @@ class Gateway:
                 raise ApiError(503, "the server is shutting down", type_="service_unavailable", headers={"Retry-After": "1"})
             if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
                 raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="request_too_large")
-            self.active += 1  # from here to the last byte (parsing and tokenising included): drain waits for it
+            # Counted from here to the last byte, parsing and tokenising included. Drain waits for it.
+            self.active += 1
             self.idle.clear()
             try:
                 return await handler(request)
@@ -159,12 +166,15 @@ class Gateway:
         return None
 
     def _insider(self, request: web.Request) -> bool:
-        """May see the cluster's details: --public-metrics, no secret, or the cluster secret as Bearer."""
+        """Whether the caller may see the cluster's details.
+
+        It may with --public-metrics, with no secret, or with the cluster secret as Bearer.
+        """
         return self.cfg.public_metrics or self.secret is None or \
             bearer_ok(request.headers.get("Authorization"), self.secret)
 
     async def health(self, request: web.Request) -> web.Response:
-        """The status (and code) for anyone, e.g. a load balancer; the details for insiders."""
+        """The status and code for anyone, e.g. a load balancer, and the details for insiders."""
         reason = "draining" if self.draining else self.unhealthy_reason()
         insider = self._insider(request)
         if reason:
@@ -193,8 +203,11 @@ class Gateway:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def _body(self, request: web.Request) -> Any:
-        """The JSON body: JSON only (a form or text/plain post from any web page is refused), and
-        a malformed one is a 400, never a 500 (nesting, huge numbers)."""
+        """The JSON body.
+
+        Only JSON is taken. A form or text/plain post from any web page is refused. A malformed body
+        (nesting, huge numbers) is a 400, never a 500.
+        """
         if request.content_type != "application/json":
             raise ApiError(415, f"the body must be application/json, not {request.content_type or 'untyped'}",
                            code="unsupported_media_type")
@@ -264,7 +277,10 @@ class Gateway:
         return self.tokenizer
 
     async def _prompt_ids(self, params: GenParams) -> list[list[int]]:
-        """Every prompt's token ids (the texts tokenized together, off the loop when large)."""
+        """Every prompt's token ids.
+
+        The texts are tokenized together, off the loop when large.
+        """
         texts = [text for ids, text in params.prompts if ids is None and text is not None]
         if texts and self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
@@ -272,8 +288,8 @@ class Gateway:
         encoded: list[list[int]] = []
         if texts:
             tok = self.tokenizer
-            # encode_batch, not encode: only the batch call lets go of the GIL while it works (a 6 MiB
-            # prompt held the event loop for 5 s through `encode`, even from another thread).
+            # encode_batch, not encode. Only the batch call lets go of the GIL while it works. A 6 MiB
+            # prompt held the event loop for 5 s through `encode`, even from another thread.
             encoded = await _off_loop(lambda: [list(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)],
                                       sum(len(t) for t in texts))
         it = iter(encoded)
@@ -301,7 +317,8 @@ class Gateway:
         context = self.model.max_position
         longest = max(len(ids) for ids in prompts)
         max_tokens = params.max_tokens if params.max_tokens is not None else context - longest
-        if params.max_tokens == 0:  # pure scoring (echo): the prefill runs, its one token is dropped
+        # Pure scoring (echo). The prefill runs and its one token is dropped.
+        if params.max_tokens == 0:
             max_tokens = 1
         if max_tokens < 1 or longest + max_tokens > context:
             raise ApiError(400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds "
@@ -320,10 +337,11 @@ class Gateway:
             pos = Position(rid, params.seed % (1 << 64), [0] * total)
         grace = self.cfg.stream_resume_grace_s if params.stream else 0.0
         choices = [Choice(i, f"{pos.rid}-{i}", Submit(
-            f"{pos.rid}-{i}", prompts[i // params.n], max_tokens, params.temperature, params.top_p, params.top_k,
-            (pos.seed + i) % (1 << 64), list(self.model.eos_token_ids), params.ignore_eos, [], params.logprobs,
-            resume_grace_s=grace, prompt_logprobs=params.scores), resumable=grace > 0, origin=origin)
-            for i in range(total)]
+            request_id=f"{pos.rid}-{i}", prompt_ids=prompts[i // params.n], max_tokens=max_tokens,
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=(pos.seed + i) % (1 << 64),
+            stop_token_ids=list(self.model.eos_token_ids), ignore_eos=params.ignore_eos, output_ids=[],
+            logprobs=params.logprobs, resume_grace_s=grace, prompt_logprobs=params.scores),
+            resumable=grace > 0, origin=origin) for i in range(total)]
         skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
         resumed = any(pos.counts)
         fmt = Formatter(chat, pos.rid, int(time.time()), self.model_name, params, self.tokenizer, prompts)
@@ -345,8 +363,10 @@ class Gateway:
             return await self._whole(fmt, prompts, choices, gens, headers)
         finally:
             for g in gens:
-                await g.aclose()  # detaches (a stream's client left) or aborts unfinished choices
-            for c in choices:  # submitted but never iterated (a later submit failed): no-op for the others
+                # Detaches (a stream's client left) or aborts unfinished choices.
+                await g.aclose()
+            # Choices submitted but never iterated, as a later submit failed. A no-op for the others.
+            for c in choices:
                 if c.client is not None and not c.aw_done:
                     await self.pool.abort(c.client, c.request_id)
             self.metrics.e2e.observe(time.monotonic() - arrived)
@@ -375,7 +395,8 @@ class Gateway:
     async def drain(self) -> None:
         self.draining = True
         log.info("draining: %d requests in flight", self.active)
-        if self.idle.is_set():  # nothing to wait for (and wait_for with timeout 0 would time out anyway)
+        # Nothing to wait for. wait_for with timeout 0 would time out anyway.
+        if self.idle.is_set():
             return
         try:
             await asyncio.wait_for(self.idle.wait(), self.cfg.drain_timeout)

@@ -1,5 +1,8 @@
-"""Stop strings matched on detokenised text. Text that could still be the start of a stop string
-is held back, so a stop string is never emitted, not even in part."""
+"""Stop strings matched on detokenised text.
+
+Text that could still be the start of a stop string is held back. So a stop string is never
+emitted, not even in part.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ class StopMatcher:
             cut = min(i for i, _ in hits)
             self.held = ""
             return buf[:cut], True
-        keep = 0  # longest suffix of buf that is a proper prefix of some stop string
+        # Longest suffix of buf that is a proper prefix of some stop string.
+        keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), 0, -1):
                 if buf.endswith(s[:n]):

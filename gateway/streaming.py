@@ -1,19 +1,22 @@
 """Server-sent event streams that a client can resume, on any gateway.
 
-Every event carries an `id:` that says where the stream stands (for clients that speak SSE: the
-request says `Accept: text/event-stream`, as SSE clients do, or resumes with `Last-Event-ID`;
-others, which read each line as `data: <JSON>` and fail on any other line (vLLM's benchmark
-client does), get the same events without ids):
+Every event carries an `id:` that says where the stream stands:
 
     <request id>:<seed>:<c0>,<c1>,...[:u]
 
-`ci` is how many events of choice i were sent (for chat, its role announcement is the first),
-`:u` marks the usage event. A client whose stream broke re-sends the same request to the same
-endpoint with `Last-Event-ID: <the last id it received>` and gets exactly the events after it: the
-gateway attaches to the AWs that still run the choices (or, if one no longer does, generates it
-again with the same seed: the same tokens), replays the tokens the client has through the
-detokeniser without sending them, and streams the rest. The seed is in the id because a request
-without one got a random seed from the gateway that first served it.
+`ci` is how many events of choice i were sent. For chat, its role announcement is the first. `:u`
+marks the usage event. The seed is in the id because a request without one got a random seed from
+the gateway that first served it.
+
+Ids go only to clients that speak SSE. Their request says `Accept: text/event-stream`, as SSE
+clients do, or resumes with `Last-Event-ID`. Other clients read each line as `data: <JSON>` and
+fail on any other line (vLLM's benchmark client does). They get the same events without ids.
+
+A client whose stream broke re-sends the same request to the same endpoint with
+`Last-Event-ID: <the last id it received>`. It gets exactly the events after it. The gateway
+attaches to the AWs that still run the choices. If one no longer does, the gateway generates it
+again with the same seed, which gives the same tokens. It replays the tokens the client has through
+the detokeniser without sending them, and streams the rest.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ class Position:
 
     @classmethod
     def parse(cls, raw: str, chat: bool, n: int) -> Position:
-        """The position in a client's `Last-Event-ID`; 400 if it is not one of this endpoint's."""
+        """Parses the position in a client's `Last-Event-ID`.
+
+        Raises ApiError 400 if it is not one of this endpoint's.
+        """
         parts = raw.strip().split(":")
         usage = len(parts) == 4 and parts[3] == "u"
         try:
@@ -69,8 +75,11 @@ class Position:
 async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]], choices: list[Choice],
                  gens: list[AsyncIterator[Delta]], pos: Position, metrics: Metrics,
                  headers: dict[str, str]) -> web.StreamResponse:
-    """Streams every choice's deltas (merged as they come), then usage and [DONE], each event with
-    its id. Events before `pos` (a resumed stream) are not sent again."""
+    """Streams every choice's deltas, then usage and [DONE], each event with its id.
+
+    The choices' deltas are merged as they come. On a resumed stream, events before `pos` are not
+    sent again.
+    """
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     chat = fmt.chat

@@ -328,9 +328,9 @@ class RaySupervisor(Launcher):
             if self.stop_requested.is_set():
                 return
             try:
-                host = self._new_host(name, msg.role, avoid, replaces=msg.replaces, initial=False)
+                host = self._new_host(name, msg.role, avoid, replaces=msg.key, initial=False)
             except FabricError as exc:
-                say(f"cannot replace {msg.replaces}: {exc}")
+                say(f"cannot start a worker for {msg.key}: {exc}")
                 return
             host.boot_nice = msg.boot_nice
             try:
@@ -343,15 +343,15 @@ class RaySupervisor(Launcher):
                 with self.lock:
                     self.lost_nodes.add(host.node_id)
         else:
-            say(f"cannot replace {msg.replaces}: no node started {name}")
+            say(f"cannot start a worker for {msg.key}: no node started {name}")
             return
 
         def started() -> None:
             with self.lock:
                 self.hosts.append(host)
             self._arm(host)
-            say(f"started {name} (pid {host.pid}) on {node_label(host.node_id)} to replace {msg.replaces}")
-            self._tell_orchestrator(encode_bytes(*encode_message(WorkerStarted(msg.replaces, host.pid))))
+            say(f"started {name} (pid {host.pid}) on {node_label(host.node_id)} for {msg.key}")
+            self._tell_orchestrator(encode_bytes(*encode_message(WorkerStarted(msg.key, host.pid))))
 
         self.events.put(started)
 

@@ -249,16 +249,16 @@ class Supervisor(Launcher):
             device = free_devices.pop(0) if free_devices else None
         if device is None and msg.role is not Role.STORE:
             device = self._next_device()
-        child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.replaces,
+        child = Child(f"{COMMAND[msg.role]}-r{self._replacements}", msg.role, False, replaces=msg.key,
                       boot_nice=msg.boot_nice, standby=msg.standby, cpus=cpus, device=device)
         self._spawn(child)
         with self.lock:
             self.children.append(child)
         assert child.proc is not None
-        why = "to scale out" if msg.replaces.startswith("scale-out") else f"to replace {msg.replaces}"
+        why = f"to replace {msg.replaces}" if msg.replaces else "to scale out"
         say(f"started {child.name} (pid {child.proc.pid}) {why}"
             + (" (as a standby: the one it replaces was answered by waking one)" if msg.standby else ""))
-        self._tell_orchestrator(WorkerStarted(msg.replaces, child.proc.pid))
+        self._tell_orchestrator(WorkerStarted(msg.key, child.proc.pid))
 
     def _tell_orchestrator(self, msg: Message) -> None:
         orch = next((c for c in self.children if c.role is Role.ORCHESTRATOR and c.provision is not None), None)

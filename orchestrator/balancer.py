@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fabric.messages.control import Role
+from orchestrator.effects import Publish
 
 if TYPE_CHECKING:
     from orchestrator.main import Orchestrator
@@ -37,8 +38,9 @@ async def balance_loop(orch: Orchestrator) -> None:
         c = orch.cluster
         if c.table is None or c.placement is None or not orch.recovered.is_set() or orch.shutting_down:
             continue
-        stats = {w.id: w.stats for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
-        rows = balancer.rows_since_last(stats)
+        counts = {w.id: {(lyr, e): n for lyr, e, n in w.stats.tokens_by_expert}
+                  for w in c.workers.values() if w.role is Role.EXPERT and w.serving}
+        rows = balancer.rows_since_last(counts)
         active = balancer.decide(rows, {u: list(ews) for u, ews in c.table.replicas.items() if ews}, c.active)
         for unit, ew in balancer.grow[:1]:
             if await orch.scaler.add_copy(unit, ew):
@@ -52,7 +54,7 @@ async def balance_loop(orch: Orchestrator) -> None:
             assert c.table is not None
             log.info("expert load balancing: epoch %d, %d experts spread over their replicas (now hot: %s; "
                      "cooled: %s)", c.table.epoch, len(active), hot[:8], cooled[:8])
-            orch._broadcast()
+            orch.apply(Publish())
 
 
 class ExpertBalancer:
@@ -61,33 +63,31 @@ class ExpertBalancer:
             raise ValueError("hot_factor must be >= 1")
         self.hot_factor = hot_factor
         self.min_rows = min_rows  # rows a layer needs in a round before it is judged (noise)
-        self._last: dict[str, dict[str, int]] = {}  # EW -> its cumulative counts at the last round
+        self._last: dict[str, dict[Unit, int]] = {}  # EW -> its cumulative counts at the last round
         self.load: dict[Unit, int] = {}  # rows per unit in the last round
         # (unit, EW) pairs of the last round: a hot unit whose every copy serves, on an overloaded EW,
         # and the least loaded EW without a copy: the orchestrator adds that copy (ReMP/EPLB's
         # replication onto spare capacity), then makes it active.
         self.grow: list[tuple[Unit, str]] = []
 
-    def rows_since_last(self, stats_by_ew: dict[str, dict[str, Any]]) -> dict[Unit, int]:
-        """Rows per unit since the last round, summed over the EWs (a restarted EW starts at 0)."""
+    def rows_since_last(self, counts_by_ew: dict[str, dict[Unit, int]]) -> dict[Unit, int]:
+        """Rows per unit since the last round, summed over the EWs (a restarted EW starts at 0),
+        from each EW's cumulative rows per unit."""
         out: dict[Unit, int] = {}
-        for ew, stats in stats_by_ew.items():
-            counts = stats.get("tokens_by_expert") or {}
+        for ew, counts in counts_by_ew.items():
             if ew not in self._last:  # first seen (or this orchestrator is new): its counts so far are no round
                 self._last[ew] = dict(counts)
                 continue
             last = self._last[ew]
-            for key, n in counts.items():
-                layer, _, expert = key.partition(":")
-                delta = n - last.get(key, 0)
+            for unit, n in counts.items():
+                delta = n - last.get(unit, 0)
                 if delta < 0:
                     delta = n
                 if delta:
-                    unit = (int(layer), int(expert))
                     out[unit] = out.get(unit, 0) + delta
             self._last[ew] = dict(counts)
         for ew in list(self._last):
-            if ew not in stats_by_ew:
+            if ew not in counts_by_ew:
                 del self._last[ew]
         return out
 

@@ -15,13 +15,14 @@ restarted orchestrator takes it (`add`), unless that worker was declared dead (`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fabric.messages.control import ClusterView, Register, Role, WorkerInfo, WorkerState
+from fabric.messages.control import ClusterView, Life, Register, Role, Traits, WorkerInfo, WorkerState, WorkerStats
 from fabric.model.config import ModelConfig
 from fabric.routing import EwAddress, RoutingTable, Unit, active_tensor, placement_tensor
 from fabric.runtime import node_name
@@ -38,8 +39,9 @@ class WorkerRecord:
     host: str
     port: int
     state: WorkerState
-    info: dict[str, Any] = field(default_factory=dict)
-    stats: dict[str, Any] = field(default_factory=dict)
+    life: Life = field(default_factory=Life)
+    traits: Traits = field(default_factory=Traits)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its last load report
     experts: list[Unit] = field(default_factory=list)
     loaded: set[Unit] = field(default_factory=set)  # an EW: every unit it holds (placed now or before)
     slot: str = ""
@@ -68,7 +70,13 @@ class WorkerRecord:
             out["experts"] = [list(u) for u in self.experts]
         if self.slot:
             out["slot"] = self.slot
-        out.update(info=self.info, stats=self.stats)
+        info = {k: v for k, v in {**dataclasses.asdict(self.life), **dataclasses.asdict(self.traits)}.items() if v}
+        stats = dict(self.stats.report)
+        if self.role is Role.ATTENTION:
+            stats["outstanding_work"] = self.stats.outstanding_work
+        if self.stats.tokens_by_expert:
+            stats["tokens_by_expert"] = {f"{lyr}:{e}": n for lyr, e, n in self.stats.tokens_by_expert}
+        out.update(info=info, stats=stats)
         return out
 
 
@@ -90,11 +98,14 @@ class Cluster:
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
         self.reserved: set[str] = set()  # EWs a scale-out started: never taken to fill a vacant slot
         self.removing: set[str] = set()  # slots a scale-in is removing: never refilled
+        self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
+        self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
+        self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
         self.active: dict[Unit, int] = {}  # unit -> replicas serving at once, where more than 1 (load balancing)
         self.replacements = 0
         self._counters: dict[str, int] = {}
         self.self_record = WorkerRecord(f"orch-{generation}", Role.ORCHESTRATOR, os.getpid(), host, port,
-                                        WorkerState.ALIVE, info={"generation": generation, "node": node_name()})
+                                        WorkerState.ALIVE, traits=Traits(node=node_name()))
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, reg: Register) -> WorkerRecord | None:
@@ -117,12 +128,12 @@ class Cluster:
         if rec is not None and rec.role is not reg.role:
             return None  # an id of another role's: not this worker's
         if rec is None:
-            rec = WorkerRecord(wid, reg.role, reg.pid, reg.host, reg.port, state, dict(reg.info), experts=experts,
+            rec = WorkerRecord(wid, reg.role, reg.pid, reg.host, reg.port, state, reg.life, reg.traits, experts=experts,
                                control_port=reg.control_port,
                                slot=reg.slot, loaded=set(experts))
             self.workers[wid] = rec
         else:  # its link dropped and it came back
-            rec.pid, rec.host, rec.port, rec.info = reg.pid, reg.host, reg.port, dict(reg.info)
+            rec.pid, rec.host, rec.port, rec.life, rec.traits = reg.pid, reg.host, reg.port, reg.life, reg.traits
             rec.control_port = reg.control_port
             rec.experts, rec.slot = experts or rec.experts, reg.slot or rec.slot
             rec.loaded |= set(experts)
@@ -164,11 +175,11 @@ class Cluster:
         if rec is None or not rec.slot or self.placement is None:
             return []
         others = {s for slots in self.placement.values() if rec.slot in slots for s in slots} - {rec.slot}
-        nodes = {self.workers[o].info.get("node", "") for s in others
+        nodes = {self.workers[o].traits.node for s in others
                  if (o := self.occupant.get(s, "")) in self.workers and self.workers[o].serving}
         return sorted(n for n in nodes if n)
 
-    def _vacant(self, slot: str) -> bool:
+    def vacant(self, slot: str) -> bool:
         """No occupant, or a dead one."""
         occ = self.occupant.get(slot, "")
         rec = self.workers.get(occ)
@@ -180,10 +191,10 @@ class Cluster:
         ews = [w.id for w in self.workers.values() if w.role is Role.EXPERT and w.state is WorkerState.STARTING
                and w.id not in self.filling.values() and w.id not in self.occupant.values() and w.id not in self.reserved]
         if self.placement is None:
-            ews = [w for w in ews if not self.workers[w].info.get("standby")]  # (standbys stay spares)
+            ews = [w for w in ews if not self.workers[w].life.standby]  # (standbys stay spares)
             if len(ews) < self.expected_ews:
                 return {}
-            nodes = {ew: str(self.workers[ew].info.get("node") or ew) for ew in ews}
+            nodes = {ew: (self.workers[ew].traits.node or ew) for ew in ews}
             self.placement = self.planner.place(self.units(), ews, nodes)
             _say_spread(self.placement, nodes)
             self.occupant = {ew: ew for ew in ews}
@@ -193,19 +204,19 @@ class Cluster:
         else:
             assignment = {}
             for ew in ews:
-                slot = next((s for s in self.occupant if self._vacant(s) and s not in self.filling
+                slot = next((s for s in self.occupant if self.vacant(s) and s not in self.filling
                              and s not in self.removing), None)
                 if slot is None:
                     break  # a spare: nothing to fill (it stays registered, unused)
                 self.filling[slot] = ew
-                self.workers[ew].info["standby"] = False
+                self.workers[ew].life.standby = False
                 if self.occupant[slot]:
-                    self.workers[ew].info["replaces"] = self.occupant[slot]
+                    self.workers[ew].life.woken(self.occupant[slot])
                 self.workers[ew].slot = slot
                 assignment[ew] = self.slot_units(slot)
             if assignment:  # the replacements' nodes may put both copies of an expert on one node
-                holder = {**{s: o for s, o in self.occupant.items() if not self._vacant(s)}, **self.filling}
-                _say_spread(self.placement, {s: str(self.workers[w].info.get("node") or w) for s, w in holder.items()})
+                holder = {**{s: o for s, o in self.occupant.items() if not self.vacant(s)}, **self.filling}
+                _say_spread(self.placement, {s: (self.workers[w].traits.node or w) for s, w in holder.items()})
         for ew, units in assignment.items():
             self.workers[ew].experts = units
             self.workers[ew].loaded |= set(units)
@@ -269,14 +280,14 @@ class Cluster:
             if ew in self.workers:
                 self.workers[ew].experts = self.slot_units(slot)
         # (balanced shares come first in a replan: say which node-level guarantee that costs)
-        _say_spread(placement, {s: str(self.workers[w].info.get("node") or w) for s, w in self.occupant.items()
+        _say_spread(placement, {s: (self.workers[w].traits.node or w) for s, w in self.occupant.items()
                                 if w in self.workers})
         self.publish()
 
     def standby(self, role: Role) -> WorkerRecord | None:
         """A warm standby of `role` not woken yet (registered, serving nothing)."""
         return next((w for w in self.workers.values() if w.role is role and w.state is WorkerState.STARTING
-                     and w.info.get("standby") and w.id not in self.filling.values()), None)
+                     and w.life.standby and w.id not in self.filling.values()), None)
 
     def lost_units(self, among: list[Unit] | None = None) -> list[Unit]:
         """Logical experts (of `among`, else all: a full scan) with no live copy left."""
@@ -303,7 +314,7 @@ class Cluster:
         self.table = RoutingTable(
             self.generation, self.epoch, self.model.num_layers, self.model.num_experts, layers, slots,
             [live.get(s, "") for s in slots],
-            [EwAddress(w, self.workers[w].host, self.workers[w].port, self.workers[w].info.get("gather", "sync") == "sync",
+            [EwAddress(w, self.workers[w].host, self.workers[w].port, self.workers[w].traits.gather in ("", "sync"),
                        self.workers[w].control_port) for w in sorted(live.values())],
             placement,
             active_tensor(layers, self.model.num_experts,
@@ -365,7 +376,7 @@ class Cluster:
         copies = [len(ews) for ews in self.table.replicas.values()]
         wanted = 1 + min(getattr(self.planner, "shadows", 0), max(0, len(self.occupant) - 1))
         return {"copies_min": min(copies), "copies_wanted": wanted, "experts_lost": copies.count(0),
-                "slots_vacant": sum(1 for s in self.occupant if self._vacant(s)),
+                "slots_vacant": sum(1 for s in self.occupant if self.vacant(s)),
                 "replacements_joined": self.replacements}
 
     def to_json(self, routing: bool = True) -> dict[str, Any]:

@@ -26,13 +26,12 @@ import logging
 import time
 from typing import Any
 
-import msgpack
 from aiohttp import WSMsgType, web
 
 from fabric import auth
 from fabric.config import OrchestratorConfig
 from fabric.control_link import pack, unpack, ws_channel
-from fabric.errors import AuthError, FabricError, ProtocolError
+from fabric.errors import AuthError, FabricError
 from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
@@ -40,6 +39,7 @@ from fabric.messages.control import (
     Leaving,
     LinkProbe,
     LinkProbeReply,
+    Origin,
     PeerAlive,
     PeerFailed,
     Register,
@@ -56,6 +56,7 @@ from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
 from orchestrator.broadcast import Broadcaster
 from orchestrator.cluster import Cluster, WorkerRecord
+from orchestrator.effects import Effect, Publish, Send
 from orchestrator.links import WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
 from orchestrator.recovery import Recovery
@@ -65,7 +66,6 @@ from orchestrator.verdicts import Verdicts
 
 log = logging.getLogger("orchestrator")
 
-MAX_INFO_BYTES = 16 << 10  # a registration's free-form info (shown in /cluster)
 LINK_SEND_TIMEOUT = 2.0  # seconds a worker has to take a control message before its link is dropped
 
 
@@ -86,10 +86,8 @@ class Orchestrator:
         self._nonce = itertools.count(1)
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
-        self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
-        self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
-        self.scaler = Scaler(self)
+        self.scaler = Scaler(self.cluster, self.replacements, self.apply, lambda wid: wid in self.links,
+                             lambda: not self.shutting_down and self.recovered.is_set() and self.cluster.table is not None)
         self.traffic: dict[str, int] = {"bytes_in": 0, "messages_in": 0, "bytes_out": 0, "messages_out": 0}
         self.broadcaster = Broadcaster(self.links, lambda seq: self.cluster.view(seq) if self.cluster.table else None)
         self.recovery = Recovery()
@@ -151,8 +149,6 @@ class Orchestrator:
                 mark_failed()
                 self.stop.set()
                 return ws
-            if len(msgpack.packb(reg.info, use_bin_type=True)) > MAX_INFO_BYTES:
-                raise ProtocolError(f"{request.remote}: registration info over {MAX_INFO_BYTES} bytes")
             if reg.worker_id:
                 old = self.links.get(reg.worker_id)
                 if old is not None and not old.closed and await self._answers(old):
@@ -175,10 +171,12 @@ class Orchestrator:
             if timer is not None:
                 timer.cancel()
             spawned = self.replacements.provisioner.registered(reg.pid)
-            if spawned is not None and spawned.replaces.startswith("scale-out"):
-                rec.info["scale_out"] = True  # a scale operation's: not a spare for a vacant slot
+            if spawned is not None and spawned.origin is Origin.SCALE_OUT:
+                rec.life.origin = Origin.SCALE_OUT  # a scale operation's: not a spare for a vacant slot
                 if rec.role is Role.EXPERT:
                     self.cluster.reserved.add(rec.id)
+            elif spawned is not None and not rec.life.replaces:  # (a woken standby says whom it replaces)
+                rec.life.origin, rec.life.replaces = Origin.REPLACEMENT, spawned.key
             log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
                      rec.role.value, rec.pid, rec.host, rec.port)
             # (its view itself only if it may be the newest: recovery/Recovery)
@@ -192,12 +190,12 @@ class Orchestrator:
                     continue
                 self.traffic["bytes_in"] += len(msg.data)
                 self.traffic["messages_in"] += 1
-                self._heard(rec.id)
+                self.heard(rec.id)
                 m = unpack(msg.data)
                 if isinstance(m, Leaving):
                     leaving = True
                     break
-                await self._handle(rec.id, m)
+                await self.handle(rec.id, m)
         except AuthError as exc:
             log.warning("refused a link: %s", exc)
         except FabricError as exc:
@@ -229,9 +227,10 @@ class Orchestrator:
                                      f"{self.cfg.rejoin_grace_ms:.0f} ms")
 
     async def _joined(self, rec: WorkerRecord, link: WorkerLink) -> None:
-        if rec.id in self.woken and rec.info.get("standby"):  # its link dropped before the Wake arrived
-            rec.info.update(standby=False, replaces=self.woken[rec.id])
-            link.send(Wake(self.woken[rec.id]))
+        woken_for = self.cluster.woken.get(rec.id)
+        if woken_for is not None and rec.life.standby:  # its link dropped before the Wake arrived
+            rec.life.woken(woken_for)
+            link.send(Wake(woken_for))
         if rec.role is Role.EXPERT:
             await self._place()
         if rec.role is Role.STORE:
@@ -251,7 +250,7 @@ class Orchestrator:
         self.verdicts.forget(worker_id)
         rec = self.cluster.workers[worker_id]
         lost = self.cluster.lost_units(rec.experts)  # (only its units can have lost their last copy)
-        if self.shutting_down or worker_id in self.drained:
+        if self.shutting_down or worker_id in self.cluster.drained:
             log.info("%s left (%s)", worker_id, reason)
         elif table_changed:
             assert self.cluster.table is not None
@@ -267,11 +266,12 @@ class Orchestrator:
             # Fencing: a hung worker that wakes up finds itself declared dead and leaves.
             link.send(Fenced(reason))
             self._spawn(link.close())
-        if rec.role.replaceable and not self.shutting_down and worker_id not in self.drained:
-            self.replacements.died(worker_id, bool(rec.info.get("replaces")), time.time() - rec.registered_at, reason)
+        if rec.role.replaceable and not self.shutting_down and worker_id not in self.cluster.drained:
+            self.replacements.died(worker_id, rec.life.origin is Origin.REPLACEMENT, time.time() - rec.registered_at,
+                                   reason)
             woke = await self._wake_standby(rec)
             # A woken standby is replaced by a new standby, and so is a standby that died.
-            self.replacements.replace(rec.role, worker_id, standby=woke or bool(rec.info.get("standby")))
+            self.replacements.replace(rec.role, worker_id, standby=woke or rec.life.standby)
 
     async def _wake_standby(self, dead: WorkerRecord) -> bool:
         """Answers a death at once with a warm standby where there is one: an EW spare takes the dead
@@ -282,11 +282,11 @@ class Orchestrator:
             return any(self.cluster.workers[ew].slot == dead.slot for ew in assigned)
         standby = self.cluster.standby(dead.role) if dead.role is Role.ATTENTION else None
         link = self.links.get(standby.id) if standby is not None else None
-        if standby is None or link is None or dead.info.get("standby"):
+        if standby is None or link is None or dead.life.standby:
             return False
-        standby.info.update(standby=False, replaces=dead.id)
+        standby.life.woken(dead.id)
         log.info("waking standby %s to replace %s", standby.id, dead.id)
-        self.woken[standby.id] = dead.id
+        self.cluster.woken[standby.id] = dead.id
         link.send(Wake(dead.id))
         return True
 
@@ -295,7 +295,7 @@ class Orchestrator:
         assignment = self.cluster.maybe_place()
         for ew, units in assignment.items():
             rec = self.cluster.workers[ew]
-            replaces = rec.info.get("replaces")
+            replaces = rec.life.replaces
             log.info("placing %d experts (slot %s) on %s%s", len(units), rec.slot, ew,
                      f" (replacing {replaces})" if replaces else "")
             link = self.links.get(ew)
@@ -303,13 +303,15 @@ class Orchestrator:
                 link.send(AssignExperts(rec.slot, [list(u) for u in units]))
         return assignment
 
-    async def _handle(self, worker_id: str, msg: Message) -> None:
+    async def handle(self, worker_id: str, msg: Message) -> None:
+        """One message on a worker's link (its registration aside)."""
         if isinstance(msg, ViewReport):
             self.recovery.reported(msg.view, worker_id)
         elif isinstance(msg, WorkerReady):
             await self.recovered.wait()
-            self.ready_ops[worker_id] = max(self.ready_ops.get(worker_id, 0), msg.op)
-            self.woken.pop(worker_id, None)
+            c = self.cluster
+            c.ready_ops[worker_id] = max(c.ready_ops.get(worker_id, 0), msg.op)
+            c.woken.pop(worker_id, None)
             table_changed = self.cluster.mark_ready(worker_id)
             self.verdicts.serving(worker_id, self._serving(self.cluster.workers[worker_id]))
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
@@ -319,7 +321,7 @@ class Orchestrator:
             if link is not None:
                 self.broadcaster.send_whole(link)
         elif isinstance(msg, WorkerStats):
-            self.cluster.workers[worker_id].stats = msg.stats
+            self.cluster.workers[worker_id].stats = msg
         elif isinstance(msg, LinkProbeReply):
             fut = self._probes.pop(msg.nonce, None)
             if fut is not None and not fut.done():
@@ -331,9 +333,10 @@ class Orchestrator:
     @staticmethod
     def _serving(rec: WorkerRecord) -> bool:
         """Whether a worker holds the short lease: it serves (a standby or one still starting does not)."""
-        return rec.state is WorkerState.ALIVE and not rec.info.get("standby")
+        return rec.state is WorkerState.ALIVE and not rec.life.standby
 
-    def _heard(self, worker_id: str) -> None:
+    def heard(self, worker_id: str) -> None:
+        """Anything arrived on `worker_id`'s link: it answers."""
         for reporter in self.verdicts.heard(worker_id, time.monotonic()):
             log.warning("%s was reported dead by %s, but it answers: not declared dead", worker_id, reporter)
             if (link := self.links.get(reporter)) is not None:
@@ -382,6 +385,22 @@ class Orchestrator:
         finally:
             self._probes.pop(nonce, None)
         return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
+
+    def apply(self, effect: Effect) -> bool:
+        """Carries out what a helper decided (orchestrator/effects.py). Returns False for a `Send`
+        to a worker with no link."""
+        if isinstance(effect, Send):
+            link = self.links.get(effect.worker_id)
+            if link is None:
+                return False
+            link.send(effect.msg)
+        elif isinstance(effect, Publish):
+            self._broadcast(effect.soon)
+        elif effect.after_s > 0:
+            asyncio.get_running_loop().call_later(effect.after_s, self._declare, effect.worker_id, effect.reason)
+        else:
+            self._declare(effect.worker_id, effect.reason)
+        return True
 
     def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
         """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fabric.errors import FabricError
 from fabric.messages.base import Message, decode_message, encode_message
-from fabric.messages.control import Role
+from fabric.messages.control import Origin, Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
 from fabric.wire import decode_bytes, encode_bytes
 
@@ -40,9 +40,10 @@ ROLE_COMMAND = {Role.ATTENTION: "attention-worker", Role.EXPERT: "expert-worker"
 @dataclass
 class Spawned:
     role: Role
-    replaces: str
+    key: str  # whom it replaces (REPLACEMENT), or its scale operation's name for it (SCALE_OUT)
     pid: int = 0
     standby: bool = False
+    origin: Origin = Origin.REPLACEMENT
     code: int | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -51,9 +52,11 @@ class Provisioner(abc.ABC):
     """Starts replacement workers. `start` returns at once; the new process registers itself."""
 
     @abc.abstractmethod
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
-        """Asks for a worker of `role` in place of `replaces`, if possible on none of the nodes
-        `avoid` (a warm standby where `standby`); False if none can be started."""
+    def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
+              origin: Origin = Origin.REPLACEMENT) -> bool:
+        """Asks for a worker of `role` in place of `key` (or for scale operation `key`, SCALE_OUT),
+        if possible on none of the nodes `avoid` (a warm standby where `standby`); False if none
+        can be started."""
 
     @abc.abstractmethod
     def exited_early(self) -> list[Spawned]:
@@ -69,7 +72,8 @@ class Provisioner(abc.ABC):
 
 
 class NoProvisioner(Provisioner):
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
+    def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
+              origin: Origin = Origin.REPLACEMENT) -> bool:
         return False
 
     def exited_early(self) -> list[Spawned]:
@@ -84,7 +88,7 @@ class SupervisorProvisioner(Provisioner):
         self.sock = socket.socket(fileno=fd)
         self.sock.setblocking(False)
         self.spawned: dict[int, Spawned] = {}  # pid -> what it replaces
-        self.asked: dict[str, Spawned] = {}  # replaces -> asked, pid not known yet
+        self.asked: dict[str, Spawned] = {}  # key -> asked, pid not known yet
         self._registered: set[int] = set()
         self._early: list[Spawned] = []
         self._reader = asyncio.create_task(self._read())
@@ -96,13 +100,14 @@ class SupervisorProvisioner(Provisioner):
         except OSError as exc:
             raise FabricError(f"the supervisor is gone: {exc}") from exc
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
+    def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
+              origin: Origin = Origin.REPLACEMENT) -> bool:
         try:
-            self._send(StartWorker(role, replaces, boot_nice, avoid, standby))
+            self._send(StartWorker(role, key, boot_nice, avoid, standby, origin))
         except FabricError as exc:
-            log.error("cannot replace %s: %s", replaces, exc)
+            log.error("cannot start a worker for %s: %s", key, exc)
             return False
-        self.asked[replaces] = Spawned(role, replaces, standby=standby)
+        self.asked[key] = Spawned(role, key, standby=standby, origin=origin)
         return True
 
     async def _read(self) -> None:
@@ -117,11 +122,11 @@ class SupervisorProvisioner(Provisioner):
                 return
             msg = decode_message(*decode_bytes(data))
             if isinstance(msg, WorkerStarted):
-                s = self.asked.pop(msg.replaces, None)
+                s = self.asked.pop(msg.key, None)
                 if s is not None:
                     s.pid = msg.pid
                     self.spawned[msg.pid] = s
-                    log.info("the supervisor started a replacement %s (pid %d) for %s", s.role.value, s.pid, s.replaces)
+                    log.info("the supervisor started a %s (pid %d) for %s", s.role.value, s.pid, s.key)
             elif isinstance(msg, WorkerExited):
                 s = self.spawned.pop(msg.pid, None)
                 if s is not None and msg.pid not in self._registered:
@@ -150,9 +155,10 @@ class LocalProvisioner(Provisioner):
         self._registered: set[int] = set()
         self._n = 0
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
+    def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
+              origin: Origin = Origin.REPLACEMENT) -> bool:
         if role not in ROLE_COMMAND or not self.args.get(role):
-            log.error("no spawn arguments for role %s; cannot replace %s", role.value, replaces)
+            log.error("no spawn arguments for role %s; cannot start a worker for %s", role.value, key)
             return False
         self._n += 1
         argv = [*self.args[role]]
@@ -171,9 +177,9 @@ class LocalProvisioner(Provisioner):
         finally:
             if out is not None:
                 out.close()
-        s = Spawned(role, replaces, proc.pid, standby)
+        s = Spawned(role, key, proc.pid, standby, origin)
         self.children.append((s, proc))
-        log.info("started a replacement %s (pid %d) for %s", role.value, proc.pid, replaces)
+        log.info("started a %s (pid %d) for %s", role.value, proc.pid, key)
         return True
 
     def registered(self, pid: int) -> Spawned | None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from fabric.config import OrchestratorConfig
-from fabric.messages.control import Role
+from fabric.messages.control import Origin, Role
 from orchestrator.churn import Churn
 from orchestrator.cluster import Cluster
 from orchestrator.provisioner import NoProvisioner, Provisioner
@@ -34,8 +34,8 @@ class Replacements:
         while worker_id not in seen:
             seen.add(worker_id)
             rec = self.cluster.workers.get(worker_id)
-            before = rec.info.get("replaces") if rec is not None else None
-            if not isinstance(before, str) or not before or before.startswith("scale-out"):
+            before = rec.life.replaces if rec is not None else ""
+            if not before:
                 break
             worker_id = before
         return worker_id
@@ -77,11 +77,13 @@ class Replacements:
         while True:
             await asyncio.sleep(0.5)
             for s in self.provisioner.exited_early():
-                log.warning("replacement %s (pid %d) for %s exited with code %s before registering",
-                            s.role.value, s.pid, s.replaces, s.code)
-                self.died(s.replaces, True, None, f"exited with code {s.code}")
+                log.warning("the %s (pid %d) started for %s exited with code %s before registering",
+                            s.role.value, s.pid, s.key, s.code)
+                if s.origin is Origin.SCALE_OUT:  # (its scale operation times out and says so)
+                    continue
+                self.died(s.key, True, None, f"exited with code {s.code}")
                 await asyncio.sleep(1.0)  # back off: whatever killed it may still be there
-                self.replace(s.role, s.replaces, s.standby)
+                self.replace(s.role, s.key, s.standby)
 
     def stop(self) -> None:
         """The cluster shuts down: replacements waiting out their delay are never started."""

@@ -22,14 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fabric.errors import FabricError
-from fabric.messages.control import AssignExperts, Drain, Role, WorkerState
+from fabric.messages.control import AssignExperts, Drain, Origin, Role, WorkerState
+from orchestrator.cluster import Cluster
+from orchestrator.effects import Declare, Effect, Publish, Send
 from orchestrator.placement import replan
-
-if TYPE_CHECKING:
-    from orchestrator.main import Orchestrator
+from orchestrator.replacements import Replacements
 
 log = logging.getLogger("orchestrator")
 
@@ -44,8 +45,16 @@ class ScaleError(FabricError):
 
 
 class Scaler:
-    def __init__(self, orch: Orchestrator, timeout_s: float = 180.0) -> None:
-        self.orch = orch
+    """Runs scale operations on the cluster's state; what must be sent or declared goes to `apply`
+    (the orchestrator's, which returns whether a `Send` found a link)."""
+
+    def __init__(self, cluster: Cluster, replacements: Replacements, apply: Callable[[Effect], bool],
+                 linked: Callable[[str], bool], serving: Callable[[], bool], timeout_s: float = 180.0) -> None:
+        self.cluster = cluster
+        self.replacements = replacements  # (its provisioner starts the new workers)
+        self.apply = apply
+        self.linked = linked  # whether a worker has a link to the orchestrator now
+        self.serving = serving  # whether the fabric serves (recovered, a table, not stopping)
         self.timeout_s = timeout_s
         self.lock = asyncio.Lock()
         self.started = 0
@@ -56,8 +65,7 @@ class Scaler:
         if self.lock.locked():
             raise ScaleError("another scale operation is under way")
         async with self.lock:
-            orch = self.orch
-            if orch.shutting_down or not orch.recovered.is_set() or orch.cluster.table is None:
+            if not self.serving():
                 raise ScaleError("the fabric is not serving yet (or is stopping)")
             t0 = time.monotonic()
             result: dict[str, Any] = {}
@@ -72,7 +80,7 @@ class Scaler:
 
     # -- expert workers ---------------------------------------------------------------------------
     async def _scale_ews(self, target: int) -> dict[str, Any]:
-        c = self.orch.cluster
+        c = self.cluster
         assert c.placement is not None
         self._check_slots()
         before = len(c.occupant)
@@ -87,11 +95,11 @@ class Scaler:
             removed = sorted(c.occupant, key=_natural)[target:]
         victims = [c.occupant[s] for s in removed]
         # From here on the drained EWs are not replaced and their slots not refilled, whatever happens.
-        self.orch.drained.update(victims)
+        c.drained.update(victims)
         c.removing.update(removed)
         slots = [s for s in c.occupant if s not in removed] + list(joined)
         holder = {**{s: c.occupant[s] for s in slots if s in c.occupant}, **joined}
-        nodes = {s: str(c.workers[w].info.get("node") or w) for s, w in holder.items()}
+        nodes = {s: c.workers[w].traits.node or w for s, w in holder.items()}
         copies = 1 + min(getattr(c.planner, "shadows", 0), len(slots) - 1)
         cfg = c.model
         unit_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate * cfg.itemsize
@@ -104,7 +112,7 @@ class Scaler:
             self._abort(joined, removed, victims)
             raise
         c.commit(plan.placement, joined, removed)
-        self.orch._broadcast()
+        self.apply(Publish())
         assert c.table is not None
         log.info("expert workers %d -> %d: epoch %d, %d units loaded (%.1f MiB moved)", before, target, c.table.epoch,
                  sum(len(u) for u in plan.added.values()), plan.moved_bytes / 2**20)
@@ -118,9 +126,8 @@ class Scaler:
     async def _load(self, placement: dict[tuple[int, int], list[str]], ews_by_slot: dict[str, str]) -> None:
         """Every EW named loads its slot's units of `placement`; returns once each said ready for
         this very assignment (its `op`). Every link is checked before anything is sent."""
-        orch = self.orch
-        links = {ew: orch.links.get(ew) for ew in ews_by_slot.values()}
-        missing = [ew for ew, link in links.items() if link is None]
+        c = self.cluster
+        missing = [ew for ew in ews_by_slot.values() if not self.linked(ew)]
         if missing:
             raise ScaleError(f"{missing[0]} has no link to the orchestrator; nothing changed")
         ops: dict[str, int] = {}
@@ -128,13 +135,11 @@ class Scaler:
             units = [list(u) for u, slots in sorted(placement.items()) if slot in slots]
             self.ops += 1
             ops[ew] = self.ops
-            orch.cluster.workers[ew].slot = slot
-            link = links[ew]
-            assert link is not None
-            link.send(AssignExperts(slot, units, self.ops))
+            c.workers[ew].slot = slot
+            self.apply(Send(ew, AssignExperts(slot, units, self.ops)))
         deadline = time.monotonic() + self.timeout_s
-        while any(orch.ready_ops.get(ew, 0) < op for ew, op in ops.items()):
-            dead = [ew for ew in ops if orch.cluster.workers[ew].state is WorkerState.DEAD]
+        while any(c.ready_ops.get(ew, 0) < op for ew, op in ops.items()):
+            dead = [ew for ew in ops if c.workers[ew].state is WorkerState.DEAD]
             if dead:
                 raise ScaleError(f"{dead[0]} died while loading its new experts; nothing was committed")
             if time.monotonic() > deadline:
@@ -142,13 +147,13 @@ class Scaler:
                                  "nothing was committed")
             await asyncio.sleep(0.01)
         for ew_slot, ew in ews_by_slot.items():  # (only now: what an EW holds counts as free to place)
-            orch.cluster.workers[ew].loaded |= {u for u, slots in placement.items() if ew_slot in slots}
+            c.workers[ew].loaded |= {u for u, slots in placement.items() if ew_slot in slots}
 
     async def add_copy(self, unit: tuple[int, int], ew: str) -> bool:
         """One more copy of `unit` on `ew` (in its slot), loaded, then in the placement; the next
         table publishes it. False where it cannot be done now (a scale operation runs, `ew` holds
         no slot or a copy already, the load failed)."""
-        c = self.orch.cluster
+        c = self.cluster
         rec = c.workers.get(ew)
         if rec is None or not rec.slot or c.occupant.get(rec.slot) != ew or c.placement is None \
                 or self.lock.locked() or rec.slot in c.placement.get(unit, []):
@@ -165,30 +170,30 @@ class Scaler:
             return True
 
     def _check_slots(self) -> None:
-        c = self.orch.cluster
-        busy = [s for s in c.occupant if (c._vacant(s) or s in c.filling) and s not in c.removing]
+        c = self.cluster
+        busy = [s for s in c.occupant if (c.vacant(s) or s in c.filling) and s not in c.removing]
         if busy:
             raise ScaleError(f"slot {busy[0]} is being refilled after a death; scale once it is")
 
     def _abort(self, joined: dict[str, str], removed: list[str], victims: list[str]) -> None:
         """Nothing was committed: the old placement stands; EWs started for it leave again."""
-        c, orch = self.orch.cluster, self.orch
+        c = self.cluster
         c.reserved.difference_update(joined)
         c.removing.difference_update(removed)
-        orch.drained.difference_update(v for v in victims if c.workers[v].state is not WorkerState.DEAD)
+        c.drained.difference_update(v for v in victims if c.workers[v].state is not WorkerState.DEAD)
         for ew in joined:
             c.workers[ew].slot = ""
             self._drain(ew)
 
     # -- attention workers ------------------------------------------------------------------------
     async def _scale_aws(self, target: int) -> dict[str, Any]:
-        c = self.orch.cluster
+        c = self.cluster
         serving = [w for w in c.workers.values() if w.role is Role.ATTENTION and w.serving]
         before = len(serving)
         if target > before:
             joined = await self._start(Role.ATTENTION, target - before, until=WorkerState.ALIVE)
             return {"from": before, "to": target, "joined": joined}
-        victims = sorted(serving, key=lambda w: (w.stats.get("outstanding_work", 0), _natural(w.id)))[:before - target]
+        victims = sorted(serving, key=lambda w: (w.stats.outstanding_work, _natural(w.id)))[:before - target]
         for w in victims:
             self._drain(w.id)
         return {"from": before, "to": target, "drained": [w.id for w in victims]}
@@ -196,23 +201,24 @@ class Scaler:
     # -- shared -----------------------------------------------------------------------------------
     async def _start(self, role: Role, n: int, until: WorkerState = WorkerState.STARTING) -> list[str]:
         """Starts `n` workers of `role`; returns their ids once registered (and in state `until`)."""
-        orch = self.orch
+        c = self.cluster
         t0 = time.time()
         for _ in range(n):
             self.started += 1
-            if not orch.replacements.provisioner.start(role, f"scale-out-{self.started}", 0, []):
+            if not self.replacements.provisioner.start(role, f"scale-out-{self.started}", 0, [],
+                                                       origin=Origin.SCALE_OUT):
                 raise ScaleError("this orchestrator cannot start workers (no provisioner: serve with --provisioner auto)")
         deadline = time.monotonic() + self.timeout_s
         while True:
-            fresh = [w for w in orch.cluster.workers.values() if w.role is role and w.registered_at >= t0
-                     and w.info.get("scale_out") and not w.slot and w.state is not WorkerState.DEAD]
+            fresh = [w for w in c.workers.values() if w.role is role and w.registered_at >= t0
+                     and w.life.origin is Origin.SCALE_OUT and not w.slot and w.state is not WorkerState.DEAD]
             ok = [w.id for w in fresh if until is WorkerState.STARTING or w.state is until]
             if len(ok) >= n:
                 return sorted(ok, key=_natural)[:n]
             if time.monotonic() > deadline:
                 if role is Role.EXPERT:  # (an EW outside the placement serves nothing: let it go)
                     for wid in ok:
-                        orch.cluster.reserved.discard(wid)
+                        c.reserved.discard(wid)
                         self._drain(wid)
                 raise ScaleError(f"{len(ok)} of {n} new {role.value} workers came up within {self.timeout_s:.0f} s")
             await asyncio.sleep(0.02)
@@ -220,15 +226,11 @@ class Scaler:
     def _drain(self, worker_id: str) -> None:
         """The worker leaves for good (as on SIGTERM), and is not replaced; one that has not left
         within DRAIN_TIMEOUT_S is declared dead (fenced)."""
-        orch = self.orch
-        orch.drained.add(worker_id)
-        link = orch.links.get(worker_id)
-        if link is None:
-            orch._declare(worker_id, "drained (scaled in)")
+        self.cluster.drained.add(worker_id)
+        if not self.apply(Send(worker_id, Drain("scaled in"))):
+            self.apply(Declare(worker_id, "drained (scaled in)"))
             return
-        link.send(Drain("scaled in"))
-        asyncio.get_running_loop().call_later(DRAIN_TIMEOUT_S, orch._declare, worker_id,
-                                              f"drained, and still there after {DRAIN_TIMEOUT_S:.0f} s")
+        self.apply(Declare(worker_id, f"drained, and still there after {DRAIN_TIMEOUT_S:.0f} s", DRAIN_TIMEOUT_S))
 
 
 def _natural(wid: str) -> tuple[str, int]:

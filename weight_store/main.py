@@ -1,12 +1,19 @@
-"""The weight store: one long-lived process per host that reads the checkpoint once and publishes
-every tensor the host's workers serve with, in its serving layout, in host memory
-(fabric/model/weight_store.py). Workers started later, replacements and woken standbys above all,
-map their tensors from it in milliseconds instead of reading the checkpoint.
+"""The weight store, one long-lived process per host.
 
-Its life: adopt a complete store of the same key already in `--dir` (one published by a store
-that died), else read the checkpoint and publish; say READY; wait for SIGTERM; remove the store if
-`--remove-on-exit`. It is not on any data path: a worker that mapped its tensors keeps them whether
-the store lives, dies or publishes again.
+It reads the checkpoint once. It publishes every tensor the host's workers serve with, in its
+serving layout, in host memory (fabric/model/weight_store.py). Workers started later map their
+tensors from it in milliseconds instead of reading the checkpoint. This helps replacements and
+woken standbys above all.
+
+Its life:
+1. Adopt a complete store of the same key already in `--dir`, one published by a store that died.
+   Else read the checkpoint and publish.
+2. Say READY.
+3. Wait for SIGTERM.
+4. Remove the store if `--remove-on-exit`.
+
+It is not on any data path. A worker that mapped its tensors keeps them whether the store lives,
+dies or publishes again.
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ log = logging.getLogger("weight_store")
 
 
 def keys(cfg: ModelConfig, model_dir: str, kernel: str) -> tuple[StoreKey, skinny.SkinnyGemm | None, skinny.SkinnyGemm | None]:
-    """The store's key and the kernels its AW tensors and expert tensors are packed for: the same
-    choice the workers make (the AW: `kernel`; an EW: `kernel` where the expert shapes fit)."""
+    """Returns the store's key and the kernels its AW tensors and expert tensors are packed for.
+
+    The choice is the same the workers make. The AW uses `kernel`. An EW uses `kernel` where the
+    expert shapes fit.
+    """
     aw_gemm = skinny.gemm_for(kernel, cfg.torch_dtype)
     ew_gemm = skinny.gemm_for(expert_kernel(cfg, kernel), cfg.torch_dtype)
     key = store_key(model_dir, cfg.torch_dtype, aw_gemm)
@@ -52,7 +62,7 @@ def all_tensors(model_dir: str, cfg: ModelConfig, aw_gemm: skinny.SkinnyGemm | N
 
 
 def build(cfg: WeightStoreConfig) -> str:
-    """Adopts or publishes the store; returns what it did, for the log."""
+    """Adopts or publishes the store and returns what it did, for the log."""
     t0 = time.perf_counter()
     model = ModelConfig.from_dir(cfg.model, cfg.dtype)
     key, aw_gemm, ew_gemm = keys(model, cfg.model, cfg.kernel)

@@ -2,7 +2,8 @@
 
 Every field is encoded and checked by its annotation, compiled once per class (`register`):
 scalars (int, float, str, bool), `X | None`, `list[T]`, `dict[str, T]`, enums (as their value),
-records (plain dataclasses, nested as maps; see `fabric.routing.RoutingTable`), `Any` (passed
+records (plain dataclasses, nested as maps; see `fabric.routing.RoutingTable`), rows (NamedTuples,
+as arrays: named in code, positional on the wire; see `fabric.messages.client.TokenOut`), `Any` (passed
 through: the wire's depth limit bounds it), `torch.Tensor` and `numpy.ndarray` (the control plane's:
 no torch needed), each a raw frame whose dtype and shape go into the header, at any depth. Decoding checks the kind against a registry and
 every value against its annotated type, so a well-formed but wrong header is a `ProtocolError`,
@@ -136,11 +137,19 @@ def _optional_arg(tp: Any) -> Any | None:
     return None
 
 
+def _is_row(tp: Any) -> bool:
+    """A NamedTuple: an array on the wire, its fields by position."""
+    return isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")
+
+
 def _plain(tp: Any) -> bool:
-    """True when values of `tp` go into the header as they are (no tensors, records or enums inside)."""
+    """True when values of `tp` go into the header as they are (no tensors, records or enums inside;
+    msgpack writes a row, a tuple, as an array)."""
     inner = _optional_arg(tp)
     if inner is not None:
         return _plain(inner)
+    if _is_row(tp):
+        return all(_plain(a) for a in typing.get_type_hints(tp).values())
     origin = typing.get_origin(tp)
     if origin in (list, tuple, dict):
         return all(_plain(a) for a in typing.get_args(tp) if a is not Ellipsis)
@@ -254,6 +263,8 @@ def _decoder(tp: Any) -> Decoder:
         return _enum_decoder(tp)
     if _is_record(tp):
         return _record_decoder(tp)
+    if _is_row(tp):
+        return _row_decoder(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (list, tuple):
         return _list_decoder(args[0])
@@ -323,6 +334,17 @@ def _record_decoder(tp: type) -> Decoder:
                 raise ProtocolError(f"{where}: missing field {name!r}")
         return _construct(tp, kwargs, where)
     return dec_record
+
+
+def _row_decoder(tp: type) -> Decoder:
+    decs = [_decoder(a) for a in typing.get_type_hints(tp).values()]
+    n = len(decs)
+
+    def dec_row(v: Any, frames: Frames, where: str) -> Any:
+        if type(v) is not list or len(v) != n:
+            raise ProtocolError(f"{where}: expected a {tp.__name__}, an array of {n}")
+        return tp(*[dec(x, frames, where) for dec, x in zip(decs, v, strict=True)])
+    return dec_row
 
 
 def _frame_of(meta: Any, frames: Frames, where: str, dtypes: dict[str, Any]) -> tuple[Any, list[int], Frame]:

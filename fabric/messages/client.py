@@ -9,17 +9,29 @@ output so far (`Attached`), then the rest as usual. Past the grace the AW aborts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from fabric.messages.base import Message, register
 
 
+class TokenOut(NamedTuple):
+    """One token of a request, as `StepOutput` and `Attached` carry it (an array on the wire)."""
+
+    request_id: str
+    token: int
+    finish: str | None  # the finish reason, on its last token
+    logprob: float | None  # (when logprobs were asked for)
+    top: list[list[Any]] | None  # [[token, logprob], ...]: the `logprobs` most likely
+
+
 @register
-@dataclass
+@dataclass(kw_only=True)
 class Submit(Message):
-    """A request's full state, sent once. `output_ids` is non-empty when a request resumes."""
+    """A request's full state, sent once. `output_ids` is non-empty when a request resumes.
+
+    Built by name only: its fields are many and alike."""
 
     kind = "submit"
     request_id: str
@@ -114,7 +126,7 @@ class Attached(Message):
     kind = "attached"
     request_id: str
     found: bool
-    outputs: list[list[Any]]
+    outputs: list[TokenOut]
     deaths: int = 0
     prompt: PromptScores | None = None  # its prompt scores, if it asked for them and has them
 
@@ -122,13 +134,12 @@ class Attached(Message):
 @register
 @dataclass
 class StepOutput(Message):
-    """One AW step: for each request that produced a token,
-    [request_id, token, finish_reason|None, logprob|None, [[token, logprob], ...]|None]; and the
-    AW's outstanding work after the step (tokens to prefill and decode, over every gateway's
-    requests), which every gateway routes on."""
+    """One AW step: a `TokenOut` for each request that produced a token, and the AW's outstanding
+    work after the step (tokens to prefill and decode, over every gateway's requests), which every
+    gateway routes on."""
 
     kind = "step_output"
-    outputs: list[list[Any]]
+    outputs: list[TokenOut]
     load: int = 0
 
 

@@ -46,6 +46,44 @@ class WorkerState(enum.StrEnum):
     DEAD = "dead"  # for good: fenced, never used again
 
 
+class Origin(enum.StrEnum):
+    """Why a worker exists."""
+
+    INITIAL = "initial"  # started with the fabric
+    REPLACEMENT = "replacement"  # started (or woken, or given a vacant slot) in place of a dead worker
+    SCALE_OUT = "scale-out"  # started by a scale operation: never a spare for a vacant slot
+
+
+@dataclass
+class Life:
+    """Why a worker exists and where it stands in its life, beside its `WorkerState`. A worker
+    says what it knows when it registers; the orchestrator completes it (a replacement it started,
+    a standby it woke, a spare it gave a slot)."""
+
+    origin: Origin = Origin.INITIAL
+    replaces: str = ""  # REPLACEMENT: the dead worker it stands in for
+    standby: bool = False  # a warm spare: serves nothing until woken (AW) or given a slot (EW)
+
+    def woken(self, replaces: str) -> None:
+        """A standby now serves in place of `replaces`."""
+        self.origin, self.replaces, self.standby = Origin.REPLACEMENT, replaces, False
+
+
+@dataclass
+class Traits:
+    """What a worker says about itself when it registers. Placement reads `node` (copies of a
+    unit go to different machines) and the routing table `gather`; the rest is shown in /cluster."""
+
+    node: str = ""  # the machine (or Ray node) it runs on
+    transport: str = ""
+    gather: str = ""  # EW: "sync" (a layer's calls from every AW answered together) or "async"
+    model: str = ""  # gateway: the model name it serves
+    kv_blocks: int = 0  # AW
+    block_size: int = 0  # AW
+    bucket_mib: int = 0  # checkpoint store
+    warmup_ms: float = 0.0  # AW, EW: the warm-up before it served (0: none)
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     id: str
@@ -101,7 +139,8 @@ class Register(Message):
     slot: str = ""  # EW: the placement slot it holds ("" none)
     experts: list[list[int]] = field(default_factory=list)  # EW: the (layer, expert) pairs it has loaded
     ready: bool = False  # serving (EW: experts loaded; AW: connected to the EWs of a table)
-    info: dict[str, Any] = field(default_factory=dict)
+    life: Life = field(default_factory=Life)
+    traits: Traits = field(default_factory=Traits)
     view_version: list[int] = field(default_factory=list)  # instead of `view`: its (generation, epoch, seq)
     control_port: int = 0  # where peers probe it (fabric/control_port.py; 0: none)
 
@@ -247,10 +286,13 @@ class ViewRequest(Message):
 @register
 @dataclass
 class WorkerStats(Message):
-    """Worker -> orchestrator: a small periodic load report, shown in /cluster."""
+    """Worker -> orchestrator, every few seconds: the load figures decisions read, typed, and a
+    report that /cluster shows and nothing decides on."""
 
     kind = "worker_stats"
-    stats: dict[str, Any]
+    report: dict[str, Any] = field(default_factory=dict)
+    outstanding_work: int = 0  # AW: tokens still to prefill and decode (scale-in drains the least busy)
+    tokens_by_expert: list[list[int]] = field(default_factory=list)  # EW: [layer, expert, rows so far] (balancing)
 
 
 @register

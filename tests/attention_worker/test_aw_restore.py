@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from attention_worker.checkpointer import Checkpointer
 from attention_worker.engine import AttentionWorker
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.kv_cache import KVCache
+from attention_worker.model_runner import ModelRunner
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
 from fabric.messages.base import Message
@@ -29,8 +32,8 @@ class GatedCheckpointer(Checkpointer):
 
     CHUNK = 2
 
-    def __init__(self, aw: AttentionWorker) -> None:
-        super().__init__("aw-0", aw.model, aw.kv, None, None)  # type: ignore[arg-type]  # no links here
+    def __init__(self, model: ModelConfig, kv: KVCache) -> None:
+        super().__init__("aw-0", model, kv, None, None)  # type: ignore[arg-type]  # no links here
         self.gate = asyncio.Event()
         self.mid = asyncio.Event()
         self.mid.set()
@@ -77,22 +80,25 @@ class Client:
         self.sent.append(msg)
 
 
-def make_aw(model: Path, **cfg: Any) -> AttentionWorker:
+def make_aw(model: Path, **cfg: Any) -> tuple[AttentionWorker, GatedCheckpointer]:
+    """An engine with the gated checkpointer and neither EW links nor a model runner (no step runs)."""
     config = AttentionWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", kv_cache_mib=4, **cfg)
-    return AttentionWorker(config, ModelConfig.from_dir(model))
+    mc = ModelConfig.from_dir(model)
+    kv = KVCache(mc, config.block_size, config.kv_cache_mib << 20, torch.device("cpu"))
+    ckpt = GatedCheckpointer(mc, kv)
+    return AttentionWorker(config, mc, kv, cast(ForwardingEngine, None), ckpt, cast(ModelRunner, None)), ckpt
 
 
 def submit(rid: str) -> Submit:
-    return Submit(rid, [5, 6, 7, 8], 8, 0.0, 1.0, 0, 0, [], True, [9, 10], restore_from="aw-1")
+    return Submit(request_id=rid, prompt_ids=[5, 6, 7, 8], max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_token_ids=[], ignore_eos=True, output_ids=[9, 10], restore_from="aw-1")
 
 
 async def _scenario(model: Path) -> dict[str, Any]:
-    aw = make_aw(model)
-    ckpt = aw.ckpt = GatedCheckpointer(aw)
-    client, mine = Client(), set[str]()
+    aw, ckpt = make_aw(model)
+    client = Client()
     free = aw.kv.blocks.num_free
     for rid in ("a", "b", "c"):  # each returns at once (restores waiting in line would time out here)
-        aw._submit(submit(rid), client, mine)  # type: ignore[arg-type]
+        aw._submit(submit(rid), client)  # type: ignore[arg-type]
     tasks = {rid: task for rid, (task, _) in aw.restoring.items()}
     await asyncio.wait_for(ckpt.all_waiting.wait(), 5)  # every fetch is at the store at once
     out: dict[str, Any] = {"most_in_flight": ckpt.most_in_flight, "restoring": sorted(tasks)}
@@ -116,10 +122,9 @@ def test_restores_run_side_by_side_and_an_abort_mid_fetch_leaves_nothing(hf_mode
 
 
 async def _join(model: Path, join_ms: float, open_gate: bool) -> dict[str, Any]:
-    aw = make_aw(model, restore_join_ms=join_ms)
-    ckpt = aw.ckpt = GatedCheckpointer(aw)
+    aw, ckpt = make_aw(model, restore_join_ms=join_ms)
     ckpt.expect = 1
-    aw._submit(submit("a"), Client(), set())  # type: ignore[arg-type]
+    aw._submit(submit("a"), Client())  # type: ignore[arg-type]
     await asyncio.wait_for(ckpt.all_waiting.wait(), 5)
     join = asyncio.create_task(aw._join_restores())  # a step boundary with a restore under way
     for _ in range(20):
@@ -145,14 +150,13 @@ def test_a_step_waits_a_bounded_while_for_restores_under_way(hf_models: dict[str
 
 async def _mid_stream(model: Path, fail: bool) -> dict[str, Any]:
     """One restore stopped after its first chunk is in the cache: aborted, or the store lost."""
-    aw = make_aw(model)
-    ckpt = aw.ckpt = GatedCheckpointer(aw)
+    aw, ckpt = make_aw(model)
     ckpt.expect, ckpt.fail_mid = 1, fail
     ckpt.gate.set()
     ckpt.mid.clear()
     client = Client()
     free = aw.kv.blocks.num_free
-    aw._submit(submit("a"), client, set())  # type: ignore[arg-type]
+    aw._submit(submit("a"), client)  # type: ignore[arg-type]
     task = aw.restoring["a"][0]
     await asyncio.wait_for(ckpt.at_mid.wait(), 5)
     out: dict[str, Any] = {"blocks_mid": free - aw.kv.blocks.num_free}

@@ -129,7 +129,7 @@ def scores(n: int, k: int = 2) -> PromptScores:
 
 
 def test_only_a_fresh_requests_first_prefill_scores_its_prompt() -> None:
-    sub = Submit("r", [5, 6, 7, 8, 9], 4, 0.0, 1.0, -1, 0, [], True, [], prompt_logprobs=2)
+    sub = Submit(request_id="r", prompt_ids=[5, 6, 7, 8, 9], max_tokens=4, temperature=0.0, top_p=1.0, top_k=-1, seed=0, stop_token_ids=[], ignore_eos=True, output_ids=[], prompt_logprobs=2)
     seq = Sequence.from_submit(sub, None)
     assert list(seq.scores(0, 3)) == [0, 1, 2] and list(seq.scores(3, 2)) == [3]  # the last row samples
     seq.add_scores(0, scores(3))

@@ -9,7 +9,7 @@ import time
 
 from attention_worker.request import Sequence
 from attention_worker.sessions import Sessions
-from fabric.messages.client import Attach, Submit
+from fabric.messages.client import Attach, Submit, TokenOut
 
 
 class Conn:
@@ -19,14 +19,14 @@ class Conn:
 
 
 def submit(rid: str, grace: float = 5.0, seed: int = 1) -> Submit:
-    return Submit(rid, [1, 2, 3], 8, 0.7, 1.0, -1, seed, [2], False, [], resume_grace_s=grace)
+    return Submit(request_id=rid, prompt_ids=[1, 2, 3], max_tokens=8, temperature=0.7, top_p=1.0, top_k=-1, seed=seed, stop_token_ids=[2], ignore_eos=False, output_ids=[], resume_grace_s=grace)
 
 
 class World:
     def __init__(self) -> None:
         self.running: dict[str, Sequence] = {}
         self.removed: list[str] = []
-        self.sessions = Sessions(self.running.get, self.remove)
+        self.sessions = Sessions(self.running.get, self.remove, self.running.values)
 
     def remove(self, rid: str, hand_off: bool = False) -> None:
         self.removed.append(rid)
@@ -42,13 +42,13 @@ def test_detached_requests_run_on_and_can_be_attached_from_anywhere() -> None:
     w = World()
     a, b = Conn(), Conn()
     seq = w.add(submit("r"), a)
-    seq.outputs.append(["r", 42, None, None, None])
-    w.sessions.connection_lost(a, {"r"})  # its gateway died
+    seq.outputs.append(TokenOut("r", 42, None, None, None))
+    w.sessions.connection_lost(a)  # its gateway died
     assert seq.client is None and seq.detached_until is not None and w.removed == []
     reply = w.sessions.attach(b, Attach(submit("r", seed=2)))  # another generation: not this request
     assert not reply.found and seq.client is None
     reply = w.sessions.attach(b, Attach(submit("r")))
-    assert reply.found and reply.outputs == [["r", 42, None, None, None]] and seq.client is b
+    assert reply.found and reply.outputs == [TokenOut("r", 42, None, None, None)] and seq.client is b
     assert not w.sessions.abort(a, "r") and w.removed == []  # the old owner has no say any more
     w.sessions.detach(b, "r")  # its HTTP client left
     w.sessions.expire(list(w.running.values()), now=time.monotonic() + 10)
@@ -60,7 +60,7 @@ def test_a_request_that_finishes_detached_is_parked_for_its_grace() -> None:
     a, b = Conn(), Conn()
     seq = w.add(submit("r"), a)
     w.sessions.detach(a, "r")
-    seq.outputs.append(["r", 7, "length", None, None])
+    seq.outputs.append(TokenOut("r", 7, "length", None, None))
     w.sessions.finished(seq)
     w.remove("r")
     reply = w.sessions.attach(b, Attach(submit("r")))
@@ -76,7 +76,7 @@ def test_a_request_that_is_not_resumable_is_aborted_at_once() -> None:
     w = World()
     a = Conn()
     w.add(submit("r", grace=0.0), a)
-    w.sessions.connection_lost(a, {"r"})
+    w.sessions.connection_lost(a)
     assert w.removed == ["r"]
 
 
@@ -93,20 +93,20 @@ def test_a_resumed_submit_takes_over_its_own_detached_run() -> None:
     w = World()
     a, b = Conn(), Conn()
     seq = w.add(submit("r"), a)
-    seq.outputs += [["r", 42, None, None, None], ["r", 43, None, None, None]]
+    seq.outputs += [TokenOut("r", 42, None, None, None), TokenOut("r", 43, None, None, None)]
     assert w.sessions.take_over(b, resumed("r", [42])) is None  # a's connection is up: it is a's
     a.closed = True  # a's gateway closed it; its loss is not handled yet
     assert w.sessions.take_over(b, resumed("r", [42], seed=2)) is None
     assert w.sessions.take_over(b, resumed("r", [99])) is None
     taken = w.sessions.take_over(b, resumed("r", [42]))
-    assert taken is not None and taken.outputs == [["r", 43, None, None, None]]
+    assert taken is not None and taken.outputs == [TokenOut("r", 43, None, None, None)]
     assert seq.client is b and seq.detached_until is None and w.removed == []
     assert taken.prompt is None  # (the gateway has a token: it has the prompt's scores)
 
     w.sessions.detach(b, "r")  # finished while detached: parked
-    seq.outputs.append(["r", 44, "length", None, None])
+    seq.outputs.append(TokenOut("r", 44, "length", None, None))
     w.sessions.finished(seq)
     w.remove("r")
     assert w.sessions.take_over(a, resumed("r", [42, 43, 44])) is None  # nothing left to send it
     taken = w.sessions.take_over(a, resumed("r", [42, 43]))
-    assert taken is not None and taken.outputs == [["r", 44, "length", None, None]] and "r" not in w.sessions.parked
+    assert taken is not None and taken.outputs == [TokenOut("r", 44, "length", None, None)] and "r" not in w.sessions.parked

@@ -44,7 +44,7 @@ def test_register_carries_the_last_view_and_nested_messages_roundtrip() -> None:
     reg = Register(Role.EXPERT, 12, "h", 3, "ew-1", 7, ClusterView(7, None, [], []), "ew-1", [[0, 1], [1, 2]], True)
     out = roundtrip(reg)
     assert isinstance(out, Register) and out.role is Role.EXPERT and out.view is not None and out.experts == [[0, 1], [1, 2]]
-    attach = Attach(Submit("r", [1, 2], 4, 0.5, 1.0, -1, 3, [2], False, [], resume_grace_s=2.0))
+    attach = Attach(Submit(request_id="r", prompt_ids=[1, 2], max_tokens=4, temperature=0.5, top_p=1.0, top_k=-1, seed=3, stop_token_ids=[2], ignore_eos=False, output_ids=[], resume_grace_s=2.0))
     assert roundtrip(attach) == attach
 
 

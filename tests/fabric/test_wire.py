@@ -9,7 +9,7 @@ import torch
 from fabric.errors import ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.checkpoint import KvPut
-from fabric.messages.client import Submit
+from fabric.messages.client import StepOutput, Submit, TokenOut
 from fabric.messages.control import TableDelta, ViewDelta
 from fabric.messages.expert import ExpertCall
 from fabric.wire import PREFIX_SIZE, WireLimits, decode_bytes, encode_bytes, parse_prefix
@@ -34,8 +34,19 @@ def test_empty_tensor_roundtrip() -> None:
 
 
 def test_scalar_message_roundtrip() -> None:
-    msg = Submit("r1", [1, 2, 3], 5, 0.5, 0.9, 10, 2**63 + 5, [2], False, [])
+    msg = Submit(request_id="r1", prompt_ids=[1, 2, 3], max_tokens=5, temperature=0.5, top_p=0.9, top_k=10, seed=2**63 + 5, stop_token_ids=[2], ignore_eos=False, output_ids=[])
     assert roundtrip(msg) == msg
+
+
+def test_rows_are_arrays_on_the_wire_and_named_in_code() -> None:
+    rows = [TokenOut("r1", 7, None, None, None), TokenOut("r2", 9, "length", -0.5, [[9, -0.5], [3, -1.0]])]
+    header, _ = encode_message(StepOutput(rows, 4))
+    assert header["outputs"][1] == ("r2", 9, "length", -0.5, [[9, -0.5], [3, -1.0]])  # positional
+    back = roundtrip(StepOutput(rows, 4))
+    assert isinstance(back, StepOutput) and back.outputs == rows and back.outputs[1].finish == "length"
+    for bad in (["r1", 7, None, None], ["r1", "7", None, None, None], {"request_id": "r1"}):
+        with pytest.raises(ProtocolError, match="outputs"):
+            decode_message(*decode_bytes(encode_bytes({"kind": "step_output", "outputs": [bad], "load": 0})))
 
 
 def test_limits_checked_before_reading_the_body() -> None:

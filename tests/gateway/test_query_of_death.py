@@ -100,7 +100,7 @@ def test_a_request_that_freezes_its_aws_counts_them_once_they_are_declared_dead(
 
     async def main() -> tuple[list[int], str]:
         pool = _Pool()
-        choice = Choice(0, "r", Submit("r", [1, 2], 4, 0.0, 1.0, 0, 0, [], False, []))
+        choice = Choice(0, "r", Submit(request_id="r", prompt_ids=[1, 2], max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_token_ids=[], ignore_eos=False, output_ids=[]))
         await start_choice(pool, choice)  # type: ignore[arg-type]
         deaths = []
         try:
@@ -121,7 +121,7 @@ def test_a_request_that_freezes_its_aws_counts_them_once_they_are_declared_dead(
 def test_a_slow_aw_found_hung_is_not_counted() -> None:
     async def main() -> int:
         pool = _Pool()
-        choice = Choice(0, "r", Submit("r", [1, 2], 4, 0.0, 1.0, 0, 0, [], False, []))
+        choice = Choice(0, "r", Submit(request_id="r", prompt_ids=[1, 2], max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_token_ids=[], ignore_eos=False, output_ids=[]))
         await start_choice(pool, choice)  # type: ignore[arg-type]
         for _ in range(3):  # each AW only slow: vouched for, never declared dead
             await _resume(pool, choice, "hung", 0.0, death=False)  # type: ignore[arg-type]

@@ -19,17 +19,17 @@ def test_balancer_evens_the_ews_load_and_cools_down() -> None:
     # Hand-checked: A serves 70 + 10 = 80 rows, B 20; mean 50, A over 1.5x. A's hottest unit with a
     # copy that does not serve yet is (0, 0): spread over A and B, A has 45 and B 55: balanced.
     # An EW's counts when first seen are no round (a restarted orchestrator sees all-time counts).
-    assert b.rows_since_last({"ew-a": {"tokens_by_expert": {"0:0": 900}}, "ew-b": {}}) == {}
-    ew_a = {"tokens_by_expert": {"0:0": 940, "0:2": 10}}
-    ew_b = {"tokens_by_expert": {"0:0": 30, "0:1": 10, "0:3": 10}}
+    assert b.rows_since_last({"ew-a": {(0, 0): 900}, "ew-b": {}}) == {}
+    ew_a = {(0, 0): 940, (0, 2): 10}
+    ew_b = {(0, 0): 30, (0, 1): 10, (0, 3): 10}
     rows = b.rows_since_last({"ew-a": ew_a, "ew-b": ew_b})
     assert rows == {(0, 0): 70, (0, 1): 10, (0, 2): 10, (0, 3): 10}
     active = b.decide(rows, replicas, {})
     assert active == {(0, 0): 2}
     # Counts are cumulative: only the rows since the last round count. Now (0, 0) has 30 rows:
     # without its second replica A would serve 55 and B 45, under the midpoint (1.25x): it cools.
-    ew_a["tokens_by_expert"] = {"0:0": 955, "0:2": 35}
-    ew_b["tokens_by_expert"] = {"0:0": 45, "0:1": 35, "0:3": 30}
+    ew_a = {(0, 0): 955, (0, 2): 35}
+    ew_b = {(0, 0): 45, (0, 1): 35, (0, 3): 30}
     rows = b.rows_since_last({"ew-a": ew_a, "ew-b": ew_b})
     assert rows == {(0, 0): 30, (0, 1): 25, (0, 2): 25, (0, 3): 20}
     assert b.decide(rows, replicas, active) == {}
@@ -51,7 +51,7 @@ def test_balancer_evens_the_ews_load_and_cools_down() -> None:
     assert b3.decide({(0, 0): 100, (0, 1): 10, (0, 2): 10}, three, {}) == {(0, 0): 2, (0, 2): 2}
     assert b3.grow == [((0, 0), "C")]
     # An EW that restarted (its counts went down) counts from zero again.
-    rows = b.rows_since_last({"ew-a": {"tokens_by_expert": {"0:0": 5}}, "ew-b": ew_b})
+    rows = b.rows_since_last({"ew-a": {(0, 0): 5}, "ew-b": ew_b})
     assert rows == {(0, 0): 5}
 
 

@@ -56,7 +56,7 @@ def test_rebuild_from_the_workers_reports(hf_models: dict[str, Path]) -> None:
     assert spare is not None and spare.id == "ew-3"
     assignment = new.maybe_place()
     assert list(assignment) == ["ew-3"] and sorted(assignment["ew-3"]) == sorted(old.slot_units("ew-1"))
-    assert spare.info["replaces"] == "ew-1"
+    assert spare.life.replaces == "ew-1"
     assert new.mark_ready("ew-3") and new.table.epoch == 3 and "ew-3" in new.table.expert_workers
 
 

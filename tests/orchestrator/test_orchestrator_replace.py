@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fabric.config import OrchestratorConfig
-from fabric.messages.control import Register, Role
+from fabric.messages.control import Life, Origin, Register, Role
 from orchestrator.main import Orchestrator
 from orchestrator.provisioner import NoProvisioner
 
@@ -20,8 +20,9 @@ class Recorder(NoProvisioner):
     def __init__(self) -> None:
         self.started: list[tuple[str, str, float]] = []
 
-    def start(self, role: Role, replaces: str, boot_nice: int, avoid: list[str], standby: bool = False) -> bool:
-        self.started.append((role.value, replaces, time.monotonic()))
+    def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
+              origin: Origin = Origin.REPLACEMENT) -> bool:
+        self.started.append((role.value, key, time.monotonic()))
         return True
 
 
@@ -82,7 +83,7 @@ def test_replacements_that_keep_dying_young_are_not_started_again(hf_models: dic
         dead = "ew-0"
         for i in range(1, 5):  # replacement i replaces the one before it, and dies young
             new = f"ew-{10 + i}"
-            orch.cluster.add(Register(Role.EXPERT, 100 + i, "127.0.0.1", 1, worker_id=new, info={"replaces": dead}))
+            orch.cluster.add(Register(Role.EXPERT, 100 + i, "127.0.0.1", 1, worker_id=new, life=Life(Origin.REPLACEMENT, dead)))
             reps.died(new, replacement=True, age_s=2.0, reason="CUDA error: no kernel image")
             reps.replace(Role.EXPERT, new)
             dead = new

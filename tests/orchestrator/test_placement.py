@@ -57,27 +57,27 @@ def test_too_few_nodes_is_named() -> None:
 def test_the_orchestrator_places_by_the_nodes_workers_report(hf_models: dict) -> None:
     """EWs report their node in their registration (fabric/runtime.py); the first placement
     spreads each expert's copies over the nodes, and /cluster shows each worker's node."""
-    from fabric.messages.control import Register, Role
+    from fabric.messages.control import Register, Role, Traits
     from fabric.model.config import ModelConfig
     from orchestrator.cluster import Cluster
 
     cluster = Cluster(ModelConfig.from_dir(hf_models["mixtral"]), 4, BalancedPlanner(1), "127.0.0.1", 7000, 1)
     for node in ("a", "a", "b", "b"):  # registration order pairs each node's EWs
-        assert cluster.add(Register(Role.EXPERT, 100, "127.0.0.1", 9000, info={"node": node})) is not None
+        assert cluster.add(Register(Role.EXPERT, 100, "127.0.0.1", 9000, traits=Traits(node=node))) is not None
     cluster.maybe_place()
-    nodes = {w.id: w.info["node"] for w in cluster.workers.values()}
+    nodes = {w.id: w.traits.node for w in cluster.workers.values()}
     assert cluster.placement is not None and spread(cluster.placement, nodes)
     assert {w["info"]["node"] for w in cluster.to_json()["workers"] if w["role"] == "expert"} == {"a", "b"}
     # A dead EW's replacement should avoid the nodes holding the other copies of its experts.
     for w in list(cluster.workers.values()):
         if w.role is Role.EXPERT:
             cluster.mark_ready(w.id)
-    dead = next(w for w in cluster.workers.values() if w.role is Role.EXPERT and w.info["node"] == "a")
+    dead = next(w for w in cluster.workers.values() if w.role is Role.EXPERT and w.traits.node == "a")
     cluster.mark_dead(dead.id)
     avoid = cluster.nodes_with_copies(dead.id)
     assert "b" in avoid
     slot_units = set(cluster.slot_units(dead.slot))
-    holders = {cluster.workers[o].info["node"] for s, o in cluster.occupant.items()
+    holders = {cluster.workers[o].traits.node for s, o in cluster.occupant.items()
                if s != dead.slot and o != dead.id and slot_units & set(cluster.slot_units(s))}
     assert set(avoid) == holders
 

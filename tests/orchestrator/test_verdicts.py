@@ -105,7 +105,7 @@ class Link:
     def send(self, msg: Any) -> None:
         self.sent.append(msg)
         if isinstance(msg, LinkProbe) and not self.hung:
-            asyncio.get_running_loop().call_later(self.delay, self.orch._heard, self.wid)
+            asyncio.get_running_loop().call_later(self.delay, self.orch.heard, self.wid)
 
 
 def cluster(model: Path, hung: bool) -> tuple[Orchestrator, dict[str, Link]]:
@@ -124,8 +124,8 @@ def test_a_reported_store_that_answers_is_vouched_for_to_every_reporter(hf_model
     async def main() -> tuple[Orchestrator, dict[str, Link]]:
         orch, links = cluster(hf_models["mixtral"], hung=False)
         store, aw0, aw1 = "cs-0", "aw-0", "aw-1"
-        await orch._handle(aw0, PeerFailed(store, "connection closed"))
-        await orch._handle(aw1, PeerFailed(store, "connection closed"))  # while the first probe is out
+        await orch.handle(aw0, PeerFailed(store, "connection closed"))
+        await orch.handle(aw1, PeerFailed(store, "connection closed"))  # while the first probe is out
         for _ in range(200):  # (until the store's answer has reached both reporters, at most 10 s)
             if all(any(isinstance(m, PeerAlive) for m in links[aw].sent) for aw in (aw0, aw1)):
                 break
@@ -143,14 +143,14 @@ def test_a_silent_store_is_declared_dead_when_its_lease_runs_out(hf_models: dict
     async def main() -> tuple[Orchestrator, dict[str, Link], bool]:
         orch, links = cluster(hf_models["mixtral"], hung=True)
         watcher = asyncio.create_task(orch.watch_leases())
-        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed"))
+        await orch.handle("aw-0", PeerFailed("cs-0", "connection closed"))
         await asyncio.sleep(LEASE / 2)
         alive_at_half = orch.cluster.workers["cs-0"].state is WorkerState.ALIVE  # (a report alone decides nothing)
         for _ in range(int(3 * LEASE / 0.05)):  # the others keep beating
             await asyncio.sleep(0.05)
             for wid in ("aw-0", "aw-1", "gw-0"):
-                await orch._handle(wid, Heartbeat())
-                orch._heard(wid)
+                await orch.handle(wid, Heartbeat())
+                orch.heard(wid)
         watcher.cancel()
         return orch, links, alive_at_half
 
@@ -170,7 +170,7 @@ def test_a_reported_worker_whose_link_is_gone_is_dead_at_once_if_a_connection_en
     async def main() -> Orchestrator:
         orch, links = cluster(hf_models["mixtral"], hung=False)
         links["cs-0"].closed = True  # its link is gone
-        await orch._handle("aw-0", PeerFailed("cs-0", "connection closed by the peer" if closed else "no answer to "
+        await orch.handle("aw-0", PeerFailed("cs-0", "connection closed by the peer" if closed else "no answer to "
                                               "3 probes in 40 ms", closed=closed))
         await asyncio.sleep(0.05)
         return orch
