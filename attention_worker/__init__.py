@@ -1,1 +1,1 @@
-"""The attention worker process: KV cache, attention, router, sampling, and the forwarding engine."""
+"""The attention worker process, which holds the KV cache, attention, router, sampling and the forwarding engine."""

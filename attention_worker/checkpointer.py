@@ -1,10 +1,15 @@
-"""The AW side of KV checkpointing (Tarragon §6.1, FailSafe §3.2): every layer's new KV of a step
-is handed over without waiting (`record_layer`, the paper's async_update) and travels to the
-checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls
-("opportunistic interleaving": mostly while it waits for expert results). A restoring AW fetches a
-dead AW's request back (`fetch`). Modes: `incremental` (the default), `pause` (the training-style
-baseline: every `pause_every` steps, stop, copy every running request's whole KV, wait for the
-store, resume) and `off`.
+"""The AW side of KV checkpointing (Tarragon §6.1, FailSafe §3.2).
+
+Every layer's new KV of a step is handed over without waiting (`record_layer`, the paper's
+async_update). It travels to the checkpoint store in a low-priority lane that only sends while this
+AW is not sending expert calls. This is "opportunistic interleaving", mostly while the AW waits for
+expert results. A restoring AW fetches a dead AW's request back (`fetch`).
+
+Modes:
+- `incremental`, the default;
+- `pause`, the training-style baseline. Every `pause_every` steps it stops, copies every running
+  request's whole KV, waits for the store, and resumes;
+- `off`.
 
 Legend: T tokens in a step, L layers, n tokens of one request, K kv heads, d head dim.
 """
@@ -35,9 +40,12 @@ from fabric.transport.base import Connection, Transport
 
 log = logging.getLogger(__name__)
 
-PUT_TOKENS = 256  # a whole request goes to the store as KvPut messages of at most this many tokens
-MAX_QUEUE_BYTES = 256 << 20  # past this the store is not keeping up: drop, and say so in the stats
-COALESCE_BYTES = 256 << 10  # consecutive layers of a step are joined into one message up to this
+# A whole request goes to the store as KvPut messages of at most this many tokens.
+PUT_TOKENS = 256
+# Past this the store is not keeping up. Messages are dropped, and the stats say so.
+MAX_QUEUE_BYTES = 256 << 20
+# Consecutive layers of a step are joined into one message up to this.
+COALESCE_BYTES = 256 << 10
 
 
 def _nbytes(msg: Message) -> int:
@@ -59,7 +67,8 @@ class Checkpointer:
         self.pause_every = pause_every
         self.store_id: str | None = None
         self.link: Connection | None = None
-        self.queue: deque[tuple[Message, Callable[[], bool]]] = deque()  # (message, is its KV in host memory yet)
+        # (message, whether its KV is in host memory yet)
+        self.queue: deque[tuple[Message, Callable[[], bool]]] = deque()
         self.copies = HostCopies(kv.device)  # KV segments leave the device on a side stream
         self.queued_bytes = 0
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
@@ -70,18 +79,21 @@ class Checkpointer:
         self._seq = itertools.count(1)
         self._calls = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}  # KvSync nonce -> KvSynced
-        self._restores: dict[int, asyncio.Queue[KvRestore | PeerDeadError]] = {}  # KvFetch call -> its chunks
+        # KvFetch call -> its chunks.
+        self._restores: dict[int, asyncio.Queue[KvRestore | PeerDeadError]] = {}
         self.sent_upto: dict[str, int] = {}  # request -> tokens whose every layer has been sent
         # stats
         self.bytes_sent = 0
-        self.bytes_in_gaps = 0  # sent while expert calls were in flight and none was being sent
+        # Sent while expert calls were in flight and none was being sent.
+        self.bytes_in_gaps = 0
         self.dropped_bytes = 0
         self.resent_requests = 0
         self.restores = 0
         self.restored_tokens = 0
         self.pauses = 0
         self.pause_s = 0.0
-        self.lags: deque[int] = deque(maxlen=4096)  # live minus checkpointed tokens, per request and step
+        # Live minus checkpointed tokens, per request and step.
+        self.lags: deque[int] = deque(maxlen=4096)
 
     @property
     def active(self) -> bool:
@@ -89,8 +101,10 @@ class Checkpointer:
 
     # -- the store link ---------------------------------------------------------------------
     async def connect(self, store_id: str, host: str, port: int, running: list[Sequence]) -> None:
-        """Connects to a (new) store. Requests already running are re-sent whole, in the
-        background, so protection resumes after a store replacement."""
+        """Connects to a store, possibly a new one.
+
+        Requests already running are re-sent whole, in the background, so protection resumes after a
+        store replacement."""
         await self.close_link()
         link = await self.transport.connect(host, port)
         await link.send(StoreHello(self.aw_id, self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
@@ -135,7 +149,7 @@ class Checkpointer:
                 msg = await link.recv()
                 if isinstance(msg, KvRestore):
                     chunks = self._restores.get(msg.call_id)
-                    if chunks is not None:  # (else: a restore given up; its chunks are dropped)
+                    if chunks is not None:  # else a restore was given up, and its chunks are dropped
                         chunks.put_nowait(msg)
                     continue
                 fut = self._replies.pop(getattr(msg, "nonce", -1), None)
@@ -151,14 +165,17 @@ class Checkpointer:
 
     # -- what the AW hands over --------------------------------------------------------------
     def record_layer(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer` wrote KV k, v [T, K, d] for `spans` (request, first token, tokens), rows in
-        order. Returns at once. Consecutive layers of a step are joined into one segment message
-        (up to COALESCE_BYTES, and always at the last layer), which waits for an idle gap: one
-        message per step instead of one per layer costs the AW and the store a fraction of the CPU."""
+        """Takes the KV k, v [T, K, d] that layer `layer` wrote for `spans`. Returns at once.
+
+        `spans` holds (request, first token, tokens), rows in order. Consecutive layers of a step are
+        joined into one segment message, up to COALESCE_BYTES and always at the last layer. The
+        message waits for an idle gap. One message per step instead of one per layer costs the AW and
+        the store a fraction of the CPU."""
         if self.mode != "incremental" or not self.active or not spans:
             return
         if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
-            self._flush()  # a step that stopped part-way (its data is still right: KV is deterministic)
+            # A step that stopped part-way. Its data is still right, as KV is deterministic.
+            self._flush()
         if not self._pending:
             self._pending_layer, self._pending_spans = layer, spans
         self._pending.append((k, v))  # every layer of a step has the same shape
@@ -176,12 +193,14 @@ class Checkpointer:
                                [s[2] for s in spans], k, v), lambda: k_done() and v_done())
 
     def finished(self, request_ids: list[str], hand_off: bool = False) -> None:
-        """These requests left this AW: the store frees their checkpoints, or (`hand_off`: they
-        resume on another AW) keeps them for that AW's restore."""
+        """Tells the store these requests left this AW, so it frees their checkpoints.
+
+        With `hand_off` they resume on another AW, and the store keeps them for that AW's restore."""
         for rid in request_ids:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
-            self._flush()  # segments of these requests must not reach the store after their KvDone
+            # Segments of these requests must not reach the store after their KvDone.
+            self._flush()
             self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 
     def step_done(self, running: list[Sequence]) -> None:
@@ -200,8 +219,10 @@ class Checkpointer:
         self._wake.set()
 
     async def _send_loop(self, link: Connection) -> None:
-        """The low-priority lane: one message at a time, behind the expert calls (a layer's calls
-        all go out before its dispatch first waits, so they are never queued behind a checkpoint)."""
+        """The low-priority lane: one message at a time, behind the expert calls.
+
+        A layer's calls all go out before its dispatch first waits. So they are never queued behind a
+        checkpoint."""
         try:
             while True:
                 if not self.queue:
@@ -269,9 +290,10 @@ class Checkpointer:
 
     # -- restoration -------------------------------------------------------------------------
     async def fetch(self, owner: str, request_id: str, max_tokens: int) -> AsyncGenerator[KvRestore, None]:
-        """The committed KV of a request `owner` checkpointed, as the store's chunks in order (the
-        first says the frontier; none if there is no store). Raises PeerDeadError if the store is
-        lost, TimeoutError if a chunk takes over 10 s."""
+        """The committed KV of a request `owner` checkpointed, as the store's chunks in order.
+
+        The first chunk says the frontier. There are none if there is no store. Raises PeerDeadError
+        if the store is lost, TimeoutError if a chunk takes over 10 s."""
         if not self.active:
             return
         assert self.link is not None
@@ -291,17 +313,19 @@ class Checkpointer:
             self._restores.pop(call, None)
 
     async def restore(self, seq: Sequence, owner: str) -> int:
-        """Per-request restoration: fetches the request's checkpointed KV and writes each chunk into
-        this AW's cache as it arrives. Returns the tokens restored: all committed ones but at least
-        one short of the request's end, so the step that follows yields the next token's logits;
-        0 if the store has nothing or no blocks are free (the request then re-prefills). Raises
-        PeerDeadError / TimeoutError if the store fails part-way. The blocks of an unfinished
-        restore (failed or cancelled) are released."""
+        """Per-request restoration; returns the tokens restored.
+
+        It fetches the request's checkpointed KV and writes each chunk into this AW's cache as it
+        arrives. It restores all committed tokens, but at least one short of the request's end, so
+        the step that follows yields the next token's logits. It returns 0 if the store has nothing
+        or no blocks are free; the request then re-prefills. Raises PeerDeadError or TimeoutError if
+        the store fails part-way. The blocks of an unfinished restore, failed or cancelled, are
+        released."""
         want, written = 0, 0
         try:
             async with contextlib.aclosing(self.fetch(owner, seq.request_id, seq.num_tokens - 1)) as chunks:
                 async for chunk in chunks:
-                    if not want:  # the first chunk: how much there is
+                    if not want:  # the first chunk says how much there is
                         want = min(chunk.frontier, seq.num_tokens - 1)
                         if want <= 0 or not self.kv.blocks.grow(seq.block_table, want):
                             return 0
@@ -309,7 +333,7 @@ class Checkpointer:
         except BaseException:
             self.kv.blocks.release(seq.block_table)
             raise
-        if written < want:  # the stream ended early: not a usable prefix
+        if written < want:  # the stream ended early, so not a usable prefix
             self.kv.blocks.release(seq.block_table)
             return 0
         seq.num_computed = want
@@ -319,7 +343,7 @@ class Checkpointer:
         return want
 
     def _write(self, seq: Sequence, chunk: KvRestore, want: int) -> int:
-        """Tokens chunk.start .. of chunk.k, v [L, c, K, d] that fall below `want` into the cache."""
+        """Writes into the cache the tokens chunk.start .. of chunk.k, v [L, c, K, d] that fall below `want`."""
         end = min(want, chunk.start + chunk.k.shape[1])
         if end <= chunk.start:
             return 0

@@ -1,13 +1,19 @@
 """The attention worker's engine: requests in from gateway connections, one main loop.
 
-Main loop: (apply a new routing table between steps) -> schedule a mixed batch -> forward it
-(attention here, experts through the REFE) -> sample -> send each gateway its tokens (never
-waiting on one: `send_nowait`) -> free finished requests. Gateway connections only enqueue
-submits, aborts, detaches and attaches (attention_worker/sessions.py).
+The main loop, one step at a time:
 
-An error that belongs to one request (its sampling) fails that request, not the process; an error
-in the step's forward pass fails the process (its state may be inconsistent), and the fabric
-resumes its requests elsewhere.
+1. apply a new routing table, if any, between steps;
+2. schedule a mixed batch;
+3. forward it, with attention here and experts through the REFE;
+4. sample;
+5. send each gateway its tokens, never waiting on one (`send_nowait`);
+6. free finished requests.
+
+Gateway connections only enqueue submits, aborts, detaches and attaches (attention_worker/sessions.py).
+
+An error that belongs to one request, such as its sampling, fails that request, not the process.
+An error in the step's forward pass fails the process, since its state may be inconsistent. The
+fabric then resumes its requests elsewhere.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ MAX_RESUME_GRACE_S = 3600.0  # a detached stream is kept at most this long
 
 
 class AttentionWorker:
-    """Built once the worker has its id (attention_worker/main.py `registered`), whole: the KV
-    cache, the forwarding engine to the EWs, the checkpointer and the model runner."""
+    """The engine, built whole once the worker has its id (attention_worker/main.py `registered`).
+
+    It holds the KV cache, the forwarding engine to the EWs, the checkpointer and the model runner."""
 
     def __init__(self, cfg: AttentionWorkerConfig, model: ModelConfig, kv: KVCache, refe: ForwardingEngine,
                  ckpt: Checkpointer, runner: ModelRunner) -> None:
@@ -66,7 +73,8 @@ class AttentionWorker:
         self.ckpt = ckpt
         self.runner = runner
         self.work = asyncio.Event()
-        self.restoring: dict[str, tuple[asyncio.Task[None], Sequence]] = {}  # request -> its restore, under way
+        # Request -> its restore, under way.
+        self.restoring: dict[str, tuple[asyncio.Task[None], Sequence]] = {}
         self.sessions = Sessions(self._find, self._remove, self._requests)
         self.crash_seed = faults.crash_seed()
         self.steps = 0
@@ -86,8 +94,10 @@ class AttentionWorker:
 
     # -- gateway connections ------------------------------------------------------------------
     async def handle_client(self, conn: Connection) -> None:
-        """One gateway connection. A request's `Sequence.client` is its one owner: the connection
-        its tokens go to (None: detached)."""
+        """Serves one gateway connection.
+
+        A request's `Sequence.client` is its one owner, the connection its tokens go to. None means
+        detached."""
         try:
             while True:
                 msg = await conn.recv()
@@ -132,14 +142,14 @@ class AttentionWorker:
                     raise RequestError(f"request {msg.request_id} is already running here")
                 if old is not None:
                     # A detached copy that disagrees with the resume. The gateway's stream wins and
-                    # is prefilled again, not restored: the copy's KvDone is queued to the store,
+                    # is prefilled again, not restored. The copy's KvDone is queued to the store,
                     # and a restore's fetch would overtake it.
                     self._remove(msg.request_id)
                     msg = dataclasses.replace(msg, restore_from="")
             seq = Sequence.from_submit(msg, conn)
-            # A request that has yet to score its prompt prefills it whole (no KV restore skips it).
+            # A request that has yet to score its prompt prefills it whole. No KV restore skips it.
             if msg.restore_from and not seq.scores(0, seq.num_tokens):
-                # Each restore waits for the store; they run side by side, not one after another.
+                # Each restore waits for the store. They run side by side, not one after another.
                 task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
                 self.restoring[msg.request_id] = (task, seq)
             else:
@@ -150,8 +160,10 @@ class AttentionWorker:
         self.work.set()
 
     def _take_over(self, msg: Submit, conn: Connection) -> bool:
-        """Resumes `msg` onto the copy that still runs (or finished) here detached: its tokens past
-        those the gateway has go out at once, the rest as they come (`Sessions.take_over`)."""
+        """Resumes `msg` onto the copy that still runs, or finished, here detached.
+
+        Its tokens past those the gateway has go out at once, the rest as they come
+        (`Sessions.take_over`)."""
         taken = self.sessions.take_over(conn, msg)
         if taken is None:
             return False
@@ -174,7 +186,7 @@ class AttentionWorker:
         try:
             await self._restore(seq, owner)
         finally:
-            self.restoring.pop(seq.request_id, None)  # (an abort has popped it already)
+            self.restoring.pop(seq.request_id, None)  # an abort has popped it already
         try:
             self._add(seq)
         except RequestError as exc:
@@ -183,9 +195,11 @@ class AttentionWorker:
         self.work.set()
 
     async def _restore(self, seq: Sequence, owner: str) -> None:
-        """Per-request restoration (Tarragon §6.2): the KV `owner` checkpointed up to its committed
-        frontier goes straight into this AW's cache; only the tokens after it are recomputed. With
-        nothing stored (or no store), the request re-prefills (replay)."""
+        """Per-request restoration (Tarragon §6.2).
+
+        The KV `owner` checkpointed up to its committed frontier goes straight into this AW's cache.
+        Only the tokens after it are recomputed. With nothing stored, or no store, the request
+        re-prefills (replay)."""
         t0 = time.perf_counter()
         try:
             n = await self.ckpt.restore(seq, owner)
@@ -212,7 +226,8 @@ class AttentionWorker:
         while not stop.is_set():
             await self.refe.apply_next_table()  # a new routing table takes effect between steps
             if not self.scheduler.has_work:
-                self.work.clear()  # before the await below, so a submit arriving during it is kept
+                # Cleared before the await below, so a submit arriving during it is kept.
+                self.work.clear()
                 await self.refe.set_active(False)
                 if not self.scheduler.has_work:
                     await _wait_any(self.work, stop)
@@ -236,23 +251,24 @@ class AttentionWorker:
             await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 
     async def expire_loop(self) -> None:
-        """Aborts detached requests past their grace (the main loop may be idle)."""
+        """Aborts detached requests past their grace. It runs apart, as the main loop may be idle."""
         while True:
             await asyncio.sleep(0.25)
             self.sessions.expire(self.scheduler.running + list(self.scheduler.waiting))
 
     async def _join_restores(self) -> None:
-        """A restore that finishes just after a step starts waits out that whole step before its
-        request decodes again. Restores take tens of ms, a step on a loaded AW one to two hundred:
-        so the step waits a bounded while for the restores under way (a dead AW's requests arrive
-        together) and takes them along."""
+        """Waits a bounded while for the restores under way, so the step takes them along.
+
+        A restore that finishes just after a step starts waits out that whole step before its
+        request decodes again. Restores take tens of ms, a step on a loaded AW one to two hundred.
+        A dead AW's requests arrive together."""
         if self.restoring and self.cfg.restore_join_ms > 0:
             t0 = time.perf_counter()
             await asyncio.wait([t for t, _ in self.restoring.values()], timeout=self.cfg.restore_join_ms / 1e3)
             self.restore_join_s += time.perf_counter() - t0
 
     def _score(self, chunks: list[Chunk], scored: torch.Tensor) -> None:
-        """Prompt scores of the chunks that asked for them; `scored` [R, V] holds their rows in order."""
+        """Prompt scores of the chunks that asked for them. `scored` [R, V] holds their rows in order."""
         row = 0
         for c in chunks:
             positions = c.seq.scores(c.start, c.n)
@@ -281,14 +297,15 @@ class AttentionWorker:
                 token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids),
                                greedy[row - 1] if greedy else None)
                 logprob, top = token_logprobs(row_logits, token, seq.logprobs)
-            except Exception as exc:  # this request's own fault: it fails, the worker serves on
+            except Exception as exc:  # this request's own fault: it fails; the worker serves on
                 log.exception("%s: sampling failed; failing this request", seq.request_id)
                 self.failed_requests += 1
                 self._tell(seq, RequestFailed(seq.request_id, f"sampling failed: {exc}", 500))
                 self._remove(seq.request_id)
                 continue
             scores = seq.take_scores()
-            if scores is not None and seq.client is not None:  # ahead of the token, on the same connection
+            # The scores go ahead of the token, on the same connection.
+            if scores is not None and seq.client is not None:
                 try:
                     seq.client.send_nowait(PromptLogprobs(seq.request_id, scores))
                 except PeerDeadError:
@@ -313,8 +330,10 @@ class AttentionWorker:
                 pass  # handle_client's cleanup detaches its requests
 
     def _remove(self, request_id: str, hand_off: bool = False) -> None:
-        """Aborts a request and frees its KV; its checkpoints are freed too, or, with `hand_off`
-        (its gateway resumed it on another AW), kept for that AW's restore."""
+        """Aborts a request and frees its KV.
+
+        Its checkpoints are freed too. With `hand_off` they are kept for another AW's restore, as
+        its gateway resumed it there."""
         restoring = self.restoring.pop(request_id, None)
         if restoring is not None:
             restoring[0].cancel()  # aborted while its KV was on the way
@@ -338,7 +357,7 @@ class AttentionWorker:
             "detached": detached, "parked": len(self.sessions.parked), "attaches": self.sessions.attaches,
             "detaches": self.sessions.detaches, "expired": self.sessions.expired,
             "replays": refe.replays, "expert_waits": refe.expert_waits,
-            # EWs routed around: declared dead, or unreachable from here (tried again in the background)
+            # EWs routed around: declared dead, or unreachable from here and tried again in the background.
             "dead_expert_workers": sorted(links.excluded), "unreachable_expert_workers": sorted(links.unreachable),
             "suspected_at": dict(links.suspected_at),  # EW -> when this AW last lost it
             "ew_relinks": links.relinks, "probes_sent": links.probes_sent,

@@ -1,6 +1,8 @@
-"""One AW's link to one EW (Tarragon §4.2): a control and a data channel, the futures of the calls
-in flight on it, and what tells whether the EW can be used: its traffic, answers to probes, and
-results. attention_worker/ew_links.py owns the links and their one watcher.
+"""One AW's link to one EW (Tarragon §4.2).
+
+A link has a control and a data channel and the futures of the calls in flight on it. It also holds
+what tells whether the EW can be used: its traffic, answers to probes, and results.
+attention_worker/ew_links.py owns the links and their one watcher.
 """
 
 from __future__ import annotations
@@ -37,22 +39,28 @@ class EwLink:
     last_data: float = field(default_factory=time.monotonic)  # an expert result (or error) from this EW
     sent_at: dict[int, float] = field(default_factory=dict)  # call id -> send time
     latency: float = 0.0  # smoothed call latency (EWMA)
-    rtt: float = 0.0  # smoothed round trip of a probe (EWMA): the yardstick of "silent too long"
+    # Smoothed round trip of a probe (EWMA), the yardstick of "silent too long".
+    rtt: float = 0.0
     probes: int = 0  # pings sent since it was last heard
-    held: int = 0  # how many of this AW's calls the EW said it holds, in its last Pong...
-    busy_since: float | None = None  # ...and since when its batch under way has run (None: none)
+    # How many of this AW's calls the EW said it holds in its last Pong, and since when its batch
+    # under way has run (None if there is none).
+    held: int = 0
+    busy_since: float | None = None
     pinged_at: dict[int, float] = field(default_factory=dict)  # probe nonce -> when it was sent
-    closing: bool = False  # closed by this AW (a table without it): its end is no news
+    # Closed by this AW, by a table without it. Its end is no news.
+    closing: bool = False
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
 
     async def read_loop(self) -> None:
-        """Data channel: routes results to the futures of their calls. Traffic is the implicit
-        heartbeat."""
+        """Reads the data channel and routes results to the futures of their calls.
+
+        Traffic is the implicit heartbeat."""
         error: FabricError = PeerDeadError(self.addr.worker_id)
         try:
             while True:
                 msg = await self.data.recv()
-                if isinstance(msg, Pong):  # (a nudge: someone claimed this AW's id there, `bound_elsewhere`)
+                # A nudge: someone claimed this AW's id there (`bound_elsewhere`).
+                if isinstance(msg, Pong):
                     continue
                 self.last_heard = self.last_data = now = time.monotonic()
                 call_id = getattr(msg, "call_id", -1)
@@ -72,12 +80,12 @@ class EwLink:
             self.fail(error)
 
     async def control_loop(self) -> None:
-        """Control channel: the answers to this AW's probes refresh `last_heard` and `held`."""
+        """Reads the control channel; the answers to this AW's probes refresh `last_heard` and `held`."""
         try:
             while True:
                 msg = await self.control.recv()
                 sent = self.pinged_at.pop(msg.nonce, None) if isinstance(msg, Pong) else None
-                if not isinstance(msg, Pong) or sent is None:  # (a nudge: `bound_elsewhere`)
+                if not isinstance(msg, Pong) or sent is None:  # a nudge (`bound_elsewhere`)
                     continue
                 self.last_heard = now = time.monotonic()
                 self.held = msg.held
@@ -88,21 +96,26 @@ class EwLink:
             self.fail(exc)
 
     def check(self, now: float, interval: float, misses: int, deadline: float, nonce: int) -> FabricError | None:
-        """One look at a link with calls outstanding (the watcher calls it every tick): returns
-        why this AW cannot use the EW now, or None after pinging it if it has been silent too long.
-        Either way a suspicion: the link is routed around and tried again (ew_links.py).
+        """One look at a link with calls outstanding; the watcher calls it every tick.
 
-        Probes: silent for `interval`, ping on the control channel; `misses` probes without an
-        answer (a hung process: its connections stay open, so only probes can tell). "Without an
-        answer" also means silent for longer than 10x the link's smoothed probe round trip, as
-        TCP's retransmission timeout scales with the measured RTT: on a loaded host (two busy
-        loops that share their cores with compute) a healthy EW's answer can take tens of ms.
-        Stall: no result for `deadline` (the send deadline) although the EW answers probes, and its
-        last answer says it holds none of this AW's calls and its batch under way (if any) began
-        after they went out: its data path lost them (a port that drops packets, a reader that
-        stopped reading). An EW that holds them, or whose batch began before they could be read
-        (they wait in its socket), is slow, not stuck (a batch that takes seconds): it is waited
-        for while it answers (its watchdog ends it if its loop stays blocked)."""
+        Returns why this AW cannot use the EW now, or None. Before returning None it pings the EW if
+        it has been silent too long. A returned error is a suspicion: the link is routed around and
+        tried again (ew_links.py).
+
+        Probes. After `interval` of silence, it pings on the control channel. The EW fails after
+        `misses` probes without an answer. That is a hung process, whose connections stay open, so
+        only probes can tell. "Without an answer" also means silent for longer than 10x the link's
+        smoothed probe round trip, as TCP's retransmission timeout scales with the measured RTT. On
+        a loaded host (two busy loops that share their cores with compute), a healthy EW's answer
+        can take tens of ms.
+
+        Stall. The EW fails when there is no result for `deadline` (the send deadline) although it
+        answers probes, and its last answer says two things. It holds none of this AW's calls. Its
+        batch under way, if any, began after they went out. Then its data path lost them, e.g. a
+        port that drops packets or a reader that stopped reading. An EW that holds them is slow, not
+        stuck (a batch can take seconds). So is one whose batch began before they could be read,
+        while they wait in its socket. It is waited for while it answers. Its watchdog ends it if its
+        loop stays blocked."""
         if now - self.last_data > deadline and not self._held():
             return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
                                                          "with calls outstanding")
@@ -121,16 +134,18 @@ class EwLink:
         return None
 
     def _held(self) -> bool:
-        """Whether the EW's last answer says it has this AW's outstanding calls, or may have them
-        unread (its batch under way began before the oldest went out, plus a round trip)."""
+        """Whether the EW's last answer says it has this AW's outstanding calls, or may have them unread.
+
+        They may be unread if its batch under way began before the oldest went out, plus a round trip."""
         if self.held:
             return True
         return self.busy_since is not None and bool(self.sent_at) and \
             self.busy_since <= min(self.sent_at.values()) + self.rtt
 
     def fail(self, error: FabricError) -> None:
-        """Marks the link dead and fails every call waiting on it (they are then replayed); the
-        engine hears of it at once (the EW is no longer routed to, whether calls were out or not)."""
+        """Marks the link dead and fails every call waiting on it; those calls are then replayed.
+
+        The engine hears of it at once. The EW is no longer routed to, whether calls were out or not."""
         was_dead, self.dead = self.dead, True
         if not was_dead and not self.closing and self.on_dead is not None:
             self.on_dead(self, error)

@@ -1,16 +1,18 @@
 """One AW's links to its EWs, and which EWs it can reach now.
 
-An EW this AW cannot reach (its connection ended, it went silent, it took no data) is *suspected*:
-routed around from the next call on, reported to the orchestrator, and tried again in the
-background (`_relink`: connect, then a ping on the data channel) with a pause that doubles from
-50 ms to 1 s. Once it answers there, it is used again at once (a step picks its EWs layer by layer;
-results do not depend on the replica). Whether an
-EW is dead is the orchestrator's verdict (it confirms with its own probes and a lease); whether
-this AW may use it is this AW's: a worker alive on its control link but unreachable on its data
-port is routed around until the port answers again, whatever the orchestrator says.
+An EW this AW cannot reach is *suspected*: its connection ended, it went silent, or it took no
+data. It is routed around from the next call on and reported to the orchestrator. It is tried again
+in the background (`_relink`: connect, then a ping on the data channel), with a pause that doubles
+from 50 ms to 1 s. Once it answers there, it is used again at once. A step picks its EWs layer by
+layer, and results do not depend on the replica.
 
-The one watcher (`_watch`) ticks only while calls are outstanding and looks only at the links
-that have some (`EwLink.check`): an idle AW costs nothing, however many EWs it is linked to.
+Whether an EW is dead is the orchestrator's verdict, which it confirms with its own probes and a
+lease. Whether this AW may use it is this AW's call. A worker alive on its control link but
+unreachable on its data port is routed around until the port answers again, whatever the
+orchestrator says.
+
+The one watcher (`_watch`) ticks only while calls are outstanding. It looks only at the links that
+have some (`EwLink.check`). So an idle AW costs nothing, however many EWs it is linked to.
 """
 
 from __future__ import annotations
@@ -42,23 +44,33 @@ class EwLinks:
                  changed: asyncio.Event, table: Callable[[], RoutingTable | None]) -> None:
         self.aw_id = aw_id
         self.transport = transport  # the data channels'
-        self.control_transport = control_transport  # the control channels' (an EW's control port: TCP)
+        # The control channels'. An EW's control port is TCP.
+        self.control_transport = control_transport
         self.probe_interval = probe_interval  # 0: no probes
         self.probe_misses = probe_misses
-        self.on_suspect = on_suspect  # (EW id, reason, connection ended): tells the orchestrator, whose verdict is authoritative
-        self.device = device  # the AW's: calls and results cross as its memory where the link can
-        self.changed = changed  # set when an EW becomes usable again (a step waiting for a replica wakes)
+        # Called with (EW id, reason, connection ended). It tells the orchestrator, whose verdict is
+        # authoritative.
+        self.on_suspect = on_suspect
+        # The AW's device. Calls and results cross as its memory where the link can.
+        self.device = device
+        # Set when an EW becomes usable again. A step waiting for a replica wakes.
+        self.changed = changed
         self.links: dict[str, EwLink] = {}
         self.dead: set[str] = set()  # declared dead by the orchestrator: never used again
-        self.unreachable: dict[str, str] = {}  # suspected by this AW -> why; tried again in the background
-        self.suspected_at: dict[str, float] = {}  # EW -> wall-clock time this AW last found it unreachable
+        # Suspected by this AW -> why. They are tried again in the background.
+        self.unreachable: dict[str, str] = {}
+        # EW -> wall-clock time this AW last found it unreachable.
+        self.suspected_at: dict[str, float] = {}
         self.relinks = 0  # EWs used again after a suspicion
         self.probes_sent = 0
-        self._yardsticks: dict[str, tuple[float, float]] = {}  # EW -> (call latency, probe round trip) of its last link
-        self._retry: dict[str, asyncio.Event] = {}  # an EW's relink, woken early (the orchestrator vouched)
+        # EW -> (call latency, probe round trip) of its last link.
+        self._yardsticks: dict[str, tuple[float, float]] = {}
+        # An EW's relink, woken early when the orchestrator vouched for it.
+        self._retry: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._active = False
-        self._calls_out = asyncio.Event()  # set when a call goes out on an idle link: the watcher wakes
+        # Set when a call goes out on an idle link. The watcher wakes.
+        self._calls_out = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._table = table  # the newest table the engine holds
 
@@ -76,9 +88,10 @@ class EwLinks:
 
     # -- following tables ------------------------------------------------------------------------
     async def apply(self, table: RoutingTable) -> None:
-        """Connects to EWs new in `table` (side by side, each bounded: one that does not answer is
-        suspected and tried again in the background, not waited for) and drops the others (call
-        between steps)."""
+        """Connects to EWs new in `table` and drops the others. Call it between steps.
+
+        The connections are made side by side, each bounded. One that does not answer is suspected
+        and tried again in the background, not waited for."""
         new = [a for w, a in table.expert_workers.items() if w not in self.links and w not in self.excluded]
         opened = await asyncio.gather(*(asyncio.wait_for(self._open(a), CONNECT_TIMEOUT) for a in new),
                                       return_exceptions=True)
@@ -91,14 +104,14 @@ class EwLinks:
                 raise link
         for ew_id in [w for w in self.links if w not in table.expert_workers]:
             await self.links.pop(ew_id).close()
-        # What is known of the dead is kept (an id per death, as the orchestrator keeps its records);
-        # of an EW that left alive (scaled in), nothing.
+        # What is known of the dead is kept, an id per death, as the orchestrator keeps its records.
+        # Nothing is kept of an EW that left alive (scaled in).
         listed = table.expert_workers.keys() | self.unreachable.keys() | self.dead
         self.suspected_at = {w: t for w, t in self.suspected_at.items() if w in listed}
         self._yardsticks = {w: y for w, y in self._yardsticks.items() if w in listed}
 
     def declared_dead(self, ids: list[str]) -> None:
-        """The orchestrator's verdicts: never used again (their relinks stop)."""
+        """Takes the orchestrator's verdicts. Those EWs are never used again, and their relinks stop."""
         for ew_id in ids:
             if ew_id in self.links or ew_id in self.unreachable:
                 self.dead.add(ew_id)
@@ -107,14 +120,17 @@ class EwLinks:
 
     # -- suspicion and relinking -------------------------------------------------------------------
     def suspect(self, ew_id: str, reason: str, closed: bool = False) -> None:
-        """`ew_id` is unreachable from here (`closed`: a connection to it ended): routed around from
-        now on, the orchestrator told, and tried again in the background."""
+        """Marks `ew_id` unreachable from here. `closed` means a connection to it ended.
+
+        It is routed around from now on, the orchestrator is told, and it is tried again in the
+        background."""
         if ew_id in self.excluded:
             return
         self.unreachable[ew_id] = reason
         self.suspected_at[ew_id] = time.time()
         link = self.links.get(ew_id)
-        if link is not None:  # (its calls fail over to other replicas; the EW stops waiting for this AW)
+        # Its calls fail over to other replicas. The EW stops waiting for this AW.
+        if link is not None:
             self._yardsticks[ew_id] = (link.latency, link.rtt)
             link.fail(PeerDeadError(ew_id, reason))
             self._spawn(link.close())
@@ -123,7 +139,7 @@ class EwLinks:
         self._spawn(self._relink(ew_id))
 
     def retry(self, ew_id: str) -> None:
-        """The orchestrator found `ew_id` alive: try to reach it again now rather than after the pause."""
+        """The orchestrator found `ew_id` alive, so it is tried again now rather than after the pause."""
         self._wake(ew_id)
 
     def _wake(self, ew_id: str) -> None:
@@ -136,7 +152,7 @@ class EwLinks:
             table = self._table()
             return table.expert_workers.get(ew_id) if table is not None else None
 
-        def wanted() -> bool:  # (not once declared dead, or out of the table)
+        def wanted() -> bool:  # not once declared dead, or out of the table
             return ew_id in self.unreachable and address() is not None
 
         async def try_once() -> EwLink:
@@ -165,11 +181,13 @@ class EwLinks:
         self.unreachable.pop(ew_id, None)
         self.relinks += 1
         log.warning("%s answers again: using it again", ew_id)
-        self.changed.set()  # (a step waiting for a reachable copy of an expert goes on)
+        self.changed.set()  # a step waiting for a reachable copy of an expert goes on
 
     async def _open(self, addr: EwAddress, check: bool = False) -> EwLink:
-        """A new link: control and data connections, each with its hello; with `check`, a ping
-        answered on the data channel first (its port works, not only its control channel)."""
+        """Opens a new link: control and data connections, each with its hello.
+
+        With `check`, a ping must first be answered on the data channel. That shows its port works,
+        not only its control channel."""
         conns: list[Connection] = []
         try:
             for transport, port, channel in ((self.control_transport, addr.control_port, "control"),
@@ -189,7 +207,7 @@ class EwLinks:
         if self.device is not None:
             data.land_frames_on(self.device)
         link = EwLink(addr, control, data, on_dead=self._link_died)
-        # (what the EW's last link measured: a loaded EW's slow answers are not news on a new link)
+        # What the EW's last link measured. A loaded EW's slow answers are not news on a new link.
         link.latency, link.rtt = self._yardsticks.get(addr.worker_id, (0.0, 0.0))
         link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
         if self._watcher is None or self._watcher.done():
@@ -200,7 +218,7 @@ class EwLinks:
         return link
 
     def _link_died(self, link: EwLink, error: FabricError) -> None:
-        """A link in use died (its connection ended, a probe verdict, a stall)."""
+        """A link in use died: its connection ended, a probe verdict, or a stall."""
         if self.links.get(link.addr.worker_id) is link:
             log.warning("%s is unreachable (%s); routing around it", link.addr.worker_id, error)
             self.suspect(link.addr.worker_id, str(error), connection_ended(error))
@@ -209,7 +227,7 @@ class EwLinks:
         nonce = itertools.count(1)
         ticks = Ticks(self.probe_interval if self.probe_interval > 0 else 0.25)
 
-        def credit(link: EwLink, late: float) -> None:  # (this AW's own stall, not the EW's silence)
+        def credit(link: EwLink, late: float) -> None:  # this AW's own stall, not the EW's silence
             link.last_heard += late
             link.last_data += late
 
@@ -226,13 +244,14 @@ class EwLinks:
                                        next(nonce))
                     self.probes_sent += link.probes > sent
                     if error is not None:
-                        link.fail(error)  # (closed by `suspect`, beside this loop: a close may wait on a stuck peer)
+                        # `suspect` closes it, beside this loop. A close may wait on a stuck peer.
+                        link.fail(error)
                 except Exception:  # one link's trouble must not stop the watching of the others
                     log.exception("checking the link to %s failed", link.addr.worker_id)
 
     # -- activity ------------------------------------------------------------------------------------
     def set_active(self, active: bool) -> None:
-        """Tells every EW whether this AW has a running batch (gather policies wait only for active AWs)."""
+        """Tells every EW whether this AW has a running batch. Gather policies wait only for active AWs."""
         if active == self._active:
             return
         self._active = active

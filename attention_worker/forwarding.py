@@ -1,11 +1,15 @@
 """REFE, the Reconfigurable Forwarding Engine: the AW side of the AW-EW datapath (Tarragon §4.2).
 
-A layer's experts run in three parts: `plan_layer` (tensor work) sorts the layer's rows by
-expert; `run_plan` (awaited) resolves each logical expert through the Expert Routing Table, sends
-one call per EW and awaits the results, replaying the calls of an EW it cannot reach on the next
-replica; `combine` (tensor work) adds the weighted results to the residual. The model runner's
-step runs the tensor parts inline and yields to the loop only while it waits for EWs. The links and which EWs this AW can reach are
-attention_worker/ew_links.py's.
+A layer's experts run in three parts.
+
+- `plan_layer` (tensor work) sorts the layer's rows by expert.
+- `run_plan` (awaited) resolves each logical expert through the Expert Routing Table, sends one
+  call per EW and awaits the results. It replays the calls of an EW it cannot reach on the next
+  replica.
+- `combine` (tensor work) adds the weighted results to the residual.
+
+The model runner's step runs the tensor parts inline and yields to the loop only while it waits for
+EWs. The links, and which EWs this AW can reach, are attention_worker/ew_links.py's.
 
 Legend: T tokens, k experts per token, R = T*k rows, D hidden.
 """
@@ -30,14 +34,16 @@ from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
-Rows = slice | torch.Tensor  # rows of a layer's expert-sorted rows: a run, or indices [R']
+# Rows of a layer's expert-sorted rows: a run, or indices [R'].
+Rows = slice | torch.Tensor
 Part = tuple[Rows, torch.Tensor]  # some rows and their results [R', D]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`: its `part`-th
-    share when the expert is spread over several replicas."""
+    """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`.
+
+    It is the expert's `part`-th share when the expert is spread over several replicas."""
 
     expert: int
     start: int
@@ -47,7 +53,7 @@ class Piece:
 
 @dataclass
 class LayerPlan:
-    """One MoE layer's rows, sorted by expert (made by `plan_layer`)."""
+    """One MoE layer's rows, sorted by expert. `plan_layer` makes it."""
 
     layer: int
     xs: torch.Tensor  # [R, D] rows in expert order, on the AW's device
@@ -58,15 +64,16 @@ class LayerPlan:
     tokens: int  # T
 
     def rows(self, rows: Rows, conn_device: torch.device | None) -> torch.Tensor:
-        """Those rows as a connection carries them: device memory where it can, else host memory."""
+        """Those rows as a connection carries them, in device memory where it can, else in host memory."""
         src = self.xs if conn_device is not None and self.xs.device == conn_device else self.host
         return src[rows] if isinstance(rows, slice) else src.index_select(0, rows.to(src.device))
 
 
 def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                num_experts: int) -> LayerPlan:
-    """x [T, D], experts [T, k] int64, weights [T, k] -> the layer's rows in expert order (pure;
-    on a GPU it waits for its kernels, so the transport may read the rows)."""
+    """x [T, D], experts [T, k] int64, weights [T, k] -> the layer's rows in expert order.
+
+    It is pure. On a GPU it waits for its kernels, so the transport may read the rows."""
     t, k = experts.shape
     flat = experts.reshape(-1)  # [R]
     order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
@@ -78,19 +85,23 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
             spans[e] = (row, n)
         row += n
     xs = x.index_select(0, token_of_row)  # [R, D]
-    host = to_host(xs)  # (on a GPU: a copy, made before this returns)
+    host = to_host(xs)  # on a GPU, a copy made before this returns
     return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1).index_select(0, order).to(x.dtype), t)
 
 
 def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Tensor:
-    """The weighted sum of each token's expert results [T, D] (pure), `like` [T, D] its dtype and device."""
+    """The weighted sum of each token's expert results [T, D]; pure.
+
+    `like` [T, D] gives its dtype and device."""
     y = _joined(parts, plan.xs)  # [R, D]
     return torch.zeros_like(like).index_add_(0, plan.token_of_row, y * plan.weights[:, None])
 
 
 def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
-    """The results in row order [R, D]: joined as they are where they are runs that tile the rows
-    (every EW's rows one run, the usual case), else scattered into place."""
+    """The results in row order [R, D].
+
+    Where they are runs that tile the rows, they are joined as they are. That is the usual case,
+    with every EW's rows one run. Otherwise they are scattered into place."""
     runs: list[tuple[slice, torch.Tensor]] = []
     for rows, res in parts:
         if not isinstance(rows, slice):
@@ -115,8 +126,10 @@ def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of(pieces: list[Piece]) -> Rows:
-    """The rows of `pieces`, in order: a slice where they are one run (an EW hosting consecutive
-    experts; a view, no copy), else their indices [R']."""
+    """The rows of `pieces`, in order.
+
+    Where they are one run, as for an EW hosting consecutive experts, this is a slice (a view, no
+    copy). Otherwise it is their indices [R']."""
     if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
         return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
     return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
@@ -135,35 +148,43 @@ class ForwardingEngine:
         self.aw_id = aw_id
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
-        self.next_table: RoutingTable | None = None  # offered by the orchestrator, applied at a step boundary
+        # Offered by the orchestrator, applied at a step boundary.
+        self.next_table: RoutingTable | None = None
         self._table_arrived = asyncio.Event()  # a newer table, or an EW reachable again
         self.links = EwLinks(aw_id, transport, control_transport, probe_interval, probe_misses, on_suspect, device,
                              self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
-        self.in_flight = 0  # expert calls sent and not yet answered (the link's idle gap)
+        # Expert calls sent and not yet answered (the link's idle gap).
+        self.in_flight = 0
         self.replays = 0
-        self.expert_waits = 0  # steps that waited for a replacement because every copy of an expert was gone
-        self.applied: dict[int, float] = {}  # table epoch -> when this AW switched to it (wall clock)
+        # Steps that waited for a replacement because every copy of an expert was gone.
+        self.expert_waits = 0
+        # Table epoch -> when this AW switched to it (wall clock).
+        self.applied: dict[int, float] = {}
 
     def offer_table(self, table: RoutingTable) -> bool:
-        """Records a newer table (returns False for a stale one); the main loop applies it between
-        steps, or a step blocked on an expert with no live copy applies it at once."""
+        """Records a newer table, or returns False for a stale one.
+
+        The main loop applies it between steps. A step blocked on an expert with no live copy
+        applies it at once."""
         newest = self.next_table or self.table
-        if newest is not None and table.version <= newest.version:  # (a newer orchestrator's table wins)
+        if newest is not None and table.version <= newest.version:  # a newer orchestrator's table wins
             return False
         self.next_table = table
         self._table_arrived.set()
         return True
 
     async def apply_next_table(self) -> None:
-        """At a step boundary: a newer table."""
+        """Applies a newer table, if any, at a step boundary."""
         if self.next_table is not None:
             table, self.next_table = self.next_table, None
             await self.apply_table(table)
 
     async def apply_table(self, table: RoutingTable) -> None:
-        """Connects to EWs new in `table` and drops the others. Call between steps: a step never
-        sees two tables (except one that waited for a replacement, see `_wait_for_replica`)."""
+        """Connects to EWs new in `table` and drops the others.
+
+        Call it between steps, so a step never sees two tables. The exception is a step that waited
+        for a replacement (see `_wait_for_replica`)."""
         self.table = table
         await self.links.apply(table)
         self.applied[table.epoch] = time.time()
@@ -171,9 +192,11 @@ class ForwardingEngine:
             del self.applied[next(iter(self.applied))]
 
     async def _wait_for_replica(self, layer: int, expert: int) -> None:
-        """Every copy of (layer, expert) is gone or unreachable: wait, bounded, for a table that has
-        one again (a replacement EW that loaded it) or for a copy to answer again, then switch to it
-        mid-step; expert results do not depend on which replica computes them."""
+        """Waits, bounded, when every copy of (layer, expert) is gone or unreachable.
+
+        It waits for a table that has a copy again (a replacement EW that loaded it), or for a copy
+        to answer again. Then it switches to it mid-step. Expert results do not depend on which
+        replica computes them."""
         assert self.table is not None
         self.expert_waits += 1
         log.warning("layer %d expert %d has no reachable copy; waiting up to %.1fs", layer, expert, self.expert_wait)
@@ -195,11 +218,12 @@ class ForwardingEngine:
 
     def post(self, ew_id: str, plan: LayerPlan, experts: list[int], counts: list[int], rows: Rows,
              replay: bool = False) -> asyncio.Future[torch.Tensor]:
-        """Sends one expert call to one EW, those rows of the plan grouped as `counts` per expert,
-        without waiting (the calls of a layer all go out before its first await); returns the
-        future of its result [R', D]. A call's bytes wait in the connection while the EW is slow to
-        read them; one that takes none within the send deadline loses its link, which fails the
-        future (ew_link.py)."""
+        """Sends one expert call to one EW and returns the future of its result [R', D].
+
+        The call carries those rows of the plan, grouped as `counts` per expert. It does not wait:
+        the calls of a layer all go out before its first await. A call's bytes wait in the
+        connection while the EW is slow to read them. An EW that takes none within the send
+        deadline loses its link, which fails the future (ew_link.py)."""
         assert self.table is not None
         link = self.links.live(ew_id)
         if link is None:
@@ -207,7 +231,8 @@ class ForwardingEngine:
         call_id = next(self._ids)
         fut: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         if not link.pending:
-            link.last_heard = link.last_data = time.monotonic()  # an idle link is not a silent one: count from now
+            # An idle link is not a silent one: count from now.
+            link.last_heard = link.last_data = time.monotonic()
             link.probes = 0
             self.links.calls_out()
         x = plan.rows(rows, link.data.frames_device)  # [R', D]
@@ -217,8 +242,9 @@ class ForwardingEngine:
         return fut
 
     def _pad(self, ew_id: str, plan: LayerPlan) -> None:
-        """An empty call, so that the EW's gather does not wait for this AW at this layer; the EW
-        answers it with nothing (a reply would cost both sides a wake-up and a message a layer)."""
+        """Sends an empty call, so that the EW's gather does not wait for this AW at this layer.
+
+        The EW answers it with nothing. A reply would cost both sides a wake-up and a message a layer."""
         assert self.table is not None
         link = self.links.live(ew_id)
         if link is None:
@@ -226,19 +252,22 @@ class ForwardingEngine:
         try:
             link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.host[:0]))
         except PeerDeadError:
-            pass  # (its read loop finds the link's end)
+            pass  # its read loop finds the link's end
 
     async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The three parts in one (for callers outside the model runner's step, and Tarragon's
-        expert_io): x [T, D], experts [T, k], weights [T, k] -> [T, D]."""
+        """The three parts in one: x [T, D], experts [T, k], weights [T, k] -> [T, D].
+
+        It serves callers outside the model runner's step, and Tarragon's expert_io."""
         assert self.table is not None
         plan = plan_layer(layer, x, experts, weights, self.table.num_experts)
         return combine(plan, await self.run_plan(plan), x)
 
     def _pieces(self, layer: int, spans: dict[int, tuple[int, int]]) -> list[Piece]:
-        """Each expert's rows as one piece, or, for a hot expert the table makes active on k replicas,
-        as k contiguous pieces (near-equal), one per replica: its load spread (expert load
-        balancing). A row's result does not depend on its batch, so the tokens stay the same."""
+        """Each expert's rows as one piece, or as k pieces for a hot expert.
+
+        The table may make a hot expert active on k replicas. Its rows then become k contiguous,
+        near-equal pieces, one per replica, which spreads its load (expert load balancing). A row's
+        result does not depend on its batch, so the tokens stay the same."""
         assert self.table is not None
         out: list[Piece] = []
         excluded = self.links.excluded
@@ -255,8 +284,10 @@ class ForwardingEngine:
         return out
 
     async def _route(self, layer: int, pieces: list[Piece]) -> dict[str, list[int]]:
-        """EW -> the pieces (indices into `pieces`) of `layer` it serves now: a piece's part of the
-        expert's reachable serving replicas; waits, bounded, for experts that have none."""
+        """EW -> the pieces (indices into `pieces`) of `layer` it serves now.
+
+        A piece goes to its part's replica among the expert's reachable serving replicas. It waits,
+        bounded, for experts that have none."""
         assert self.table is not None
         while True:
             for p in pieces:
@@ -273,13 +304,15 @@ class ForwardingEngine:
                 return plan
 
     async def run_plan(self, plan: LayerPlan, pad: bool = True) -> list[Part]:
-        """Runs the plan's rows on the reachable serving replicas of each expert; returns each
-        call's rows and results. Calls to an EW that fails are replayed at once on the next
-        replica in the table, flagged so the destination serves them first (Tarragon §5.1); expert
-        computation is deterministic, so the result is the same. With `pad`, every reachable EW
-        whose gather policy is sync and that has no rows of the layer gets an empty call, which it
-        does not answer, so it never waits for this AW in vain (with hundreds of EWs, `--gather
-        threshold` spares those calls)."""
+        """Runs the plan's rows on the reachable serving replicas of each expert.
+
+        Returns each call's rows and results. Calls to an EW that fails are replayed at once on the
+        next replica in the table. They are flagged so the destination serves them first (Tarragon
+        §5.1). Expert computation is deterministic, so the result is the same.
+
+        With `pad`, every reachable EW whose gather policy is sync and that has no rows of the layer
+        gets an empty call. It does not answer, and it never waits for this AW in vain. With
+        hundreds of EWs, `--gather threshold` spares those calls."""
         assert self.table is not None
         todo = self._pieces(plan.layer, plan.spans)
         parts: list[Part] = []

@@ -25,7 +25,7 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(table))
 
     def grow(self, table: list[int], num_tokens: int) -> bool:
-        """Extends `table` to hold `num_tokens`; False (and no change) if blocks ran out."""
+        """Extends `table` to hold `num_tokens`. Returns False, with no change, if blocks ran out."""
         need = self.blocks_needed(table, num_tokens)
         if need > len(self._free):
             return False

@@ -1,13 +1,16 @@
 """Attention worker process: the engine (attention_worker/engine.py) plugged into the role runtime.
 
-Start-up: load the attention weights (in a niced thread: mapped from the host's weight store, or
-read from the checkpoint), listen for gateways, register. The first registration gives the worker
-its id, which its expert links and checkpoints carry; the first routing table connects it to every
-EW, and then its main loop starts. A standby (`--standby`) does all of that, weights included
-(mapped from the weight store: page tables, the pages are the store's), but serves nothing until the
-orchestrator wakes it to take a dead AW's place. Later tables take effect
-between steps. None of this waits for the orchestrator once serving: the REFE reroutes to shadows
-on its own, and checkpoints go on to the store.
+Start-up loads the attention weights in a niced thread, mapped from the host's weight store or read
+from the checkpoint. Then the worker listens for gateways and registers. The first registration
+gives the worker its id, which its expert links and checkpoints carry. The first routing table
+connects it to every EW, and then its main loop starts.
+
+A standby (`--standby`) does all of that, weights included. They are mapped from the weight store:
+the worker holds page tables, and the pages are the store's. But it serves nothing until the
+orchestrator wakes it to take a dead AW's place.
+
+Later tables take effect between steps. None of this waits for the orchestrator once serving. The
+REFE reroutes to shadows on its own, and checkpoints go on to the store.
 """
 
 from __future__ import annotations
@@ -67,27 +70,28 @@ class AttentionService(Service):
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
         self.control_transport: Transport | None = None  # to the EWs' control ports (`registered`)
-        # The KV cache is sized now (registration reports it); the engine that serves from it is
+        # The KV cache is sized now, as registration reports it. The engine that serves from it is
         # built once, when the worker has its id (`registered`).
         self.kv = KVCache(self.model, cfg.block_size, cfg.kv_cache_mib << 20, device.resolve(cfg.device))
         self.aw: AttentionWorker | None = None
         self.clock = StepClock()
         self.warmup_s: float | None = None
         self.weights: AttentionWeights | None = None
-        self.attention: DecodeAttention | None = None  # (chosen with the weights)
+        self.attention: DecodeAttention | None = None  # chosen with the weights
         self.listener: Listener | None = None
         self.runtime: Runtime | None = None
         self.linked = False  # connected to the EWs of a first table
         self.serving = False
         self.awake = not cfg.standby  # a standby serves only once woken
         self.woken_for = ""  # a standby: the dead worker it was woken to replace
-        self.store_rejoin_s = 0.0  # the pause before using again a store the orchestrator vouched for
+        # The pause before using again a store the orchestrator vouched for.
+        self.store_rejoin_s = 0.0
 
     async def start(self, runtime: Runtime) -> int:
         self.runtime = runtime
         torch.set_num_threads(self.cfg.threads)
-        if self.cfg.compute != "sim":  # (a sim AW has no weights, and nothing cold)
-            await self._load_weights()  # (a standby too: when woken it only starts serving)
+        if self.cfg.compute != "sim":  # a sim AW has no weights, and nothing cold
+            await self._load_weights()  # a standby too: when woken it only starts serving
             await self._warm_up()
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self._client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
@@ -95,21 +99,25 @@ class AttentionService(Service):
         return self.listener.port
 
     async def _client(self, conn: Connection) -> None:
-        """A gateway's connection. Gateways find this worker in the view only once it serves; a
-        peer that connects before it has an engine is not one of them."""
+        """Serves a gateway's connection.
+
+        Gateways find this worker in the view only once it serves. A peer that connects before it has
+        an engine is not one of them."""
         if self.aw is None:
             await conn.close()
             return
         await self.aw.handle_client(conn)
 
     async def _load_weights(self) -> None:
-        """Maps the weights from the host's weight store where it has them, else reads the checkpoint
-        (off the loop: the kernel may be built on first use, a store may still be publishing)."""
+        """Maps the weights from the host's weight store where it has them, else reads the checkpoint.
+
+        This runs off the loop. The kernel may be built on first use, and a store may still be
+        publishing."""
         t0 = time.perf_counter()
         dtype, where = self.model.torch_dtype, self.kv.device
 
         def load() -> AttentionWeights:
-            # (it may build the CPU's kernels)
+            # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size)
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
@@ -129,7 +137,7 @@ class AttentionService(Service):
                  (w.bytes_read + w.bytes_mapped) / 2**20, time.perf_counter() - t0)
 
     async def _warm_up(self) -> None:
-        """The cold paths, before this worker registers (attention_worker/warmup.py)."""
+        """Runs the cold paths before this worker registers (attention_worker/warmup.py)."""
         assert self.weights is not None
         t0 = time.perf_counter()
         runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention)  # type: ignore[arg-type]
@@ -148,12 +156,14 @@ class AttentionService(Service):
                                  block_size=self.cfg.block_size, warmup_ms=warmup_ms)}
 
     async def registered(self) -> None:
-        """The first registration names this worker: its expert links and checkpoints carry the id."""
+        """Builds the engine once the first registration names this worker.
+
+        Its expert links and checkpoints carry the id."""
         rt, cfg, kv = self.runtime, self.cfg, self.kv
         assert rt is not None
         if self.aw is not None:
             return
-        self.control_transport = rt.tcp_transport()  # (to the EWs' control ports, from this loop)
+        self.control_transport = rt.tcp_transport()  # to the EWs' control ports, from this loop
         refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, cfg.probe_interval_ms / 1000,
                                 cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device)
         ckpt = Checkpointer(rt.worker_id, self.model, kv, refe, self.transport, cfg.checkpoint,
@@ -162,17 +172,17 @@ class AttentionService(Service):
         if cfg.compute == "sim":
             runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1)
         else:
-            assert self.weights is not None  # (loaded in `start`)
+            assert self.weights is not None  # loaded in `start`
             runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps())
         runner.kv_sink = ckpt.record_layer
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 
     async def handle(self, msg: Message) -> None:
         rt, aw = self.runtime, self.aw
-        assert rt is not None and aw is not None  # (messages come after the first registration)
+        assert rt is not None and aw is not None  # messages come after the first registration
         refe = aw.refe
         if isinstance(msg, PeerAlive):
-            refe.links.retry(msg.worker_id)  # (whether it is used again is this AW's own probes' call)
+            refe.links.retry(msg.worker_id)  # this AW's own probes decide whether it is used again
             rt.cleared(msg.worker_id)
             aw.work.set()
             ckpt = aw.ckpt
@@ -185,7 +195,7 @@ class AttentionService(Service):
             if table is None:
                 return
             if not self.linked:
-                await refe.apply_table(table)  # first table: connect before serving (a standby too)
+                await refe.apply_table(table)  # first table: connect before serving, a standby too
                 self.linked = True
                 await self._serve()
             elif refe.offer_table(table):
@@ -210,9 +220,11 @@ class AttentionService(Service):
         rt.ready()
 
     async def _rejoin_store(self) -> None:
-        """The store this AW gave up on answers the orchestrator: checkpoint to it again (re-sending
-        the running requests' KV), after a pause that doubles with each such loss (0, then 1 s, up
-        to 30 s), so a store too slow to take the AW's data is not sent all of it over and over."""
+        """Checkpoints again to the store this AW gave up on, once it answers the orchestrator.
+
+        The running requests' KV is re-sent. This happens after a pause that doubles with each such
+        loss: 0, then 1 s, up to 30 s. So a store too slow to take the AW's data is not sent all of it
+        over and over."""
         await asyncio.sleep(self.store_rejoin_s)
         self.store_rejoin_s = min(30.0, max(1.0, 2 * self.store_rejoin_s))
         assert self.runtime is not None
@@ -220,9 +232,10 @@ class AttentionService(Service):
             await self._follow_store(self.runtime.view)
 
     async def _follow_store(self, view: ClusterView) -> None:
-        """Checkpoints go to the first live checkpoint store; a new one (a replacement), or the one
-        this AW lost but the orchestrator vouched for, is connected to, and gets the running
-        requests' KV again."""
+        """Sends checkpoints to the first live checkpoint store.
+
+        The AW connects to a new store (a replacement), or to the one it lost but the orchestrator
+        vouched for. That store gets the running requests' KV again."""
         assert self.aw is not None
         ckpt = self.aw.ckpt
         if ckpt.mode == "off":
@@ -245,7 +258,7 @@ class AttentionService(Service):
                 "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None,
                 "compute_busy_s": round(self.clock.busy_s, 3),
                 "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
-                # (what the scale experiment reads: when each epoch's view arrived; see also the engine's)
+                # The scale experiment reads when each epoch's view arrived. See also the engine's.
                 "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}},
                            outstanding_work=self.aw.scheduler.outstanding_work())
 
@@ -255,12 +268,13 @@ class AttentionService(Service):
             self.control_transport.abort_all()
 
     async def close(self) -> None:
-        # The store link goes first: closing the gateways' connections lets their requests go, and
+        # The store link goes first. Closing the gateways' connections lets their requests go, and
         # the store must keep those checkpoints for the AWs that resume them.
         if self.aw is not None:
             await self.aw.ckpt.close_link()
         if self.listener is not None:
-            await self.listener.close()  # and every gateway connection: they resume elsewhere at once
+            # This closes every gateway connection too. Their requests resume elsewhere at once.
+            await self.listener.close()
         if self.aw is not None:
             await self.aw.refe.close()
 

@@ -1,8 +1,8 @@
 """One forward step of a mixed prefill/decode batch on the AW; experts go through the REFE.
 
-A step is a run of compute calls, each from a MoE layer's expert results to the next MoE layer's
-routing, between which the REFE sends the expert calls and awaits them (`forward`). The compute
-runs here, on the data plane's loop: the worker's liveness is its control plane's
+A step is a run of compute calls. Each goes from a MoE layer's expert results to the next MoE
+layer's routing. Between calls, the REFE sends the expert calls and awaits them (`forward`). The
+compute runs here, on the data plane's loop. The worker's liveness is its control plane's
 (fabric/control_plane.py), which answers during any step, a cold first one included.
 
 Legend: T tokens in the step, Bd decode sequences, L kv length, D hidden, H heads, K kv heads,
@@ -31,9 +31,11 @@ from fabric.steps import StepClock
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [B*S, K, d] at `slots` [*shape] -> [*shape, K, d]. The same copy as `cache[slots]`;
-    `index_select` on the flattened slots is 5-7x faster on CPU than advanced indexing (a
-    decode step's KV gather: 30 us instead of 200 us per layer and tensor, at 8 x 112 slots)."""
+    """cache [B*S, K, d] at `slots` [*shape] -> [*shape, K, d].
+
+    The same copy as `cache[slots]`. `index_select` on the flattened slots is 5-7x faster on CPU
+    than advanced indexing. A decode step's KV gather takes 30 us instead of 200 us per layer and
+    tensor, at 8 x 112 slots."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
@@ -57,18 +59,22 @@ class StepMeta:
     sin: torch.Tensor  # [T, d]
     slots: torch.Tensor  # [T] flat cache slots of the new tokens
     dec_rows: torch.Tensor  # [Bd] rows of decode tokens
-    dec_tables: torch.Tensor  # [Bd, Tb] block tables of the decode tokens' sequences (padded with -1)
-    dec_lens: torch.Tensor  # [Bd] tokens each decode token sees the KV of (its own included)
-    dec_kv: torch.Tensor | None  # [Bd, L] cache slots each decode token attends to (padded); torch's path only
+    # [Bd, Tb] block tables of the decode tokens' sequences, padded with -1.
+    dec_tables: torch.Tensor
+    # [Bd] how many tokens' KV each decode token sees, its own included.
+    dec_lens: torch.Tensor
+    # [Bd, L] cache slots each decode token attends to, padded. Torch's path only.
+    dec_kv: torch.Tensor | None
     dec_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool; torch's path only
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, n, kv slots [L], mask [n, L])
     all_decode: bool  # every row is a decode token, in order (dec_rows is 0..T-1)
     sample_rows: torch.Tensor  # [S]
-    score_rows: torch.Tensor  # [R] rows whose logits score the prompt token after them (prompt_logprobs)
+    # [R] rows whose logits score the prompt token after them (prompt_logprobs).
+    score_rows: torch.Tensor
     spans: list[tuple[str, int, int]]  # (request, first token, tokens) per chunk, in row order
 
     def to(self, device: torch.device) -> StepMeta:
-        """Its tensors on `device` (built on the host; itself where that is the device)."""
+        """Its tensors on `device`. They are built on the host, so on the host it returns itself."""
         if device.type == "cpu":
             return self
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -86,9 +92,11 @@ class StepState:
 
     meta: StepMeta
     h: torch.Tensor  # [T, D] the residual stream
-    layer: int = 0  # the next layer to run; with `plan`, the layer whose experts are awaited
+    # The next layer to run. With `plan`, the layer whose experts are awaited.
+    layer: int = 0
     plan: LayerPlan | None = None
-    kv: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (layer, k, v [T, K, d]) just written
+    # (layer, k, v [T, K, d]) just written.
+    kv: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [S, V] once the last layer is done
     scored: torch.Tensor | None = None  # [R, V]
 
@@ -101,17 +109,20 @@ class ModelRunner:
         self.w = weights
         self.kv = kv
         self.refe = refe
-        self.clock = clock or StepClock()  # (the control plane's watchdog reads how long a call has run)
+        # The control plane's watchdog reads how long a call has run.
+        self.clock = clock or StepClock()
         self.slow = slow  # the test-only fault hook: once per step
-        # Decode attention that reads each decode token's K/V from its blocks (the CPU's
-        # fabric/kernels/paged_attention.cpp, or Triton's), or None: gather into a padded copy, then SDPA.
+        # Decode attention that reads each decode token's K/V from its blocks. It is the CPU's
+        # fabric/kernels/paged_attention.cpp, or Triton's. With None, torch's path gathers into a
+        # padded copy, then runs SDPA.
         self.paged = paged
-        self.scale = cfg.head_dim ** -0.5  # (SDPA's default, which torch's path uses)
+        self.scale = cfg.head_dim ** -0.5  # SDPA's default, which torch's path uses
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
-        self.expert_wait_s = 0.0  # wall time spent awaiting expert calls (cumulative, for stats)
+        # Wall time spent awaiting expert calls, cumulative, for stats.
+        self.expert_wait_s = 0.0
         self.forward_s = 0.0
-        # Called on the event loop with (layer, spans, k [T, K, d], v) once a layer's KV is in the
-        # cache: the checkpointer's async_update. It must return at once.
+        # The checkpointer's async_update. It is called on the event loop with (layer, spans,
+        # k [T, K, d], v) once a layer's KV is in the cache. It must return at once.
         self.kv_sink: KvSink | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -125,9 +136,10 @@ class ModelRunner:
         return mask
 
     def _dense_decode(self, tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tables [Bd, Tb] (padded with -1), lens [Bd] -> each decode token's cache slots [Bd, L]
-        (0 past its length) and mask [Bd, 1, 1, L], L the longest: a decode token is its
-        sequence's last, so it sees every position before its length (within the window)."""
+        """tables [Bd, Tb] (padded with -1), lens [Bd] -> cache slots [Bd, L] and mask [Bd, 1, 1, L].
+
+        L is the longest length. Slots are 0 past a token's length. A decode token is its sequence's
+        last, so it sees every position before its length, within the window."""
         bd = lens.numel()
         lmax = int(lens.max()) if bd else 0
         if not lmax:
@@ -171,7 +183,8 @@ class ModelRunner:
         tables = torch.tensor([t + [-1] * (widest - len(t)) for t in dec_tables], dtype=torch.long).view(len(dec_tables), widest)
         lens = torch.tensor(dec_lens, dtype=torch.long)  # [Bd]
         dec_kv = dec_mask = None
-        if self.paged is None:  # torch's path: every decode token's slots and mask, padded to the longest
+        # Torch's path: every decode token's slots and mask, padded to the longest.
+        if self.paged is None:
             dec_kv, dec_mask = self._dense_decode(tables, lens)
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
@@ -182,8 +195,10 @@ class ModelRunner:
         )
 
     async def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs the step; returns logits (float32) for the chunks that sample [S, V] and for the
-        rows that score prompt tokens [R, V], each in chunk order."""
+        """Runs the step and returns float32 logits, each in chunk order.
+
+        The first are for the chunks that sample [S, V], the second for the rows that score prompt
+        tokens [R, V]."""
         t0 = time.perf_counter()
         step = self.clock.run(self._first, chunks)
         while True:
@@ -200,11 +215,12 @@ class ModelRunner:
         return step.logits, step.scored
 
     async def _pace(self, step: StepState) -> None:
-        """After each compute call (a cost model's wait; nothing here)."""
+        """Runs after each compute call. A cost model waits here; this one does nothing."""
 
     def forward_local(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step whose experts add nothing (no EW, no event loop, no checkpoints): the warm-up's
-        (attention_worker/warmup.py), and tests of the attention side alone."""
+        """Runs a step whose experts add nothing: no EW, no event loop, no checkpoints.
+
+        The warm-up uses it (attention_worker/warmup.py), and so do tests of the attention side alone."""
         step = self._begin(chunks)
         while step.plan is not None:
             step = self._resume(step, [])
@@ -212,7 +228,7 @@ class ModelRunner:
         return step.logits, step.scored
 
     def _first(self, chunks: list[Chunk]) -> StepState:
-        if self.slow is not None:  # (the test-only fault hook: a slow device)
+        if self.slow is not None:  # the test-only fault hook: a slow device
             self.slow()
         return self._begin(chunks)
 
@@ -235,8 +251,9 @@ class ModelRunner:
         return self._advance(step)
 
     def _advance(self, step: StepState) -> StepState:
-        """Runs layers from `step.layer` until one needs its experts (its rows planned) or the last
-        is done (the logits made)."""
+        """Runs layers from `step.layer` until one needs its experts or the last is done.
+
+        In the first case its rows are planned, in the second the logits are made."""
         cfg, meta = self.cfg, step.meta
         for i in range(step.layer, len(self.w.layers)):
             lw = self.w.layers[i]
@@ -257,7 +274,7 @@ class ModelRunner:
         return step
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        """The decode tokens' attention: q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""
+        """The decode tokens' attention, q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""
         if self.paged is not None:
             return self.paged(q, kc, vc, meta.dec_tables, meta.dec_lens, self.kv.blocks.block_size, self.scale,
                               self.cfg.sliding_window or 0)
@@ -281,13 +298,15 @@ class ModelRunner:
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
             q = apply_rope(rms_norm(q, lw.q_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
             k = apply_rope(rms_norm(k, lw.k_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
-        else:  # RoPE on the q and k heads at once: the same product per element, half the ops
+        else:
+            # RoPE on the q and k heads at once: the same product per element, half the ops.
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), meta.cos, meta.sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, d], [T, K, d]
         kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
-        kc.index_copy_(0, meta.slots, k)  # (as kc[slots] = k, without advanced indexing's overhead)
+        # As kc[slots] = k, without advanced indexing's overhead.
+        kc.index_copy_(0, meta.slots, k)
         vc.index_copy_(0, meta.slots, v)
-        written.append((i, k, v))  # (checkpointed from the loop: `_sink`)
+        written.append((i, k, v))  # checkpointed from the loop (`_sink`)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
         out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype, device=qkv.device)  # [T, H, d]

@@ -32,16 +32,21 @@ class Sequence:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     logprobs: int = -1
-    replay_chunk: int = 0  # >0: emitted tokens being recomputed go at most this many per step
-    client: Any = None  # the connection that receives this request's tokens (None: detached)
-    submit: Submit | None = None  # as the gateway sent it (an Attach must ask for the same generation)
-    detached_until: float | None = None  # no client: kept running for an Attach until then (monotonic)
+    # If > 0, emitted tokens being recomputed go at most this many per step.
+    replay_chunk: int = 0
+    # The connection that receives this request's tokens. None when detached.
+    client: Any = None
+    # The Submit as the gateway sent it. An Attach must ask for the same generation.
+    submit: Submit | None = None
+    # With no client, the request keeps running for an Attach until then (monotonic).
+    detached_until: float | None = None
     outputs: list[TokenOut] = field(default_factory=list)  # every token sent so far (see Attached)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_logprobs: int = -1  # -1: none; k >= 0: score the prompt in its prefill (see PromptScores)
+    # -1 for none. With k >= 0 the prefill scores the prompt (see PromptScores).
+    prompt_logprobs: int = -1
     score_parts: list[PromptScores] = field(default_factory=list)  # the prefill's chunks so far, in order
     prompt_scores: PromptScores | None = None  # all of them, once the prefill is done
 
@@ -52,21 +57,22 @@ class Sequence:
             msg.top_p, msg.top_k, msg.seed, frozenset(msg.stop_token_ids), msg.ignore_eos, msg.logprobs,
             msg.replay_chunk, client, msg,
         )
-        # Tokens made before a resume (on an AW that died): their logprobs stayed with the gateway.
+        # Tokens made before a resume, on an AW that died. Their logprobs stayed with the gateway.
         seq.outputs = [TokenOut(msg.request_id, t, None, None, None) for t in msg.output_ids]
         seq.prompt_logprobs = msg.prompt_logprobs
         return seq
 
     def scores(self, start: int, n: int) -> range:
-        """The positions of a chunk [start, start + n) whose logits score a prompt token (the
-        one after each): only in a fresh request's first prefill, never in a resumed one's, whose
-        gateway has them."""
+        """The positions of a chunk [start, start + n) whose logits score a prompt token.
+
+        Each position scores the token after it. This happens only in a fresh request's first
+        prefill. A resumed request's gateway already has the scores."""
         if self.prompt_logprobs < 0 or self.output_ids:
             return range(0)
         return range(start, min(start + n, len(self.prompt_ids) - 1))
 
     def add_scores(self, start: int, part: PromptScores) -> None:
-        if start == 0:  # (a prefill that starts over, after a preemption, scores again)
+        if start == 0:  # a prefill that starts over, after a preemption, scores again
             self.score_parts.clear()
         self.score_parts.append(part)
 
@@ -74,7 +80,7 @@ class Sequence:
         """Every prompt token's scores, joined, when its first token is sampled."""
         if self.prompt_logprobs < 0 or self.prompt_scores is not None or self.output_ids:
             return None
-        k = self.prompt_logprobs  # (a one-token prompt has nothing to score)
+        k = self.prompt_logprobs  # a one-token prompt has nothing to score
         parts = self.score_parts or [PromptScores(torch.zeros(0), torch.zeros(0, dtype=torch.long),
                                                   torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))]
         self.prompt_scores = PromptScores(*(torch.cat([getattr(p, f) for p in parts])
@@ -91,7 +97,9 @@ class Sequence:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def chunk_limit(self, n: int) -> int:
-        """`n` capped for sequential replay: the prompt in one go, emitted tokens `replay_chunk` a step."""
+        """`n` capped for sequential replay.
+
+        The prompt goes in one go, emitted tokens `replay_chunk` a step."""
         if not self.replay_chunk:
             return n
         if self.num_computed < len(self.prompt_ids):
@@ -100,11 +108,11 @@ class Sequence:
 
     @property
     def remaining_work(self) -> int:
-        """Tokens still to prefill plus tokens still to decode (for load-aware routing)."""
+        """Tokens still to prefill plus tokens still to decode, for load-aware routing."""
         return (self.num_tokens - self.num_computed) + (self.max_tokens - len(self.output_ids))
 
     def append(self, token: int) -> str | None:
-        """Records a sampled token; returns the finish reason if the request is done."""
+        """Records a sampled token and returns the finish reason if the request is done."""
         self.output_ids.append(token)
         if not self.ignore_eos and token in self.stop_token_ids:
             return "stop"

@@ -1,10 +1,12 @@
-"""Sampling where a token depends only on (logits, seed, token index), so a request resumed on another
-AW continues identically. Greedy (temperature 0) is argmax, ties to the lowest id, as transformers.
+"""Sampling where a token depends only on (logits, seed, token index).
 
-No sampling parameter can crash the worker: a temperature below `GREEDY_BELOW` is greedy (as vLLM
-treats it: 1/temperature would overflow float32, and the softmax of an overflow is NaN), and a
+So a request resumed on another AW continues identically. Greedy (temperature 0) is argmax, with
+ties going to the lowest id, as in transformers.
+
+No sampling parameter can crash the worker. A temperature below `GREEDY_BELOW` is greedy, as vLLM
+treats it: 1/temperature would overflow float32, and the softmax of an overflow is NaN. A
 distribution that is not finite (NaN or inf logits from the model) falls back to greedy on the
-finite logits instead of reaching `torch.multinomial`, which raises on it.
+finite logits. It never reaches `torch.multinomial`, which raises on it.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ def greedy_rows(logits: torch.Tensor) -> list[int]:
 
 
 def is_greedy(temperature: float, top_k: int) -> bool:
-    return not temperature >= GREEDY_BELOW or top_k == 1  # (also catches a NaN temperature)
+    return not temperature >= GREEDY_BELOW or top_k == 1  # also catches a NaN temperature
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, index: int,
            greedy_token: int | None = None) -> int:
-    """logits [V] -> token id (`greedy_token`: this row's `greedy`, where the caller has it)."""
+    """logits [V] -> token id.
+
+    `greedy_token` is this row's `greedy`, where the caller has it."""
     if is_greedy(temperature, top_k):
         return greedy(logits) if greedy_token is None else greedy_token
     scaled = logits.float() / temperature
@@ -52,7 +56,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
     probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
+        # Drop a token when the mass before it already reaches top_p. The first always stays.
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
@@ -63,9 +67,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float | None, list[list[Any]] | None]:
-    """(logprob of `token`, top-k [[id, logprob], ...]) under the raw distribution, or (None, None)
-    when the request asked for none (k < 0). A non-finite value becomes `FLOOR_LOGPROB`
-    (fabric/logprobs.py)."""
+    """(logprob of `token`, top-k [[id, logprob], ...]) under the raw distribution.
+
+    Returns (None, None) when the request asked for none (k < 0). A non-finite value becomes
+    `FLOOR_LOGPROB` (fabric/logprobs.py)."""
     if k < 0:
         return None, None
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -77,8 +82,10 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float | No
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:
-    """logits [R, V] and the token that followed each row [R] -> each token's logprob and rank
-    under the raw distribution, and the k most likely tokens (the gateway floors non-finite values)."""
+    """Scores each row's next token under the raw distribution.
+
+    Takes logits [R, V] and the token that followed each row [R]. Returns each token's logprob and
+    rank, and the k most likely tokens. The gateway floors non-finite values."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
     lp = logp.gather(1, targets[:, None])  # [R, 1]
     ranks = (logp > lp).sum(dim=1) + 1  # [R]

@@ -1,7 +1,9 @@
-"""Continuous batching: every step mixes decodes (1 token each) and prefill chunks under a token
-budget (FailSafe's token-budget chunked prefill). Running sequences go first, oldest first; a
-sequence that cannot get a KV block preempts the newest running one, which later re-prefills
-(recompute), and deterministic sampling makes that invisible to its client.
+"""Continuous batching.
+
+Every step mixes decodes (1 token each) and prefill chunks under a token budget. This is
+FailSafe's token-budget chunked prefill. Running sequences go first, oldest first. A sequence
+that cannot get a KV block preempts the newest running one, which later re-prefills (recompute).
+Deterministic sampling makes that invisible to its client.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Which gateway connection receives each request's tokens, and what happens when it goes away.
 
 A request belongs to the connection that submitted it or last attached to it (`Sequence.client`).
-When that connection closes (its gateway died) or its HTTP client left (`Detach`), a resumable
-request (`Submit.resume_grace_s > 0`, a stream) keeps running *detached*: its outputs are kept in
-`Sequence.outputs` and any gateway may `Attach` to it, getting every output so far and then the
-rest. A request that finishes while detached is *parked* (its outputs only; its KV is freed) for
-the rest of its grace. Past the grace, a detached request is aborted and its KV freed. A request
-that is not resumable is aborted as soon as its client is gone.
+That connection may close (its gateway died), or its HTTP client may leave (`Detach`). A resumable
+request (`Submit.resume_grace_s > 0`, a stream) then keeps running *detached*. Its outputs are kept
+in `Sequence.outputs`, and any gateway may `Attach` to it, getting every output so far and then the
+rest. A request that finishes while detached is *parked* for the rest of its grace. Only its outputs
+are kept, and its KV is freed. Past the grace, a detached request is aborted and its KV freed. A
+request that is not resumable is aborted as soon as its client is gone.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ from fabric.transport.base import Connection
 log = logging.getLogger(__name__)
 
 
-MAX_PARKED = 4096  # finished resumable requests kept for an Attach at once (the oldest go first)
+# Finished resumable requests kept for an Attach at once. The oldest go first.
+MAX_PARKED = 4096
 
 
 @dataclass
 class Parked:
-    """A finished resumable request's outputs, compact: its tokens, the finish reason, and the
-    logprob parts only if it asked for them."""
+    """A finished resumable request's outputs, compact.
+
+    It keeps the tokens, the finish reason, and the logprob parts only if the request asked for them."""
 
     submit: Submit
     tokens: list[int]
@@ -58,14 +60,15 @@ class Sessions:
                  requests: Callable[[], Iterable[Sequence]]) -> None:
         self.find = find  # a running, waiting or restoring request by id
         self.requests = requests  # every such request
-        self.remove = remove  # aborts a request and frees its KV (True: hands its checkpoints over)
+        # Aborts a request and frees its KV. With True it hands its checkpoints over.
+        self.remove = remove
         self.parked: dict[str, Parked] = {}
         self.detaches = 0
         self.attaches = 0
         self.expired = 0
 
     def let_go(self, seq: Sequence) -> None:
-        """Its client is gone: detach it for its grace, or abort it."""
+        """Detaches `seq` for its grace, or aborts it, once its client is gone."""
         seq.client = None
         grace = seq.submit.resume_grace_s if seq.submit is not None else 0.0
         if grace > 0:
@@ -75,17 +78,17 @@ class Sessions:
             self.remove(seq.request_id, False)
 
     def connection_lost(self, conn: Connection) -> None:
-        """A gateway connection closed: the requests it held go on detached or are aborted."""
+        """A gateway connection closed. The requests it held go on detached or are aborted."""
         for seq in [s for s in self.requests() if s.client is conn]:
             self.let_go(seq)
 
     def detach(self, conn: Connection, request_id: str) -> None:
         seq = self.find(request_id)
-        if seq is not None and seq.client is conn:  # (another gateway may have attached since)
+        if seq is not None and seq.client is conn:  # another gateway may have attached since
             self.let_go(seq)
 
     def abort(self, conn: Connection, request_id: str, moved: bool = False) -> bool:
-        """`conn`'s gateway lets go of its request (`moved`: it resumed it on another AW)."""
+        """`conn`'s gateway lets go of its request. `moved` means it resumed it on another AW."""
         seq = self.find(request_id)
         if seq is not None and seq.client is conn:
             self.remove(request_id, moved)
@@ -93,9 +96,10 @@ class Sessions:
         return False
 
     def finished(self, seq: Sequence) -> None:
-        """A resumable `seq` produced its last token: its outputs are parked for its grace. Even
-        when a gateway holds it: that gateway may be hung, its last tokens unread, and its client
-        about to resume elsewhere."""
+        """Parks a resumable `seq`'s outputs for its grace once it produced its last token.
+
+        This happens even when a gateway holds it. That gateway may be hung, its last tokens unread,
+        and its client about to resume elsewhere."""
         if seq.submit is None or seq.submit.resume_grace_s <= 0:
             return
         until = seq.detached_until or time.monotonic() + seq.submit.resume_grace_s
@@ -104,8 +108,9 @@ class Sessions:
             del self.parked[next(iter(self.parked))]
 
     def attach(self, conn: Connection, msg: Attach) -> Attached:
-        """Binds the request to `conn` if it runs (or finished) here as the same generation. Send
-        the reply before the loop turns again (`send_nowait`): later outputs go to `conn` now."""
+        """Binds the request to `conn` if it runs (or finished) here as the same generation.
+
+        Send the reply before the loop turns again (`send_nowait`). Later outputs go to `conn` now."""
         rid = msg.submit.request_id
         seq = self.find(rid)
         if seq is not None and seq.submit is not None and seq.submit.same_request(msg.submit):
@@ -120,11 +125,13 @@ class Sessions:
         return Attached(rid, False, [])
 
     def take_over(self, conn: Connection, submit: Submit) -> Attached | None:
-        """A Submit that resumes a request this AW still runs detached (or parked): a gateway that
-        found this AW hung while it was only slow, and then picked it again. Binds the request to
-        `conn` and returns its outputs past the `submit.output_ids` the gateway has (and its prompt
-        scores if the gateway has no token yet), as an Attach would, so that nothing is computed
-        twice; None if it is not detached here as the same generation with those tokens."""
+        """Handles a Submit that resumes a request this AW still runs detached, or has parked.
+
+        This comes from a gateway that found this AW hung while it was only slow, and then picked it
+        again. It binds the request to `conn`, as an Attach would, so that nothing is computed twice.
+        It returns the outputs past the `submit.output_ids` the gateway has, and the prompt scores
+        if the gateway has no token yet. It returns None if the request is not detached here as the
+        same generation with those tokens."""
         rid, have = submit.request_id, submit.output_ids
         seq = self.find(rid)
         if seq is not None:
@@ -135,7 +142,7 @@ class Sessions:
             parked = self.parked[rid]
             tokens, found_submit, outputs, prompt = parked.tokens, parked.submit, parked.outputs(), parked.prompt
             if len(tokens) <= len(have):
-                return None  # (nothing left to send: a fresh run ends it)
+                return None  # nothing left to send: a fresh run ends it
         else:
             return None
         if not found_submit.same_request(submit) or tokens[: len(have)] != have:

@@ -1,8 +1,10 @@
-"""`--compute sim` for an attention worker: the scheduler, paged KV cache, checkpoints, expert
-calls through the REFE and sampling are all real; the tensor math of a step is replaced by a cost
-model (`attention_ms` per layer, blocking as real compute does; with many workers in one process
-(`--sim-workers`) a sleep that does not block the others, as compute on a device of its own) and
-deterministic stand-ins:
+"""`--compute sim` for an attention worker.
+
+The scheduler, paged KV cache, checkpoints, expert calls through the REFE and sampling are all
+real. The tensor math of a step is replaced by a cost model and deterministic stand-ins. The cost
+model is `attention_ms` per layer, blocking as real compute does. With many workers in one process
+(`--sim-workers`) it is a sleep that does not block the others, as compute on a device of its own.
+The stand-ins:
 
     hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
     attention  K and V rows derived from h, written to the cache and checkpointed like real ones
@@ -12,8 +14,8 @@ deterministic stand-ins:
     lm head    one-hot logits on a token picked from h (8 of its values), so the output depends on
                every expert that ran
 
-A row's result depends only on its own token, position and experts, so a stream is identical
-whichever AW or EW replica serves it: failover in a simulation can still be checked token by token.
+A row's result depends only on its own token, position and experts. So a stream is identical
+whichever AW or EW replica serves it, and failover in a simulation can still be checked token by token.
 """
 
 from __future__ import annotations
@@ -32,21 +34,24 @@ from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
 from fabric.steps import StepClock
 
-PEAK = 30.0  # the picked token's logit (others 0): sampling at any usual temperature picks it
+# The picked token's logit; the others are 0. Sampling at any usual temperature picks it.
+PEAK = 30.0
 
 
 class SimRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float,
                  clock: StepClock | None = None, blocking: bool = True) -> None:
-        super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock)  # (no weights: nothing reads them)
+        super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock)  # no weights: nothing reads them
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
         self.offsets = torch.arange(cfg.top_k)[None, :]  # [1, k]
 
     async def _pace(self, step: StepState) -> None:
-        """Many workers share this process and its loop (not `blocking`): each layer's cost is a
-        sleep that does not block the others, as compute on a device of its own would not."""
+        """Paces a step when many workers share this process and its loop (not `blocking`).
+
+        Each layer's cost is then a sleep that does not block the others, as compute on a device of
+        its own would not."""
         if not self.blocking and self.attention_s:
             assert isinstance(step, SimStep)
             await asyncio.sleep(self.attention_s * ((step.layer + 1 if step.plan else step.layer) - step.first))
@@ -57,7 +62,7 @@ class SimRunner(ModelRunner):
         pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
         h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
         t = meta.ids.numel()
-        # (what every layer's routing shares, made once a step: the stand-ins are not the fabric's cost)
+        # What every layer's routing shares, made once a step. The stand-ins are not the fabric's cost.
         return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos, hashed=meta.ids * 7919 + pos * 104729,
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k)))
 
@@ -95,4 +100,5 @@ class SimStep(StepState):
     pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
     hashed: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] the routing hash of (token, position)
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
-    first: int = 0  # the first layer the last compute call ran (the inline cost model's sleep)
+    # The first layer the last compute call ran, for the inline cost model's sleep.
+    first: int = 0

@@ -1,15 +1,15 @@
-"""The AW's cold paths, run before it registers (inline, as its steps run): a worker says it is ready
-only once its first real step will be warm.
+"""The AW's cold paths, run before it registers, inline as its steps run.
 
-A cold first step pays for lazy initialisation (CUDA context and cuBLAS handles, lazily loaded
-kernels, Triton's JIT, oneDNN primitives, OpenMP's threads) and, on a GPU, took seconds. Here it
-is paid at start-up: steps of each shape class the kernels treat apart run with experts that add
-nothing (no EW is needed), on blocks of the AW's own KV cache, which nothing uses yet (a request
-writes every position it reads, so what the warm-up leaves there is never read).
+A worker says it is ready only once its first real step will be warm. A cold first step pays for
+lazy initialisation: CUDA context and cuBLAS handles, lazily loaded kernels, Triton's JIT, oneDNN
+primitives and OpenMP's threads. On a GPU that took seconds. Here it is paid at start-up. Steps of
+each shape class the kernels treat apart run with experts that add nothing, so no EW is needed.
+They run on blocks of the AW's own KV cache, which nothing uses yet. A request writes every
+position it reads, so what the warm-up leaves there is never read.
 
-The shapes: a prefill chunk beside a decode (the mixed path), and decode steps whose block tables
-are 1, 3 and 16 blocks wide (Triton specialises an integer argument equal to 1 or divisible by 16:
-those three classes cover every table width; the batch size only sizes the launch grid).
+The shapes are a prefill chunk beside a decode (the mixed path), and decode steps whose block
+tables are 1, 3 and 16 blocks wide. Triton specialises an integer argument equal to 1 or divisible
+by 16, so those three classes cover every table width. The batch size only sizes the launch grid.
 Sampling runs on each step's logits, greedy and seeded.
 """
 
@@ -29,11 +29,14 @@ def _sequence(i: int, n: int, vocab: int) -> Sequence:
 
 
 def warm_up(runner: ModelRunner) -> int:
-    """Runs the warm-up steps (blocking, as compute is: the control loop answers meanwhile); returns how many."""
+    """Runs the warm-up steps and returns how many.
+
+    It blocks, as compute does. The control loop answers meanwhile.
+    """
     blocks = runner.kv.blocks
     s, vocab = blocks.block_size, runner.cfg.vocab_size
     widest = min(16, blocks.num_blocks, runner.cfg.max_position // s)
-    table = list(range(widest))  # (blocks nothing uses yet; every sequence may share them)
+    table = list(range(widest))  # blocks nothing uses yet; every sequence may share them
     steps: list[list[Chunk]] = []
     if widest >= 2:
         prefill = _sequence(0, min(PREFILL_TOKENS, widest * s - 1), vocab)

@@ -1,5 +1,7 @@
-"""`moe-fabric` command line: one subcommand per role, `serve` for all of them, `demo-model`,
-`cluster-secret`, `experiment`.
+"""The `moe-fabric` command line.
+
+It has one subcommand per role, `serve` for all of them, `demo-model`, `cluster-secret` and
+`experiment`.
 
 Each role's flags are derived from the fields of its config dataclass (fabric/config.py,
 launch/config.py) by launch/flags.py, so a flag is written once.
@@ -116,17 +118,18 @@ def _dispatch(args: argparse.Namespace) -> int:
     cls, module, _ = ROLES[cmd]
     cfg: Any = from_args(cls, args)
     _run_role(cmd, cfg, module)
-    return 0  # (not reached: the role process exits from run_role)
+    return 0  # not reached: the role process exits from run_role
 
 
 def _run_role(role: str, cfg: Any, module: str) -> None:
-    """Runs one role's process. Importing a worker role (torch and the rest) is most of its
-    start-up: it runs `boot_nice` nicer, so a replacement takes CPU from the serving workers only
-    when they leave it idle."""
+    """Runs one role's process.
+
+    Importing a worker role (torch and the rest) is most of its start-up. It runs `boot_nice`
+    nicer, so a replacement takes CPU from the serving workers only when they leave it idle."""
     from fabric.process import run_niced, run_role
 
     # OpenMP threads that spin between parallel regions take the CPU from the other processes a
-    # fabric runs on the same cores; set before torch is first imported (and left to the user).
+    # fabric runs on the same cores. Set it before torch is first imported, and leave it to the user.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     def load() -> Any:

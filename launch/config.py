@@ -123,7 +123,7 @@ class ServeConfig:
         if self.standby_workers < 0 or (self.standby_workers and self.cluster != "local"):
             raise ConfigError("standby_workers must be >= 0, and standbys run with --cluster local only (for now)")
         for role in RESOURCE_FIELDS.values():
-            self.resources(role)  # (checks the JSON)
+            self.resources(role)  # checks the JSON
         if self.cluster == "ray" and self.device != "cpu":
             if self.device != "cuda":
                 raise ConfigError(f"--cluster ray --device {self.device}: Ray picks each worker's GPU (it is the worker's "
@@ -146,7 +146,7 @@ class ServeConfig:
             raise ConfigError("restart_delay_s, watchdog_s and recovery_grace_s must be >= 0, send_timeout_ms > 0")
 
     def resources(self, field_name: str) -> dict[str, float]:
-        """A role's Ray resources (`field_name`: one of RESOURCE_FIELDS' values), checked."""
+        """A role's Ray resources, checked. `field_name` is one of RESOURCE_FIELDS' values."""
         text = getattr(self, field_name)
         try:
             value = json.loads(text)
@@ -159,19 +159,22 @@ class ServeConfig:
                               f"e.g. '{{\"GPU\": 1}}', got {text!r}")
         resources = {k: float(v) for k, v in value.items()}
         if self.cluster == "ray" and self.device != "cpu" and field_name in ("aw_resources", "ew_resources"):
-            resources.setdefault("GPU", 1.0)  # (a GPU worker on Ray: Ray hands it a GPU, 1 unless given)
+            resources.setdefault("GPU", 1.0)  # Ray hands a GPU worker a GPU, 1 unless given
         return resources
 
     @property
     def store_kernel(self) -> str:
-        """The layout the weight store publishes: the workers' (the AVX-512 kernels' packing only where
-        they run on the CPU)."""
+        """The layout the weight store publishes, which is the workers'.
+
+        It is the AVX-512 kernels' packing only where they run on the CPU."""
         return self.kernel if self.device == "cpu" or self.kernel != "auto" else "torch"
 
     def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,
                      secret_file: str | None, weight_store_dir: str | None = None) -> RoleConfigs:
-        """Every role's config, as this `serve` runs them (`transport` resolved, so all agree;
-        workers map their weights from `weight_store_dir` where given)."""
+        """Every role's config, as this `serve` runs them.
+
+        `transport` is resolved, so all agree. Workers map their weights from `weight_store_dir`
+        where given."""
         orch = f"{self.host}:{orchestrator_port}"
         common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
                       send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid, cluster_secret_file=secret_file,

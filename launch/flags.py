@@ -1,7 +1,8 @@
-"""Command-line flags derived from config dataclasses, both ways: `add_flags` builds a parser's
-flags from a config class (`--field-name`, type, default, choices and help from `opt(...)`), and
-`to_argv` turns a config back into the flags that differ from the defaults, which is how a
-launcher hands a child process its config."""
+"""Command-line flags derived from config dataclasses, both ways.
+
+`add_flags` builds a parser's flags from a config class: `--field-name`, with type, default,
+choices and help from `opt(...)`. `to_argv` turns a config back into the flags that differ from the
+defaults. That is how a launcher hands a child process its config."""
 
 from __future__ import annotations
 
@@ -54,13 +55,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
-    """The config of `cls` from parsed flags (fields the parser lacks keep their defaults)."""
+    """The config of `cls` from parsed flags. Fields the parser lacks keep their defaults."""
     values = {f.name: getattr(args, f.name) for f, _ in _fields(cls) if hasattr(args, f.name)}
     return cls(**{**values, **overrides})
 
 
 def to_argv(cfg: Any) -> list[str]:
-    """`cfg` as flags: every required field and every field that differs from its default."""
+    """`cfg` as flags, for every required field and every field that differs from its default."""
     argv: list[str] = []
     for f, tp in _fields(type(cfg)):
         value = getattr(cfg, f.name)

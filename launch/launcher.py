@@ -1,6 +1,8 @@
-"""What every launcher of a whole fabric shares: the local supervisor (launch/supervisor.py) and
-the Ray driver (launch/ray_cluster.py) both hold a `ServeConfig`, the cluster secret and TLS, the
-role configs they start processes with, and the orchestrator's admin endpoint."""
+"""What every launcher of a whole fabric shares.
+
+The local supervisor (launch/supervisor.py) and the Ray driver (launch/ray_cluster.py) both hold a
+`ServeConfig`, the cluster secret and TLS, the role configs they start processes with, and the
+orchestrator's admin endpoint."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from launch.config import ServeConfig
 COMMAND = {Role.ORCHESTRATOR: "orchestrator", Role.GATEWAY: "gateway", Role.ATTENTION: "attention-worker",
            Role.EXPERT: "expert-worker", Role.STORE: "checkpoint-store", Role.WEIGHT_STORE: "weight-store"}
 STOP_ORDER = [[Role.GATEWAY], [Role.ATTENTION], [Role.EXPERT, Role.STORE], [Role.ORCHESTRATOR, Role.WEIGHT_STORE]]
-YOUNG = 30.0  # seconds: a restartable process that dies younger than this backs off further
+# Seconds. A restartable process that dies younger than this backs off further.
+YOUNG = 30.0
 MAX_BACKOFF = 10.0
 
 
@@ -45,14 +48,15 @@ class Proc(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on `host`, below the kernel's ephemeral range where it can: a port the
-    kernel hands to `bind(0)` may be handed again to another process's listener (a worker's, a
-    control port) before whoever asked binds it (the gateways bind theirs only once they can
-    serve)."""
+    """A port free right now on `host`, below the kernel's ephemeral range where it can.
+
+    A port the kernel hands to `bind(0)` may be handed again to another process's listener, a
+    worker's or a control port, before whoever asked binds it. The gateways bind theirs only once
+    they can serve."""
     low = _ephemeral_low()
     for _ in range(64):
         port = random.randrange(max(1024, low // 2), low) if low > 2048 else 0
-        if port in _given:  # (handed out already, maybe not bound yet)
+        if port in _given:  # handed out already, maybe not bound yet
             continue
         with socket.socket() as s:
             try:
@@ -87,11 +91,14 @@ class Launcher(abc.ABC):
         self.cfg = cfg
         self.model = model
         self.log_dir = log_dir
-        self.extra = extra_args or {}  # role command (or one child's name) -> flags added to its processes
-        self.extra_env = extra_env or {}  # process name -> environment variables (tests' fault hooks)
+        # Role command, or one child's name -> flags added to its processes.
+        self.extra = extra_args or {}
+        # Process name -> environment variables, for tests' fault hooks.
+        self.extra_env = extra_env or {}
         self.transport = resolve_transport_name(cfg.transport)
         self.orchestrator_port = cfg.orchestrator_port or free_port(cfg.host)
-        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")  # mode 0700: notify sockets, this run's secret
+        # Mode 0700. It holds notify sockets and this run's secret.
+        self._sockdir = tempfile.mkdtemp(prefix="moe-fabric-")
         self.secret_file: str | None = None
         if cfg.auth:
             self.secret_file = cfg.cluster_secret_file or os.path.join(self._sockdir, "cluster-secret")
@@ -108,7 +115,7 @@ class Launcher(abc.ABC):
         self.was_ready = False
 
     def weight_store_dir(self) -> str | None:
-        """Where this run's weight store publishes (None: the workers read the checkpoint)."""
+        """Where this run's weight store publishes. None means the workers read the checkpoint."""
         return None
 
     @abc.abstractmethod
@@ -117,7 +124,7 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def snapshot(self) -> list[tuple[str, Proc]]:
-        """(name, process) of every process now (a restarted one: its newest)."""
+        """(name, process) of every process now; for a restarted one, its newest."""
 
     @property
     def orchestrator_host(self) -> str:
@@ -139,7 +146,7 @@ class Launcher(abc.ABC):
                                       headers={"Authorization": f"Bearer {self.secret.decode()}"} if self.secret else {})
 
     def announce_shutdown(self) -> None:
-        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody (best effort)."""
+        """Tells the orchestrator the whole cluster is stopping, so it replaces nobody. Best effort."""
         try:
             urllib.request.urlopen(self.admin_request("/shutdown", "POST"), timeout=2, context=self.ssl()).close()
         except (urllib.error.URLError, ConnectionError, OSError):
@@ -151,7 +158,7 @@ class Launcher(abc.ABC):
 
 
 def wait_ready(launcher: Launcher, timeout: float) -> None:
-    """Returns once every process of the fabric serves; raises FabricError if start-up failed."""
+    """Returns once every process of the fabric serves. Raises FabricError if start-up failed."""
     if not launcher.ready.wait(timeout):
         raise FabricError(f"the fabric was not ready within {timeout:.0f}s")
     if launcher.failure is not None:

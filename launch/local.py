@@ -1,7 +1,7 @@
 """A local fabric: `moe-fabric serve`, and the handle tests, benchmarks and experiments hold.
 
 `Fabric` runs a `Supervisor` (launch/supervisor.py) in a thread of its own, which lives as long as
-the fabric: the kernel's parent-death signal follows the thread that started a child. `serve` runs
+the fabric. The kernel's parent-death signal follows the thread that started a child. `serve` runs
 the supervisor in the main thread and stops it on Ctrl-C or SIGTERM.
 """
 
@@ -50,8 +50,9 @@ def make_launcher(cfg: ServeConfig, model: str, log_dir: str | None = None,
 
 
 class Fabric:
-    """The processes of one fabric, supervised from a background thread (`cfg.cluster`: on this
-    machine, or on a Ray cluster)."""
+    """The processes of one fabric, supervised from a background thread.
+
+    `cfg.cluster` says where: on this machine, or on a Ray cluster."""
 
     def __init__(self, cfg: ServeConfig, extra_args: dict[str, list[str]] | None = None, log_dir: str | None = None,
                  extra_env: dict[str, dict[str, str]] | None = None) -> None:
@@ -66,7 +67,7 @@ class Fabric:
 
     @property
     def procs(self) -> list[tuple[str, Proc]]:
-        """(name, process) of every child now (a restarted one: its newest process)."""
+        """(name, process) of every child now; for a restarted one, its newest process."""
         return self.supervisor.snapshot()
 
     def pid(self, name: str) -> int:
@@ -87,12 +88,12 @@ class Fabric:
         return Path(self.supervisor.secret_file) if self.supervisor.secret_file else None
 
     def admin_headers(self) -> dict[str, str]:
-        """`Authorization` for the admin endpoints (/cluster, /shutdown, the gateways' /metrics)."""
+        """`Authorization` for the admin endpoints: /cluster, /shutdown, the gateways' /metrics."""
         secret = self.supervisor.secret
         return {"Authorization": f"Bearer {secret.decode()}"} if secret else {}
 
     def stop(self) -> None:
-        """Idempotent: stops every process in order and waits for the supervisor."""
+        """Stops every process in order and waits for the supervisor. Idempotent."""
         self.supervisor.stop_requested.set()
         if self._thread is not None:
             self._thread.join()

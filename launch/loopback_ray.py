@@ -1,11 +1,12 @@
-"""A Ray cluster of several nodes on this machine, all on loopback (`ray.cluster_utils.Cluster`):
-what the tests and `experiment failover --cluster ray` run a fabric on, and remove nodes from.
+"""A Ray cluster of several nodes on this machine, all on loopback (`ray.cluster_utils.Cluster`).
 
-Every raylet is a node of its own (its own worker processes, resources and failure), which is all
-a node's death needs. The head node takes no fabric process (the driver's node, and Ray's control
-store: its death is the whole cluster's). Node failure detection is tightened (a dead raylet is
-declared dead in ~1.5 s instead of ~15 s); a production cluster sets the same knobs in its head's
-`--system-config`.
+The tests and `experiment failover --cluster ray` run a fabric on it, and remove nodes from it.
+
+Every raylet is a node of its own, with its own worker processes, resources and failure. That is
+all a node's death needs. The head node takes no fabric process. It is the driver's node and holds
+Ray's control store, so its death is the whole cluster's. Node failure detection is tightened: a
+dead raylet is declared dead in ~1.5 s instead of ~15 s. A production cluster sets the same knobs
+in its head's `--system-config`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 
 
 def keep_ray_on_loopback() -> None:
-    """Ray advertises this machine's primary address unless told not to; it reads the switch once,
-    when it is first imported (set here for the raylets it starts, and for this process if Ray is
-    already imported)."""
+    """Keeps Ray off this machine's primary address, which it advertises unless told not to.
+
+    Ray reads the switch once, when it is first imported. It is set here for the raylets Ray starts,
+    and for this process if Ray is already imported."""
     import sys
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -57,12 +59,12 @@ class LoopbackRay:
         return str(node.node_id)
 
     def remove_node(self, node_id: str) -> None:
-        """The node dies at once: its raylet and every process of it are killed (SIGKILL)."""
+        """Kills the node at once: its raylet and every process of it get SIGKILL."""
         self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
 
     def shutdown(self) -> None:
         import ray
 
-        if ray.is_initialized():  # (a driver in this process)
+        if ray.is_initialized():  # a driver in this process
             ray.shutdown()
         self.cluster.shutdown()

@@ -1,20 +1,23 @@
 """`moe-fabric serve --cluster ray`: the fabric on a Ray cluster, placed by failure domain.
 
-The driver (this module, in the `serve` process) is the Ray counterpart of the local supervisor:
-every fabric process runs as the child of a `RoleHost` actor (launch/ray_host.py) on a Ray node,
+The driver (this module, in the `serve` process) is the Ray counterpart of the local supervisor.
+Every fabric process runs as the child of a `RoleHost` actor (launch/ray_host.py) on a Ray node,
 with the role's Ray resources (`--aw-resources '{"GPU": 1}'`, ...). The driver owns every actor,
 so they all end with it.
 
-Placement (launch/ray_placement.py): attention workers apart, the checkpoint store away from them,
-expert workers and gateways spread; `serve` says which does not hold on a cluster too small.
+Placement (launch/ray_placement.py) keeps attention workers apart and the checkpoint store away
+from them, and spreads expert workers and gateways. `serve` says which does not hold on a cluster
+too small.
 
-Main loop (one thread): `ray.wait` on every host's exit, readiness and the orchestrator's requests
-for replacement workers. A worker whose process exits, or whose actor dies, is reported to the
-orchestrator, which asks for a replacement; the driver starts it on a healthy node with free
-resources (never one that lost a process, if possible none that holds a copy of the dead EW's
-experts); an actor only unavailable for a while (Ray's transient error) is watched again. The
-orchestrator and the gateways are restarted by their host when their process dies, and by Ray on
-another node when their node dies; the driver starts them there and tells every host where the
+The main loop runs in one thread. It does `ray.wait` on every host's exit, readiness and the
+orchestrator's requests for replacement workers. A worker whose process exits, or whose actor dies,
+is reported to the orchestrator, which asks for a replacement. The driver starts it on a healthy
+node with free resources. That is never one that lost a process, and if possible none that holds a
+copy of the dead EW's experts. An actor only unavailable for a while (Ray's transient error) is
+watched again.
+
+The orchestrator and the gateways are restarted by their host when their process dies, and by Ray
+on another node when their node dies. The driver starts them there and tells every host where the
 orchestrator is now.
 """
 
@@ -44,23 +47,27 @@ from launch.ray_placement import NodeState, choose_node, spread_notes
 
 log = logging.getLogger("moe-fabric")
 
-START_TIMEOUT = 120.0  # seconds for a host actor to come up (Ray starts a worker process for it)
+# Seconds for a host actor to come up. Ray starts a worker process for it.
+START_TIMEOUT = 120.0
 
 
 class RaySupervisor(Launcher):
     def __init__(self, cfg: ServeConfig, model: str, log_dir: str | None = None,
                  extra_args: dict[str, list[str]] | None = None, extra_env: dict[str, dict[str, str]] | None = None) -> None:
         super().__init__(cfg, model, log_dir, extra_args, extra_env)
-        ray, self._started_ray = join_ray(cfg)  # (here, in the caller's thread: Ray wants the main one)
+        # Here, in the caller's thread: Ray wants the main one.
+        ray, self._started_ray = join_ray(cfg)
         self.resources = {role: cfg.resources(f) for role, f in RESOURCE_FIELDS.items()}
         self.remote_host = ray.remote(RoleHost)
         self.hosts: list[Host] = []
-        self.actors: list[Any] = []  # every actor this driver made (killed at the end, whatever happened)
+        # Every actor this driver made. They are killed at the end, whatever happened.
+        self.actors: list[Any] = []
         self.lock = threading.Lock()  # guards hosts, actors, nodes
         self.nodes: dict[str, NodeState] = {}
         self.lost_nodes: set[str] = set()  # nodes where an actor died: never chosen again
         self.orchestrator_ip = cfg.host
-        self.events: queue.Queue[Callable[[], None]] = queue.Queue()  # from helper threads, run by the main loop
+        # From helper threads, run by the main loop.
+        self.events: queue.Queue[Callable[[], None]] = queue.Queue()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ray-driver")
         self.req_ref: Any = None
         self._replacements = 0
@@ -74,7 +81,7 @@ class RaySupervisor(Launcher):
 
     # -- nodes and placement ------------------------------------------------------------------
     def _refresh_nodes(self) -> list[NodeState]:
-        """The alive nodes (keeping what the fabric placed on each), minus the lost ones."""
+        """The alive nodes, minus the lost ones. It keeps what the fabric placed on each."""
         import ray
 
         alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
@@ -102,7 +109,7 @@ class RaySupervisor(Launcher):
             node.take(role, res)
             restart = role in (Role.ORCHESTRATOR, Role.GATEWAY)
             # A restartable process's host follows it to another node when its node dies (soft
-            # affinity); a worker's stays put: a new worker replaces it.
+            # affinity). A worker's stays put, as a new worker replaces it.
             rest = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
             actor = self.remote_host.options(
                 name=None, num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0), resources=rest,
@@ -122,7 +129,7 @@ class RaySupervisor(Launcher):
 
         info = ray.get(host.actor.hello.remote(), timeout=timeout)
         node = info["node_id"]
-        if node != host.node_id:  # (Ray restarted it elsewhere)
+        if node != host.node_id:  # Ray restarted it elsewhere
             self._release(host)
             with self.lock:
                 if node not in self.nodes:
@@ -223,7 +230,7 @@ class RaySupervisor(Launcher):
         try:
             host.ready = bool(ray.get(ref))
         except ray.exceptions.RayError:
-            return  # (its exit says what happened)
+            return  # its exit says what happened
         if not host.ready and not host.gone:
             host.ready_ref = host.actor.until_ready.remote(5.0)
 
@@ -237,7 +244,7 @@ class RaySupervisor(Launcher):
         except ray.exceptions.RayError as exc:
             alive = node_is_alive(host.node_id)
             if isinstance(exc, ray.exceptions.ActorUnavailableError) and alive:
-                # Transient, as Ray documents it (its owner or a node near it hiccuped): the process
+                # Transient, as Ray documents it: its owner or a node near it hiccuped. The process
                 # most likely serves on. Its exit is watched again a moment later.
                 log.info("%s: its actor is unavailable for now (%s); watching it again", host.name, exc)
                 threading.Timer(0.5, self.events.put, (lambda: self._rearm(host),)).start()
@@ -271,7 +278,7 @@ class RaySupervisor(Launcher):
             host.exit_ref = host.actor.exited.remote()
 
     def _revive(self, host: Host) -> None:
-        """In a helper thread: waits for Ray to restart `host`'s actor, then starts its process."""
+        """Waits for Ray to restart `host`'s actor, then starts its process. Runs in a helper thread."""
         deadline = time.monotonic() + START_TIMEOUT
         while not self.stop_requested.is_set():
             try:
@@ -306,7 +313,8 @@ class RaySupervisor(Launcher):
         try:
             data = ray.get(ref)
         except ray.exceptions.RayError:
-            return  # (the orchestrator's exit says what happened; its revival asks again)
+            # The orchestrator's exit says what happened, and its revival asks again.
+            return
         if orch is not None and orch.exit_ref is not None:
             self.req_ref = orch.actor.requests.remote(1.0)
         for raw in data:
@@ -318,13 +326,14 @@ class RaySupervisor(Launcher):
             self.pool.submit(self._replace, msg, f"{COMMAND[msg.role]}-r{self._replacements}")
 
     def _replace(self, msg: StartWorker, name: str) -> None:
-        """In a helper thread: a replacement on a healthy node with free resources."""
+        """Starts a replacement on a healthy node with free resources. Runs in a helper thread."""
         if self.stop_requested.is_set():
             return
         with self.lock:
             labels = {node_label(n): n for n in self.nodes}
         avoid = {labels[a] for a in msg.avoid if a in labels}
-        for _ in range(4):  # a node may be dead before Ray says so: the next try is on another one
+        # A node may be dead before Ray says so. The next try is on another one.
+        for _ in range(4):
             if self.stop_requested.is_set():
                 return
             try:
@@ -377,7 +386,7 @@ class RaySupervisor(Launcher):
         with self.lock:
             actors = list(self.actors)
         for actor in actors:
-            with contextlib.suppress(Exception):  # (already gone)
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
         if self._started_ray:
             ray.shutdown()

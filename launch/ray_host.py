@@ -1,21 +1,21 @@
 """`RoleHost`: the Ray actor that runs one fabric process on a Ray node (`serve --cluster ray`).
 
 The fabric process is a child OS process of the actor, started by `moe-fabric <role>` exactly as
-the local supervisor starts it, and tied to the actor's life (the kernel's parent-death signal and
-`--watch-pid`): when the node dies with its raylet, the actor's worker process exits and takes the
-fabric process with it, at once. The actor speaks for the process to the driver
-(launch/ray_cluster.py): its node, pid, readiness, exit, the orchestrator's requests for
-replacements, signals from experiments.
+the local supervisor starts it. It is tied to the actor's life by the kernel's parent-death signal
+and `--watch-pid`. When the node dies with its raylet, the actor's worker process exits and takes
+the fabric process with it, at once. The actor speaks for the process to the driver
+(launch/ray_cluster.py). It reports the node, pid, readiness and exit, passes on the orchestrator's
+requests for replacements, and takes signals from experiments.
 
-Secrets never travel in clear: the actor makes a key pair when it starts (`hello` hands out the
-public half) and the driver seals the cluster secret and the API key to it (launch/sealing.py).
-The actor writes the secret to a 0600 file in a private 0700 directory on its node.
+Secrets never travel in clear. The actor makes a key pair when it starts, and `hello` hands out the
+public half. The driver seals the cluster secret and the API key to it (launch/sealing.py). The
+actor writes the secret to a 0600 file in a private 0700 directory on its node.
 
-A restartable process (orchestrator, gateway) is started again here, with backoff, when it exits
-or its watchdog goes silent; when the whole node dies Ray restarts the actor (`max_restarts`) on
+A restartable process (orchestrator, gateway) is started again here, with backoff, when it exits or
+its watchdog goes silent. When the whole node dies, Ray restarts the actor (`max_restarts`) on
 another node, and the driver starts it again there.
 
-This module imports no role and no torch: the actor stays a light process.
+This module imports no role and no torch, so the actor stays a light process.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from launch.sealing import Opener
 
 
 def node_label(node_id: str) -> str:
-    """A Ray node's name in the fabric (`$MOE_FABRIC_NODE` of its processes, `GET /cluster`)."""
+    """A Ray node's name in the fabric, as in `$MOE_FABRIC_NODE` of its processes and `GET /cluster`."""
     return f"ray-{node_id[:8]}"
 
 
@@ -52,7 +52,8 @@ class RoleHost:
         ctx = ray.get_runtime_context()
         self.node_id: str = ctx.get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()
-        self.restarted = bool(ctx.was_current_actor_reconstructed)  # Ray started us again (our node died)
+        # Ray started us again, as our node died.
+        self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.opener = Opener()
         self.dir = tempfile.mkdtemp(prefix="moe-fabric-host-")  # 0700: the secret, the notify socket
         self.keeper: Keeper | None = None
@@ -62,7 +63,7 @@ class RoleHost:
                 "restarted": self.restarted, "pid": os.getpid()}
 
     def start(self, spec: dict[str, Any], box: bytes | None, orchestrator: str | None) -> dict[str, Any]:
-        """Starts the fabric process `spec` describes (see `RaySupervisor._spec`); returns its pid."""
+        """Starts the fabric process `spec` describes (see `RaySupervisor._spec`) and returns its pid."""
         if self.keeper is not None:
             return {"pid": self.keeper.pid}
         secrets: dict[str, str] = json.loads(self.opener.open(box)) if box is not None else {}
@@ -88,7 +89,7 @@ class RoleHost:
         return {"pid": self.keeper.pid}
 
     def set_orchestrator(self, address: str) -> None:
-        """Where the orchestrator is now; the process reads it before each connection attempt."""
+        """Records where the orchestrator is now. The process reads it before each connection attempt."""
         if not address:
             return
         path = os.path.join(self.dir, "orchestrator")
@@ -97,11 +98,13 @@ class RoleHost:
         os.replace(path + ".new", path)
 
     def until_ready(self, timeout: float) -> bool:
-        """True once the process has said READY=1 (False: not yet, or it exited)."""
+        """True once the process has said READY=1. False means not yet, or it exited."""
         return self.keeper is not None and self.keeper.ready.wait(timeout)
 
     def exited(self) -> int | None:
-        """Blocks until the process has exited for good (a restartable one: until `stop`); its code."""
+        """Blocks until the process has exited for good and returns its code.
+
+        For a restartable one that is until `stop`."""
         assert self.keeper is not None
         self.keeper.done.wait()
         return self.keeper.code
@@ -112,7 +115,7 @@ class RoleHost:
                 "incarnation": k.incarnation if k else 0, "node_id": self.node_id}
 
     def requests(self, timeout: float) -> list[bytes]:
-        """The orchestrator's requests for replacement workers (waits up to `timeout` for one)."""
+        """The orchestrator's requests for replacement workers. It waits up to `timeout` for one."""
         if self.keeper is None:
             time.sleep(timeout)
             return []
@@ -126,12 +129,12 @@ class RoleHost:
         return out
 
     def tell(self, data: bytes) -> None:
-        """A message for the orchestrator's provisioner (WorkerStarted, WorkerExited)."""
+        """Passes a message to the orchestrator's provisioner (WorkerStarted, WorkerExited)."""
         if self.keeper is not None:
             self.keeper.tell(data)
 
     def signal(self, signum: int) -> int:
-        """Sends `signum` to the process now; its pid (0: none running)."""
+        """Sends `signum` to the process now. Returns its pid, or 0 if none runs."""
         k = self.keeper
         if k is None or k.proc is None or k.proc.poll() is not None:
             return 0
@@ -140,7 +143,7 @@ class RoleHost:
         return k.proc.pid
 
     def stop(self, grace: float) -> int | None:
-        """SIGTERM (it drains and leaves), SIGKILL after `grace`; the exit code."""
+        """Sends SIGTERM, so it drains and leaves, then SIGKILL after `grace`. Returns the exit code."""
         k = self.keeper
         if k is None:
             return None
@@ -150,9 +153,11 @@ class RoleHost:
 
 
 class Keeper(threading.Thread):
-    """Starts the process from this thread (the parent-death signal follows the thread that
-    started a child, so this one lives as long as the process), reads its notifications, kills it
-    when its watchdog goes silent, and starts a restartable one again."""
+    """Starts the process from this thread and keeps it.
+
+    The parent-death signal follows the thread that started a child, so this thread lives as long
+    as the process. It reads the process's notifications, kills it when its watchdog goes silent,
+    and starts a restartable one again."""
 
     def __init__(self, spec: dict[str, Any], flags: list[str], env: dict[str, str], workdir: str, again: bool) -> None:
         super().__init__(name=f"keeper-{spec['name']}", daemon=True)

@@ -1,6 +1,8 @@
-"""The driver's side of a fabric process on Ray (`serve --cluster ray`, launch/ray_cluster.py): its
-record (`Host`), the `Proc` tests and experiments hold for it, what its `RoleHost` actor is told to
-run and with which secrets, joining the Ray cluster, and killing a whole node.
+"""The driver's side of a fabric process on Ray (`serve --cluster ray`, launch/ray_cluster.py).
+
+It holds the process's record (`Host`) and the `Proc` tests and experiments hold for it. It says
+what its `RoleHost` actor is told to run, and with which secrets. It also joins the Ray cluster and
+kills a whole node.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class Host:
     replaces: str = ""
     boot_nice: int = 0  # a replacement boots this much nicer
     ready: bool = False
-    initial: bool = True  # one of the processes `serve` starts (readiness waits for these)
+    # One of the processes `serve` starts. Readiness waits for these.
+    initial: bool = True
     exit_ref: Any = None
     ready_ref: Any = None
     gone: bool = False
@@ -71,7 +74,7 @@ class RemoteProc:
 
 
 def host_spec(launcher: Launcher, host: Host) -> dict[str, Any]:
-    """What the host actor runs: the role's command line (and the one it restarts with), env, log dir."""
+    """What the host actor runs: the role's command line, the one it restarts with, env and log dir."""
     c, cfg = launcher.configs, launcher.cfg
     role_cfg: Any = {Role.ORCHESTRATOR: c.orchestrator, Role.GATEWAY: c.gateway, Role.ATTENTION: c.attention,
                      Role.EXPERT: c.expert, Role.STORE: c.store}[host.role]
@@ -101,11 +104,13 @@ def sealed_secrets(launcher: Launcher, host: Host) -> bytes | None:
 
 
 def join_ray(cfg: ServeConfig) -> tuple[Any, bool]:
-    """Connects this driver to Ray (`--ray-address`, $RAY_ADDRESS, or a new local cluster): returns
-    the `ray` module and whether this process started Ray (and must shut it down)."""
+    """Connects this driver to Ray: `--ray-address`, $RAY_ADDRESS, or a new local cluster.
+
+    Returns the `ray` module and whether this process started Ray, and so must shut it down."""
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
     loopback = address.startswith("127.") if address else cfg.host.startswith("127.")
-    if loopback:  # every node on loopback: Ray must not advertise this machine's other addresses
+    # Every node is on loopback, so Ray must not advertise this machine's other addresses.
+    if loopback:
         from launch.loopback_ray import keep_ray_on_loopback
 
         keep_ray_on_loopback()
@@ -124,9 +129,11 @@ def join_ray(cfg: ServeConfig) -> tuple[Any, bool]:
 
 
 def kill_node(node_id: str) -> None:
-    """Kills a whole node of a Ray cluster: its raylet (SIGKILL), and with it every worker process
-    there and every fabric process they host. (On a loopback cluster the test or the experiment
-    removes the node through `LoopbackRay` instead.)"""
+    """Kills a whole node of a Ray cluster.
+
+    Its raylet gets SIGKILL, and with it go every worker process there and every fabric process
+    they host. On a loopback cluster the test or the experiment removes the node through
+    `LoopbackRay` instead."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -137,7 +144,7 @@ def kill_node(node_id: str) -> None:
 
 
 def _kill_own_raylet() -> None:
-    """(A Ray task.) Its worker process's parent is the node's raylet."""
+    """A Ray task that kills its worker process's parent, the node's raylet."""
     import signal
 
     parent = os.getppid()
@@ -148,10 +155,11 @@ def _kill_own_raylet() -> None:
 
 
 def node_is_alive(node_id: str) -> bool:
-    """Whether Ray still counts `node_id` alive (it may not know yet of a node that just died)."""
+    """Whether Ray still counts `node_id` alive. It may not know yet of a node that just died."""
     import ray
 
     try:
         return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
-    except Exception:  # (the GCS itself unreachable for a moment: no evidence either way)
+    except Exception:
+        # The GCS itself may be unreachable for a moment. That is no evidence either way.
         return True

@@ -1,9 +1,9 @@
 """Where `serve --cluster ray` puts each fabric process: Ray nodes are the failure domains.
 
-Attention workers over as many nodes as can take them, the checkpoint store away from the
-attention workers it protects, expert workers over the nodes (the orchestrator puts each expert's
-shadows on other nodes than its primary), gateways apart; `spread_notes` names the guarantees a
-too-small cluster cannot give.
+Attention workers go over as many nodes as can take them. The checkpoint store goes away from the
+attention workers it protects. Expert workers go over the nodes; the orchestrator puts each
+expert's shadows on other nodes than its primary. Gateways go apart. `spread_notes` names the
+guarantees a too-small cluster cannot give.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fabric.messages.control import Role
 
 @dataclass
 class NodeState:
-    """A Ray node as placement sees it: its resources, what the fabric placed there."""
+    """A Ray node as placement sees it: its resources, and what the fabric placed there."""
 
     node_id: str
     total: dict[str, float]
@@ -34,8 +34,10 @@ class NodeState:
 
 def choose_node(role: Role, res: dict[str, float], nodes: list[NodeState], avoid: set[str] = frozenset()  # type: ignore[assignment]
                 ) -> NodeState | None:
-    """The node for a new process of `role`: one that fits `res` and is not in `avoid` if
-    possible; among those the one that keeps failure domains apart (see the module doc)."""
+    """The node for a new process of `role`.
+
+    It fits `res`, and is not in `avoid` if possible. Among those nodes it is the one that keeps
+    failure domains apart (see the module doc)."""
     fit = [n for n in nodes if n.fits(res)]
     preferred = [n for n in fit if n.node_id not in avoid] or fit
     if not preferred:

@@ -1,5 +1,6 @@
-"""`moe-fabric scale`: asks a running fabric's orchestrator (`POST /cluster/scale`, with the cluster
-secret) to add or drain workers while it serves, and prints what moved."""
+"""`moe-fabric scale`: has a running fabric add or drain workers while it serves.
+
+It asks the orchestrator (`POST /cluster/scale`, with the cluster secret) and prints what moved."""
 
 from __future__ import annotations
 

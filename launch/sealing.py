@@ -1,9 +1,11 @@
-"""Sealed boxes for the secrets `serve --cluster ray` hands to its hosts (the cluster secret, the
-API key): X25519 key agreement with a fresh key per box, HKDF-SHA256, AES-256-GCM.
+"""Sealed boxes for the secrets `serve --cluster ray` hands to its hosts.
 
-Ray keeps an actor's constructor arguments in its control store and sends method arguments over
-its (by default unencrypted) RPC; neither ever sees a secret in clear: each host makes a key pair
-when it starts, hands out the public half, and only it can open what is sealed to it.
+The secrets are the cluster secret and the API key. A box uses X25519 key agreement with a fresh
+key per box, HKDF-SHA256 and AES-256-GCM.
+
+Ray keeps an actor's constructor arguments in its control store. It sends method arguments over its
+RPC, which is unencrypted by default. Neither ever sees a secret in clear. Each host makes a key
+pair when it starts and hands out the public half. Only it can open what is sealed to it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _key(shared: bytes, sender: bytes, recipient: bytes) -> bytes:
 
 
 class Opener:
-    """The recipient: a key pair of its own; `public` goes to whoever seals."""
+    """The recipient, with a key pair of its own. `public` goes to whoever seals."""
 
     def __init__(self) -> None:
         self._private = X25519PrivateKey.generate()
@@ -47,7 +49,7 @@ class Opener:
 
 
 def seal(recipient: bytes, data: bytes) -> bytes:
-    """`data` sealed to the holder of the private half of `recipient` (32 bytes, raw X25519)."""
+    """`data` sealed to the holder of the private half of `recipient`, 32 bytes of raw X25519."""
     ephemeral = X25519PrivateKey.generate()
     sender = _raw(ephemeral.public_key())
     key = _key(ephemeral.exchange(X25519PublicKey.from_public_bytes(recipient)), sender, recipient)

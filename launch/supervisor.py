@@ -1,17 +1,19 @@
-"""The supervisor of a local fabric (`moe-fabric serve`): starts every role process, restarts the
-orchestrator and the gateways when they die or hang, and starts the replacement workers the
-orchestrator asks for. It tears nothing down for a death: the fabric handles a dead worker, and a
-restarted orchestrator rebuilds its state from the workers. Only `stop()` (Ctrl-C, SIGTERM) stops
-everything, in order: gateways (they drain), attention workers, expert workers and stores, the
-orchestrator last.
+"""The supervisor of a local fabric (`moe-fabric serve`).
 
-Main loop, in one thread (the one that started every child, so that the kernel's parent-death
-signal reaches them all if this process dies, even by SIGKILL):
+It starts every role process and restarts the orchestrator and the gateways when they die or hang.
+It also starts the replacement workers the orchestrator asks for. It tears nothing down for a
+death. The fabric handles a dead worker, and a restarted orchestrator rebuilds its state from the
+workers. Only `stop()` (Ctrl-C, SIGTERM) stops everything, in order: gateways (they drain),
+attention workers, expert workers and stores, the orchestrator last.
 
-    receive   every child's notifications (READY=1, WATCHDOG=1: systemd's protocol, one datagram
-              socket per child, fabric/notify.py) and the orchestrator's requests for workers
-    check     reap children that exited; a restartable one whose watchdog went silent is hung
-    act       start again what died (backoff while it keeps dying young), start replacements
+The main loop runs in one thread, the one that started every child. So the kernel's parent-death
+signal reaches them all if this process dies, even by SIGKILL.
+
+    receive   Every child's notifications (READY=1, WATCHDOG=1), and the orchestrator's requests for
+              workers. Notifications use systemd's protocol, one datagram socket per child
+              (fabric/notify.py).
+    check     Reap children that exited. A restartable one whose watchdog went silent is hung.
+    act       Start again what died, backing off while it keeps dying young. Start replacements.
 
 Children also watch this process (`--watch-pid`), so none outlives it.
 """
@@ -50,9 +52,11 @@ log = logging.getLogger("moe-fabric")
 class Child:
     name: str
     role: Role
-    restart: bool  # the orchestrator and the gateways: started again when they die
+    # True for the orchestrator and the gateways, which are started again when they die.
+    restart: bool
     replaces: str = ""  # a replacement worker: whom it replaces
-    standby: bool = False  # a warm standby: serves (and says READY) only once the orchestrator wakes it
+    # A warm standby serves, and says READY, only once the orchestrator wakes it.
+    standby: bool = False
     boot_nice: int = 0  # a replacement boots this much nicer (20: in the idle class)
     proc: subprocess.Popen[bytes] | None = None
     notify: socket.socket | None = None
@@ -63,7 +67,7 @@ class Child:
     incarnation: int = 0
     backoff: float = 0.0
     due: float | None = None  # when to start it again
-    killed: bool = False  # the watchdog killed it (it may take a moment to go)
+    killed: bool = False  # the watchdog killed it; it may take a moment to go
     cpus: str | None = None  # --pin-workers: the CPU it runs on
     device: str | None = None  # --device cuda: the GPU it runs on (cuda:N)
 
@@ -75,9 +79,11 @@ class Supervisor(Launcher):
         self.children: list[Child] = []
         self.lock = threading.Lock()  # guards `children` for readers in other threads
         self._replacements = 0
-        self._free_cpus: dict[Role, list[str]] = {}  # --pin-workers: CPUs of dead workers, for their replacements
+        # --pin-workers: CPUs of dead workers, for their replacements.
+        self._free_cpus: dict[Role, list[str]] = {}
         self._free_devices: dict[Role, list[str]] = {}  # --device cuda: their GPUs
-        self._devices_given = 0  # --device cuda: workers handed a GPU so far (worker i gets GPU i mod the GPUs)
+        # --device cuda: workers handed a GPU so far. Worker i gets GPU i mod the GPUs.
+        self._devices_given = 0
 
     # -- the processes ------------------------------------------------------------------------
     def plan(self) -> list[Child]:
@@ -102,11 +108,12 @@ class Supervisor(Launcher):
         return out
 
     def _next_device(self) -> str | None:
-        """--device cuda: the next worker's GPU, round-robin over those visible; else None (the
-        workers' config says where they run)."""
+        """With --device cuda, the next worker's GPU, round-robin over those visible.
+
+        Otherwise None, and the workers' config says where they run."""
         if self.cfg.device != "cuda":
             return None
-        from fabric.device import worker_device  # (torch: only where GPUs are asked for)
+        from fabric.device import worker_device  # imports torch: only where GPUs are asked for
 
         self._devices_given += 1
         return worker_device("cuda", self._devices_given - 1)
@@ -119,7 +126,8 @@ class Supervisor(Launcher):
             # The first orchestrator has no one to wait for; a restarted one waits for the workers.
             grace = cfg.recovery_grace_s if child.incarnation else 0.0
             cfg = replace(cfg, supervisor_fd=pass_fd, recovery_grace_s=grace)
-        if child.incarnation:  # restarted beside serving workers: its imports yield the CPU to them
+        # Restarted beside serving workers, its imports yield the CPU to them.
+        if child.incarnation:
             cfg = replace(cfg, boot_nice=self.cfg.restart_boot_nice)
         if child.boot_nice:
             cfg = replace(cfg, boot_nice=child.boot_nice)
@@ -158,7 +166,7 @@ class Supervisor(Launcher):
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.log_dir) / f"{child.name}{suffix}.log", "wb")  # noqa: SIM115
         try:
-            # A session of its own: a terminal's Ctrl-C reaches only the supervisor, which then
+            # A session of its own. A terminal's Ctrl-C reaches only the supervisor, which then
             # stops the roles in order.
             child.proc = subprocess.Popen(argv, preexec_fn=die_with_parent, stdout=out,
                                           stderr=subprocess.STDOUT if out else None, env=env, pass_fds=pass_fds,
@@ -195,7 +203,7 @@ class Supervisor(Launcher):
             self.failure = self.failure or f"the supervisor failed: {exc}"
         finally:
             self._shutdown()
-            self.ready.set()  # (wakes a waiter; `failure` says how it went)
+            self.ready.set()  # wakes a waiter; `failure` says how it went
 
     def _receive(self, timeout: float) -> None:
         socks = {}
@@ -245,7 +253,7 @@ class Supervisor(Launcher):
         self._replacements += 1
         with self.lock:
             free_cpus, free_devices = self._free_cpus.get(msg.role), self._free_devices.get(msg.role)
-            cpus = free_cpus.pop(0) if free_cpus and not msg.standby else None  # (standbys float over the CPUs)
+            cpus = free_cpus.pop(0) if free_cpus and not msg.standby else None  # standbys float over the CPUs
             device = free_devices.pop(0) if free_devices else None
         if device is None and msg.role is not Role.STORE:
             device = self._next_device()
@@ -333,7 +341,8 @@ class Supervisor(Launcher):
         for child in self.children:
             self._close_sockets(child)
         shutil.rmtree(self._sockdir, ignore_errors=True)
-        if self.configs.weight_store is not None:  # (its process removes it; this covers one that was killed)
+        # Its process removes it. This covers one that was killed.
+        if self.configs.weight_store is not None:
             shutil.rmtree(self.configs.weight_store.dir, ignore_errors=True)
 
     def weight_store_dir(self) -> str | None:

@@ -1,1 +1,1 @@
-"""The orchestrator process: registration, expert placement, the routing table, `GET /cluster`."""
+"""The orchestrator process, which handles registration, expert placement, the routing table and `GET /cluster`."""

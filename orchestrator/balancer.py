@@ -1,15 +1,19 @@
-"""Expert load balancing (EPLB): which experts are hot, from the EWs' per-expert token counts, and how
-many of their replicas serve at once.
+"""Expert load balancing (EPLB).
+
+It finds which experts are hot, from the EWs' per-expert token counts, and decides how many of
+their replicas serve at once.
 
 Every EW reports its cumulative rows per (layer, expert) in its stats. Each round the balancer
-takes the rows since the last round and, per MoE layer, evens the EWs' load (EPLB's goal: a
-layer's step waits for its busiest EW): while the busiest EW serves more than `hot_factor` times
-the mean, its hottest expert gets another active replica, a copy on an EW that was not serving
-it, so its rows are spread; where every copy of it serves already, a new copy is made on the least
-loaded EW (spare capacity), then made active. Experts go back to one replica once they are not
-needed for that. Activating a copy moves no byte; a new copy is mapped from the weight store. A
-change is published as a new routing table, which AWs apply between steps; a recovered or
-replaced EW's copies join the same way, so the load is rebalanced after a recovery too.
+takes the rows since the last round and, per MoE layer, evens the EWs' load. That is EPLB's goal,
+as a layer's step waits for its busiest EW. While the busiest EW serves more than `hot_factor`
+times the mean, its hottest expert gets another active replica. That is a copy on an EW that was
+not serving it, so its rows are spread. Where every copy of it serves already, a new copy is made
+on the least loaded EW (spare capacity), then made active. Experts go back to one replica once
+they are not needed for that.
+
+Activating a copy moves no byte. A new copy is mapped from the weight store. A change is published
+as a new routing table, which AWs apply between steps. A recovered or replaced EW's copies join the
+same way, so the load is rebalanced after a recovery too.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ Unit = tuple[int, int]
 
 
 async def balance_loop(orch: Orchestrator) -> None:
-    """Every `balance_interval_s`: the rows since the last round, the balancer's verdict, at most one
-    new copy (loaded before it is published), and a new table if what serves changed."""
+    """Runs a balancing round every `balance_interval_s`.
+
+    A round takes the rows since the last round and the balancer's verdict. It adds at most one new
+    copy, loaded before it is published, and publishes a new table if what serves changed."""
     balancer = ExpertBalancer(orch.cfg.hot_expert_factor)
     while True:
         await asyncio.sleep(orch.cfg.balance_interval_s)
@@ -62,20 +68,23 @@ class ExpertBalancer:
         if hot_factor < 1.0:
             raise ValueError("hot_factor must be >= 1")
         self.hot_factor = hot_factor
-        self.min_rows = min_rows  # rows a layer needs in a round before it is judged (noise)
+        # Rows a layer needs in a round before it is judged; fewer are noise.
+        self.min_rows = min_rows
         self._last: dict[str, dict[Unit, int]] = {}  # EW -> its cumulative counts at the last round
         self.load: dict[Unit, int] = {}  # rows per unit in the last round
-        # (unit, EW) pairs of the last round: a hot unit whose every copy serves, on an overloaded EW,
-        # and the least loaded EW without a copy: the orchestrator adds that copy (ReMP/EPLB's
-        # replication onto spare capacity), then makes it active.
+        # (unit, EW) pairs of the last round. The unit is a hot one whose every copy serves, on an
+        # overloaded EW. The EW is the least loaded one without a copy. The orchestrator adds that
+        # copy (ReMP/EPLB's replication onto spare capacity), then makes it active.
         self.grow: list[tuple[Unit, str]] = []
 
     def rows_since_last(self, counts_by_ew: dict[str, dict[Unit, int]]) -> dict[Unit, int]:
-        """Rows per unit since the last round, summed over the EWs (a restarted EW starts at 0),
-        from each EW's cumulative rows per unit."""
+        """Rows per unit since the last round, summed over the EWs.
+
+        It works from each EW's cumulative rows per unit. A restarted EW starts at 0."""
         out: dict[Unit, int] = {}
         for ew, counts in counts_by_ew.items():
-            if ew not in self._last:  # first seen (or this orchestrator is new): its counts so far are no round
+            # First seen, or this orchestrator is new. Its counts so far are no round.
+            if ew not in self._last:
                 self._last[ew] = dict(counts)
                 continue
             last = self._last[ew]
@@ -92,15 +101,18 @@ class ExpertBalancer:
         return out
 
     def decide(self, rows: dict[Unit, int], replicas: dict[Unit, list[str]], current: dict[Unit, int]) -> dict[Unit, int]:
-        """The active replica count of every unit whose count is not 1, given this round's rows and
-        each unit's live replicas (primary first). Per MoE layer, the goal is even EW load (EPLB's:
-        a layer's step waits for its busiest EW): an EW's load is the rows of the layer's units it
-        serves, a unit's rows shared evenly by its active replicas. While the busiest EW carries
-        more than `hot_factor` times the mean, the unit it serves with the most rows per replica
-        gets one more active replica (one not serving it yet; where every copy serves already,
-        `grow` names a new copy to make); units made active earlier go back to one replica if the
-        busiest EW stays under the midpoint of 1 and `hot_factor` without them. A layer with too
-        few rows this round keeps what it had."""
+        """The active replica count of every unit whose count is not 1.
+
+        It is decided from this round's rows and each unit's live replicas, primary first. Per MoE
+        layer, the goal is even EW load. That is EPLB's goal, as a layer's step waits for its
+        busiest EW. An EW's load is the rows of the layer's units it serves, a unit's rows shared
+        evenly by its active replicas.
+
+        While the busiest EW carries more than `hot_factor` times the mean, the unit it serves with
+        the most rows per replica gets one more active replica, one not serving it yet. Where every
+        copy serves already, `grow` names a new copy to make. Units made active earlier go back to
+        one replica if the busiest EW stays under the midpoint of 1 and `hot_factor` without them.
+        A layer with too few rows this round keeps what it had."""
         self.load = rows
         self.grow = []
         by_layer: dict[int, list[Unit]] = {}
@@ -143,7 +155,8 @@ class ExpertBalancer:
                 break
             candidates = [u for u in units if busiest in replicas[u][:active.get(u, 1)]
                           and len(replicas[u]) > active.get(u, 1) and rows.get(u, 0)]
-            if not candidates:  # every copy of its hot units serves: one more copy, on spare capacity
+            # Every copy of its hot units serves, so one more copy goes on spare capacity.
+            if not candidates:
                 served = [u for u in units if busiest in replicas[u][:active.get(u, 1)] and rows.get(u, 0)]
                 if served:
                     hot = max(served, key=lambda u: rows.get(u, 0) / active.get(u, 1))

@@ -1,15 +1,16 @@
 """Publishing the cluster view to every worker link, as cheaply as deployment scale needs.
 
-    whole view   to a link that has not seen the previous broadcast (a new or re-registered worker,
-                 one that asked with `ViewRequest`): `RoutingUpdate`
-    delta        to every other link: `ViewDelta` from the previous broadcast (fabric/view_delta.py),
-                 packed once for all of them; a death's is O(EWs + 1 worker) bytes, not the table
-    coalescing   `publish(soon=True)` (registrations, readiness) waits `COALESCE_S` so that a burst
-                 (every worker registering again with a restarted orchestrator) goes out as one
-                 broadcast; a death's goes at once
+    whole view   `RoutingUpdate`, to a link that has not seen the previous broadcast. That is a new
+                 or re-registered worker, or one that asked with `ViewRequest`.
+    delta        `ViewDelta` from the previous broadcast (fabric/view_delta.py), to every other link.
+                 It is packed once for all of them. A death's is O(EWs + 1 worker) bytes, not the table.
+    coalescing   `publish(soon=True)` (registrations, readiness) waits `COALESCE_S`. So a burst, such
+                 as every worker registering again with a restarted orchestrator, goes out as one
+                 broadcast. A death's goes at once.
 
-Each broadcast is logged (epoch, seq, wall time, when the last link took it, bytes) for
-`GET /cluster` and the scale experiment, which measures how long the last AW takes to apply it.
+Each broadcast is logged with its epoch, seq, wall time, when the last link took it, and bytes.
+The log serves `GET /cluster` and the scale experiment, which measures how long the last AW takes
+to apply it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Broadcaster:
         self._packed: tuple[ClusterView, bytes] | None = None  # the last whole view packed
 
     def publish(self, soon: bool = False) -> dict[str, Any] | None:
-        """Broadcasts now (returns the broadcast's log record), or `soon` (coalesced)."""
+        """Broadcasts now and returns the broadcast's log record, or broadcasts `soon`, coalesced."""
         if soon:
             if self._due is None:
                 self._due = asyncio.get_running_loop().call_later(COALESCE_S, self.flush)
@@ -62,7 +63,8 @@ class Broadcaster:
                                   "sent_at": None, "deltas": 0, "wholes": 0, "delta_bytes": len(delta_data)}
         cpu0 = time.process_time()
 
-        def sent() -> None:  # (the last link's write ends the broadcast; the CPU meanwhile is its cost, mostly)
+        # The last link's write ends the broadcast. The CPU used meanwhile is mostly its cost.
+        def sent() -> None:
             record["sent_at"] = time.time()
             record["send_cpu_ms"] = 1e3 * (time.process_time() - cpu0)
 
@@ -84,14 +86,15 @@ class Broadcaster:
         return self._packed[1]
 
     def log_json(self) -> list[dict[str, Any]]:
-        """The broadcast log for `GET /cluster`, with the size the whole view would have had (packed
-        here, when asked, not on the failover path)."""
+        """The broadcast log for `GET /cluster`, with the size the whole view would have had.
+
+        The view is packed here, when asked, not on the failover path."""
         if self.last is not None and self.log and "whole_bytes" not in self.log[-1]:
             self.log[-1]["whole_bytes"] = len(self._whole(self.last))
         return list(self.log)
 
     def send_whole(self, link: WorkerLink) -> None:
-        """The last broadcast view, whole, to one link (it asked, or has just registered)."""
+        """Sends the last broadcast view, whole, to one link that asked or has just registered."""
         if self.last is not None:
             link.send_packed(self._whole(self.last))
             link.view_seq = self.last.seq

@@ -1,12 +1,14 @@
-"""No replacement churn: a worker whose replacements keep dying within their first seconds is not
-replaced again, and the orchestrator says why, once.
+"""No replacement churn.
 
-Replacements that die young, one after another, are a fault no new process fixes: a flag this
-machine cannot honour, a broken device, a bug on the path every new worker takes. Starting more
-only takes CPU and memory from the survivors (a run that did so started 16 in a row). Deaths
-count per lineage: the first worker and every replacement after it (`info.replaces`).
+A worker whose replacements keep dying within their first seconds is not replaced again, and the
+orchestrator says why, once.
 
-Pure state: the orchestrator asks `allowed` before it starts a replacement.
+Replacements that die young, one after another, are a fault no new process fixes. It may be a flag
+this machine cannot honour, a broken device, or a bug on the path every new worker takes. Starting
+more only takes CPU and memory from the survivors; a run that did so started 16 in a row. Deaths
+count per lineage, that is, the first worker and every replacement after it (`info.replaces`).
+
+This is pure state. The orchestrator asks `allowed` before it starts a replacement.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class Churn:
     stopped: dict[str, str] = field(default_factory=dict)  # lineage -> why it is no longer replaced
 
     def died(self, lineage: str, replacement: bool, age_s: float | None, reason: str) -> str | None:
-        """A worker of `lineage` died `age_s` after it registered (None: before it registered).
-        Returns, the one time it does, the message that says this lineage is no longer replaced."""
+        """Records that a worker of `lineage` died `age_s` after it registered.
+
+        `age_s` is None if it died before it registered. Returns, the one time it does, the message
+        that says this lineage is no longer replaced."""
         if not replacement or (age_s is not None and age_s > self.young_s):
             self.young.pop(lineage, None)
             return None

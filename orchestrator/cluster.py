@@ -1,14 +1,14 @@
 """The orchestrator's view of the cluster: worker records, expert placement, the routing table.
 
-Pure state; the server in `main.py` does the I/O, and methods return what must be sent.
+This is pure state. The server in `main.py` does the I/O, and methods return what must be sent.
 
-Placement is made once, over *slots*: the ids of the EWs that were there at the first placement.
-A slot's occupant is the EW currently holding its experts; when an occupant dies, a replacement EW
-fills the slot (loads exactly the slot's experts), so redundancy and capacity return to what they
+Placement is made once, over *slots*, the ids of the EWs that were there at the first placement.
+A slot's occupant is the EW currently holding its experts. When an occupant dies, a replacement EW
+fills the slot and loads exactly the slot's experts. So redundancy and capacity return to what they
 were. The routing table lists, for each logical expert, the live occupants of its slots in
-placement order (primary first, shadows after).
+placement order, primary first, shadows after.
 
-Workers keep their ids across orchestrators: a worker that registers again proposes its id, and a
+Workers keep their ids across orchestrators. A worker that registers again proposes its id, and a
 restarted orchestrator takes it (`add`), unless that worker was declared dead (`fenced`).
 `rebuild` turns the newest view the workers reported into this orchestrator's state.
 """
@@ -43,7 +43,8 @@ class WorkerRecord:
     traits: Traits = field(default_factory=Traits)
     stats: WorkerStats = field(default_factory=WorkerStats)  # its last load report
     experts: list[Unit] = field(default_factory=list)
-    loaded: set[Unit] = field(default_factory=set)  # an EW: every unit it holds (placed now or before)
+    # For an EW, every unit it holds, placed now or before.
+    loaded: set[Unit] = field(default_factory=set)
     slot: str = ""
     control_port: int = 0  # where peers probe it (its control loop's)
     since: float = field(default_factory=time.time)  # when `state` last changed (wall clock)
@@ -88,20 +89,29 @@ class Cluster:
         self.planner = planner
         self.generation = generation
         self.workers: dict[str, WorkerRecord] = {}
-        self.fenced: set[str] = set()  # declared dead, for good (also those only a report told us of)
+        # Declared dead, for good, including those only a report told us of.
+        self.fenced: set[str] = set()
         self.table: RoutingTable | None = None
         self.epoch = 0  # the newest epoch seen or published
-        self.placement: dict[Unit, list[str]] | None = None  # unit -> slots, preferred first (replaced, never mutated)
-        self._by_slot: tuple[object, dict[str, list[Unit]]] | None = None  # slot -> its units, per placement
-        self._placed: tuple[object, list[str]] | None = None  # the placement (and slots) the table's tensor was built from
-        self.occupant: dict[str, str] = {}  # slot -> EW id serving it ("" or a dead id: vacant)
+        # Unit -> slots, preferred first. It is replaced, never mutated.
+        self.placement: dict[Unit, list[str]] | None = None
+        # Slot -> its units, per placement.
+        self._by_slot: tuple[object, dict[str, list[Unit]]] | None = None
+        # The placement and slots the table's tensor was built from.
+        self._placed: tuple[object, list[str]] | None = None
+        # Slot -> EW id serving it. "" or a dead id means vacant.
+        self.occupant: dict[str, str] = {}
         self.filling: dict[str, str] = {}  # slot -> replacement EW loading its experts
-        self.reserved: set[str] = set()  # EWs a scale-out started: never taken to fill a vacant slot
+        # EWs a scale-out started. They are never taken to fill a vacant slot.
+        self.reserved: set[str] = set()
         self.removing: set[str] = set()  # slots a scale-in is removing: never refilled
-        self.drained: set[str] = set()  # workers a scale-in removed: gone for good, never replaced
-        self.woken: dict[str, str] = {}  # standby AW woken -> whom it replaces, until it says ready
+        # Workers a scale-in removed: gone for good, never replaced.
+        self.drained: set[str] = set()
+        # Standby AW woken -> whom it replaces, until it says ready.
+        self.woken: dict[str, str] = {}
         self.ready_ops: dict[str, int] = {}  # EW -> the newest AssignExperts.op it said ready for
-        self.active: dict[Unit, int] = {}  # unit -> replicas serving at once, where more than 1 (load balancing)
+        # Unit -> replicas serving at once, where more than 1 (load balancing).
+        self.active: dict[Unit, int] = {}
         self.replacements = 0
         self._counters: dict[str, int] = {}
         self.self_record = WorkerRecord(f"orch-{generation}", Role.ORCHESTRATOR, os.getpid(), host, port,
@@ -109,14 +119,17 @@ class Cluster:
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, reg: Register) -> WorkerRecord | None:
-        """A worker registers: a new one gets an id; one that registered before keeps its own
-        (after a link drop, or with a restarted orchestrator). None: it was declared dead."""
+        """Registers a worker and returns its record, or None if it was declared dead.
+
+        A new worker gets an id. One that registered before keeps its own, after a link drop or with
+        a restarted orchestrator."""
         wid = reg.worker_id
         if wid in self.fenced:
             return None
         if reg.view is not None:
             self.epoch = max(self.epoch, reg.view.table.epoch if reg.view.table else 0)
-        elif len(reg.view_version) >= 2:  # (the view itself comes only if asked for: its epoch counts now)
+        # The view itself comes only if asked for, but its epoch counts now.
+        elif len(reg.view_version) >= 2:
             self.epoch = max(self.epoch, reg.view_version[1])
         state = WorkerState.ALIVE if reg.ready or reg.role in (Role.GATEWAY, Role.STORE) else WorkerState.STARTING
         experts = [(int(u[0]), int(u[1])) for u in reg.experts if len(u) == 2]
@@ -147,7 +160,7 @@ class Cluster:
             self._counters[prefix] = max(self._counters.get(prefix, 0), int(num) + 1)
 
     def unreachable(self, worker_id: str) -> bool:
-        """Its link dropped: peers keep using it until it is declared dead or comes back."""
+        """Marks a worker whose link dropped. Peers keep using it until it is declared dead or comes back."""
         rec = self.workers.get(worker_id)
         if rec is None or rec.state in (WorkerState.DEAD, WorkerState.UNREACHABLE):
             return False
@@ -160,7 +173,7 @@ class Cluster:
 
     def slot_units(self, slot: str) -> list[Unit]:
         assert self.placement is not None
-        if self._by_slot is None or self._by_slot[0] is not self.placement:  # (one pass, not one per slot)
+        if self._by_slot is None or self._by_slot[0] is not self.placement:  # one pass, not one per slot
             inverse: dict[str, list[Unit]] = {}
             for u in sorted(self.placement):
                 for sl in dict.fromkeys(self.placement[u]):
@@ -169,8 +182,9 @@ class Cluster:
         return list(self._by_slot[1].get(slot, []))
 
     def nodes_with_copies(self, worker_id: str) -> list[str]:
-        """The nodes of the live EWs that hold a copy of an expert of `worker_id`'s slot: where
-        its replacement should not go, so that no expert has every copy on one node."""
+        """The nodes of the live EWs that hold a copy of an expert of `worker_id`'s slot.
+
+        Its replacement should not go there, so that no expert has every copy on one node."""
         rec = self.workers.get(worker_id)
         if rec is None or not rec.slot or self.placement is None:
             return []
@@ -180,18 +194,19 @@ class Cluster:
         return sorted(n for n in nodes if n)
 
     def vacant(self, slot: str) -> bool:
-        """No occupant, or a dead one."""
+        """Whether the slot has no occupant, or a dead one."""
         occ = self.occupant.get(slot, "")
         rec = self.workers.get(occ)
         return rec is None or rec.state is WorkerState.DEAD
 
     def maybe_place(self) -> dict[str, list[Unit]]:
-        """Once the expected EWs registered, places every expert; afterwards, a newly registered EW
-        fills a vacant slot. Returns EW id -> units to load."""
+        """Places every expert once the expected EWs registered. Returns EW id -> units to load.
+
+        Afterwards, a newly registered EW fills a vacant slot."""
         ews = [w.id for w in self.workers.values() if w.role is Role.EXPERT and w.state is WorkerState.STARTING
                and w.id not in self.filling.values() and w.id not in self.occupant.values() and w.id not in self.reserved]
         if self.placement is None:
-            ews = [w for w in ews if not self.workers[w].life.standby]  # (standbys stay spares)
+            ews = [w for w in ews if not self.workers[w].life.standby]  # standbys stay spares
             if len(ews) < self.expected_ews:
                 return {}
             nodes = {ew: (self.workers[ew].traits.node or ew) for ew in ews}
@@ -214,7 +229,8 @@ class Cluster:
                     self.workers[ew].life.woken(self.occupant[slot])
                 self.workers[ew].slot = slot
                 assignment[ew] = self.slot_units(slot)
-            if assignment:  # the replacements' nodes may put both copies of an expert on one node
+            # The replacements' nodes may put both copies of an expert on one node.
+            if assignment:
                 holder = {**{s: o for s, o in self.occupant.items() if not self.vacant(s)}, **self.filling}
                 _say_spread(self.placement, {s: (self.workers[w].traits.node or w) for s, w in holder.items()})
         for ew, units in assignment.items():
@@ -223,8 +239,9 @@ class Cluster:
         return assignment
 
     def mark_ready(self, worker_id: str) -> bool:
-        """Marks a worker alive; returns True when the routing table changed (the first complete
-        table, or a replacement EW taking over its slot)."""
+        """Marks a worker alive. Returns True when the routing table changed.
+
+        That is the first complete table, or a replacement EW taking over its slot."""
         rec = self.workers[worker_id]
         if rec.state is WorkerState.DEAD:
             return False
@@ -245,11 +262,12 @@ class Cluster:
         return False
 
     def mark_dead(self, worker_id: str) -> tuple[bool, bool]:
-        """Marks a worker dead, for good: a replaced worker is never used again. Returns (it was
-        not dead until now, the routing table changed). A dead occupant is dropped from every
-        replica list, so its shadows' copies become primaries at the next epoch (a transaction:
-        the new table is built whole, then published); a dead replacement that was still loading
-        leaves its slot vacant again."""
+        """Marks a worker dead, for good; a replaced worker is never used again.
+
+        Returns (it was not dead until now, the routing table changed). A dead occupant is dropped
+        from every replica list, so its shadows' copies become primaries at the next epoch. This is
+        a transaction: the new table is built whole, then published. A dead replacement that was
+        still loading leaves its slot vacant again."""
         rec = self.workers.get(worker_id)
         if rec is None or rec.state is WorkerState.DEAD:
             return False, False
@@ -264,9 +282,11 @@ class Cluster:
         return True, True
 
     def commit(self, placement: dict[Unit, list[str]], joined: dict[str, str], removed: list[str]) -> None:
-        """A new placement, as one transaction: the slots `joined` (slot -> its EW, every unit already
-        loaded) come in, the slots `removed` leave, and the next table publishes all of it at
-        once: the commit point (ReMP §3.9). Before it, every AW routes by the old table."""
+        """Commits a new placement as one transaction.
+
+        The slots `joined` come in; each maps slot -> its EW, with every unit already loaded. The
+        slots `removed` leave. The next table publishes all of it at once. That is the commit point
+        (ReMP §3.9). Before it, every AW routes by the old table."""
         self.placement = placement
         for slot in removed:
             self.occupant.pop(slot, None)
@@ -279,18 +299,18 @@ class Cluster:
         for slot, ew in self.occupant.items():
             if ew in self.workers:
                 self.workers[ew].experts = self.slot_units(slot)
-        # (balanced shares come first in a replan: say which node-level guarantee that costs)
+        # Balanced shares come first in a replan. Say which node-level guarantee that costs.
         _say_spread(placement, {s: (self.workers[w].traits.node or w) for s, w in self.occupant.items()
                                 if w in self.workers})
         self.publish()
 
     def standby(self, role: Role) -> WorkerRecord | None:
-        """A warm standby of `role` not woken yet (registered, serving nothing)."""
+        """A warm standby of `role` not woken yet: registered, serving nothing."""
         return next((w for w in self.workers.values() if w.role is role and w.state is WorkerState.STARTING
                      and w.life.standby and w.id not in self.filling.values()), None)
 
     def lost_units(self, among: list[Unit] | None = None) -> list[Unit]:
-        """Logical experts (of `among`, else all: a full scan) with no live copy left."""
+        """Logical experts with no live copy left, among `among`, else among all (a full scan)."""
         if self.table is None:
             return []
         units = among if among is not None else [(lyr, e) for lyr in self.table.layers
@@ -298,8 +318,9 @@ class Cluster:
         return [u for u in units if not self.table.replicas_of(*u)]
 
     def publish(self) -> None:
-        """Builds the next table (this generation, the next epoch) from the live occupants. A death
-        changes only occupants: the placement tensor (and the table's listed rows) carry over."""
+        """Builds the next table (this generation, the next epoch) from the live occupants.
+
+        A death changes only occupants. The placement tensor and the table's listed rows carry over."""
         assert self.placement is not None
         self.epoch += 1
         slots = sorted(self.occupant)
@@ -324,10 +345,11 @@ class Cluster:
 
     # -- recovery -----------------------------------------------------------------------------
     def rebuild(self, view: ClusterView | None) -> list[tuple[Role, str]]:
-        """Takes over from an earlier orchestrator: `view` is the newest one the workers reported.
-        Its placement and slots are kept; workers of that view that did not register again are
-        dead; a slot whose occupant did not come back is vacant (an EW that reports holding it
-        fills it). Returns the replacements to start: (role, the dead worker)."""
+        """Takes over from an earlier orchestrator; `view` is the newest one the workers reported.
+
+        Its placement and slots are kept. Workers of that view that did not register again are dead.
+        A slot whose occupant did not come back is vacant; an EW that reports holding it fills it.
+        Returns the replacements to start, as (role, the dead worker)."""
         if view is None:
             return []
         self.fenced.update(view.dead)
@@ -390,8 +412,9 @@ class Cluster:
 
 
 def _say_spread(placement: dict[Unit, list[str]], nodes: dict[str, str]) -> None:
-    """Which failure-domain guarantee the placement does not give (logged at placement, and when
-    replacements fill slots)."""
+    """Logs which failure-domain guarantee the placement does not give.
+
+    It runs at placement, and when replacements fill slots."""
     if len(set(nodes.values())) == 1:
         log.info("every expert worker is on node %s: a copy of each expert survives one expert worker's death, "
                  "not the node's", next(iter(nodes.values())))

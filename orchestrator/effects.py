@@ -1,5 +1,6 @@
-"""What the orchestrator's helpers decide, as values: the orchestrator carries them out in one
-place (`Orchestrator.apply`), so no helper calls back into it.
+"""What the orchestrator's helpers decide, as values.
+
+The orchestrator carries them out in one place (`Orchestrator.apply`), so no helper calls back into it.
 
     Send      a control message on a worker's link (dropped if it has none)
     Publish   the cluster view to every worker (`soon`: coalesced with what else changes next)

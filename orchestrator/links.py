@@ -1,7 +1,8 @@
-"""The orchestrator's side of one worker's websocket: messages go out through a queue and a writer
-task with a send deadline, so a broadcast never waits on one slow worker, and a worker that does
-not take its messages within the deadline loses its link (and registers again, or is declared
-dead)."""
+"""The orchestrator's side of one worker's websocket.
+
+Messages go out through a queue and a writer task with a send deadline. So a broadcast never waits
+on one slow worker. A worker that does not take its messages within the deadline loses its link. It
+then registers again, or is declared dead."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class WorkerLink:
         self.send_timeout = send_timeout
         self._queue: asyncio.Queue[tuple[bytes, Callable[[], None] | None]] = asyncio.Queue()
         self.view_seq = -1  # the last view broadcast on this link (a delta applies to it)
-        self.traffic = traffic if traffic is not None else {}  # the orchestrator's counters (bytes_out, messages_out)
+        # The orchestrator's counters (bytes_out, messages_out).
+        self.traffic = traffic if traffic is not None else {}
         self._writer = asyncio.create_task(self._write())
 
     @property
@@ -37,7 +39,7 @@ class WorkerLink:
         self.send_packed(pack(msg))
 
     def send_packed(self, data: bytes, on_sent: Callable[[], None] | None = None) -> None:
-        """Queues `data`; `on_sent` is called once the websocket has taken it."""
+        """Queues `data`. `on_sent` is called once the websocket has taken it."""
         if not self.closed:
             self._queue.put_nowait((data, on_sent))
             self.traffic["bytes_out"] = self.traffic.get("bytes_out", 0) + len(data)
@@ -47,7 +49,7 @@ class WorkerLink:
         try:
             while True:
                 data, on_sent = await self._queue.get()
-                async with asyncio.timeout(self.send_timeout):  # (no task per message, as wait_for made)
+                async with asyncio.timeout(self.send_timeout):  # no task per message, as wait_for made
                     await self.ws.send_bytes(data)
                 if on_sent is not None:
                     on_sent()
@@ -61,12 +63,12 @@ class WorkerLink:
             await self._abort()
 
     async def _abort(self) -> None:
-        """Closes without the close handshake (the peer may be stopped)."""
+        """Closes without the close handshake, as the peer may be stopped."""
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(), 0.5)
 
     async def close(self) -> None:
-        """Flushes what is queued (bounded by the deadline), then closes."""
+        """Flushes what is queued, bounded by the deadline, then closes."""
         if not self._writer.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queue.join(), self.send_timeout)

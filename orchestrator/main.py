@@ -1,21 +1,26 @@
-"""The orchestrator: the workers' websocket links (`/ws`, served by orchestrator/server.py with
-the admin endpoints), and the authority over the cluster.
+"""The orchestrator: the workers' websocket links and the authority over the cluster.
 
-Per worker link: register (new workers get an id; workers that registered before keep theirs) ->
-(EWs) place experts once enough have registered, or fill a vacant slot -> collect worker_ready ->
-publish the cluster view to every worker. The data path never waits for the orchestrator; what
-needs its authority is here: verdicts (who is dead, on evidence: an exit, or a lease missed on the
-worker's link that the orchestrator's own probe confirms; a peer's `PeerFailed` is a suspicion that
-starts a probe: orchestrator/verdicts.py), epochs, fencing and replacements.
+orchestrator/server.py serves the links (`/ws`) with the admin endpoints.
 
-A (re)started orchestrator first recovers (`--recovery-grace-s`): workers of an earlier one
-register again with their id, generation and last view; once every worker of the newest view is
-back, or the grace is over, it rebuilds the cluster from that view (orchestrator/cluster.py),
-publishes the next epoch under its own generation (a fencing token: workers follow no older
-orchestrator) and starts replacements for the workers that did not come back.
+Per worker link:
+1. register: new workers get an id, and workers that registered before keep theirs;
+2. for EWs, place experts once enough have registered, or fill a vacant slot;
+3. collect worker_ready;
+4. publish the cluster view to every worker.
 
-A worker whose link drops is *unreachable* (still serving) until it registers again; it is
-declared dead when a peer reports it, when it said it was leaving, or after `--rejoin-grace-ms`.
+The data path never waits for the orchestrator. What needs its authority is here: verdicts,
+epochs, fencing and replacements. A verdict says who is dead, on evidence (orchestrator/verdicts.py).
+The evidence is an exit, or a lease missed on the worker's link that the orchestrator's own probe
+confirms. A peer's `PeerFailed` is a suspicion that starts a probe.
+
+A (re)started orchestrator first recovers (`--recovery-grace-s`). Workers of an earlier one
+register again with their id, generation and last view. Once every worker of the newest view is
+back, or the grace is over, it rebuilds the cluster from that view (orchestrator/cluster.py). It
+publishes the next epoch under its own generation, a fencing token: workers follow no older
+orchestrator. Then it starts replacements for the workers that did not come back.
+
+A worker whose link drops is *unreachable*, still serving, until it registers again. It is declared
+dead when a peer reports it, when it said it was leaving, or after `--rejoin-grace-ms`.
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ from orchestrator.verdicts import Verdicts
 
 log = logging.getLogger("orchestrator")
 
-LINK_SEND_TIMEOUT = 2.0  # seconds a worker has to take a control message before its link is dropped
+# Seconds a worker has to take a control message before its link is dropped.
+LINK_SEND_TIMEOUT = 2.0
 
 
 class Orchestrator:
@@ -82,7 +88,8 @@ class Orchestrator:
         self.replacements = Replacements(cfg, self.cluster)
         self.recovered = asyncio.Event()
         self.verdicts = Verdicts(cfg.lease_ms / 1000)
-        self._probes: dict[int, asyncio.Future[None]] = {}  # LinkProbe nonce -> its answer (an identity check)
+        # LinkProbe nonce -> its answer, for an identity check.
+        self._probes: dict[int, asyncio.Future[None]] = {}
         self._nonce = itertools.count(1)
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -108,8 +115,10 @@ class Orchestrator:
 
     # -- recovery -----------------------------------------------------------------------------
     async def recover(self) -> None:
-        """Waits for the workers of an earlier orchestrator (if any) to register again, bounded
-        by the recovery grace, then rebuilds the cluster from the newest view they reported."""
+        """Waits for the workers of an earlier orchestrator, if any, to register again.
+
+        The wait is bounded by the recovery grace. Then it rebuilds the cluster from the newest view
+        they reported."""
         deadline = asyncio.get_running_loop().time() + self.cfg.recovery_grace_s
         while asyncio.get_running_loop().time() < deadline and not self.recovery.all_back(self.cluster.workers):
             await asyncio.sleep(0.02)
@@ -130,7 +139,7 @@ class Orchestrator:
 
     # -- worker links -------------------------------------------------------------------------
     async def worker_link(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=1 << 20, compress=False)  # (see ControlLink.run)
+        ws = web.WebSocketResponse(heartbeat=5.0, max_msg_size=1 << 20, compress=False)  # see ControlLink.run
         await ws.prepare(request)
         rec: WorkerRecord | None = None
         link: WorkerLink | None = None
@@ -152,7 +161,7 @@ class Orchestrator:
             if reg.worker_id:
                 old = self.links.get(reg.worker_id)
                 if old is not None and not old.closed and await self._answers(old):
-                    # Identity is bound to the link: a worker re-registers only once its link
+                    # Identity is bound to the link. A worker re-registers only once its link
                     # is gone, so a claim on a link that answers is another peer's.
                     raise AuthError(f"{request.remote} claims {reg.worker_id}, whose link is up and answering")
             else:
@@ -172,14 +181,15 @@ class Orchestrator:
                 timer.cancel()
             spawned = self.replacements.provisioner.registered(reg.pid)
             if spawned is not None and spawned.origin is Origin.SCALE_OUT:
-                rec.life.origin = Origin.SCALE_OUT  # a scale operation's: not a spare for a vacant slot
+                # A scale operation's worker, not a spare for a vacant slot.
+                rec.life.origin = Origin.SCALE_OUT
                 if rec.role is Role.EXPERT:
                     self.cluster.reserved.add(rec.id)
-            elif spawned is not None and not rec.life.replaces:  # (a woken standby says whom it replaces)
+            elif spawned is not None and not rec.life.replaces:  # a woken standby says whom it replaces
                 rec.life.origin, rec.life.replaces = Origin.REPLACEMENT, spawned.key
             log.info("%s %s (%s pid %d at %s:%d)", "registered" if not reg.worker_id else "registered again", rec.id,
                      rec.role.value, rec.pid, rec.host, rec.port)
-            # (its view itself only if it may be the newest: recovery/Recovery)
+            # It sends its view itself only if that may be the newest (recovery/Recovery).
             send_view = self.recovery.registered(rec.id, reg, not self.recovered.is_set())
             link.send(Registered(rec.id, self.generation, send_view, self.cfg.heartbeat_ms))
             self.verdicts.watch(rec.id, time.monotonic(), self._serving(rec))
@@ -235,7 +245,7 @@ class Orchestrator:
             await self._place()
         if rec.role is Role.STORE:
             self._broadcast(soon=True)  # AWs start (or resume) checkpointing to it
-        self.broadcaster.send_whole(link)  # (a broadcast due meanwhile sends it the difference)
+        self.broadcaster.send_whole(link)  # a broadcast due meanwhile sends it the difference
 
     def _declare(self, worker_id: str, reason: str) -> None:
         self._spawn(self._declare_dead(worker_id, reason))
@@ -249,7 +259,7 @@ class Orchestrator:
             return
         self.verdicts.forget(worker_id)
         rec = self.cluster.workers[worker_id]
-        lost = self.cluster.lost_units(rec.experts)  # (only its units can have lost their last copy)
+        lost = self.cluster.lost_units(rec.experts)  # only its units can have lost their last copy
         if self.shutting_down or worker_id in self.cluster.drained:
             log.info("%s left (%s)", worker_id, reason)
         elif table_changed:
@@ -274,9 +284,10 @@ class Orchestrator:
             self.replacements.replace(rec.role, worker_id, standby=woke or rec.life.standby)
 
     async def _wake_standby(self, dead: WorkerRecord) -> bool:
-        """Answers a death at once with a warm standby where there is one: an EW spare takes the dead
-        EW's slot (it has the slot's experts mapped already, or maps them), a standby AW starts
-        serving."""
+        """Answers a death at once with a warm standby where there is one.
+
+        An EW spare takes the dead EW's slot; it has the slot's experts mapped already, or maps them.
+        A standby AW starts serving."""
         if dead.role is Role.EXPERT and dead.slot:
             assigned = await self._place()
             return any(self.cluster.workers[ew].slot == dead.slot for ew in assigned)
@@ -291,7 +302,7 @@ class Orchestrator:
         return True
 
     async def _place(self) -> dict[str, list[Unit]]:
-        """Assigns experts to the EWs that can take them now; returns EW -> units."""
+        """Assigns experts to the EWs that can take them now. Returns EW -> units."""
         assignment = self.cluster.maybe_place()
         for ew, units in assignment.items():
             rec = self.cluster.workers[ew]
@@ -304,7 +315,7 @@ class Orchestrator:
         return assignment
 
     async def handle(self, worker_id: str, msg: Message) -> None:
-        """One message on a worker's link (its registration aside)."""
+        """Handles one message on a worker's link, other than its registration."""
         if isinstance(msg, ViewReport):
             self.recovery.reported(msg.view, worker_id)
         elif isinstance(msg, WorkerReady):
@@ -332,20 +343,21 @@ class Orchestrator:
     # -- liveness (orchestrator/verdicts.py) ----------------------------------------------------
     @staticmethod
     def _serving(rec: WorkerRecord) -> bool:
-        """Whether a worker holds the short lease: it serves (a standby or one still starting does not)."""
+        """Whether a worker holds the short lease, i.e. it serves. A standby or one still starting does not."""
         return rec.state is WorkerState.ALIVE and not rec.life.standby
 
     def heard(self, worker_id: str) -> None:
-        """Anything arrived on `worker_id`'s link: it answers."""
+        """Notes that something arrived on `worker_id`'s link, so it answers."""
         for reporter in self.verdicts.heard(worker_id, time.monotonic()):
             log.warning("%s was reported dead by %s, but it answers: not declared dead", worker_id, reporter)
             if (link := self.links.get(reporter)) is not None:
                 link.send(PeerAlive(worker_id))
 
     def _suspected(self, reporter: str, msg: PeerFailed) -> None:
-        """A peer found `msg.worker_id` unreachable and routed around it. A connection of the
-        peer's that ended, with the worker's link gone too, is an exit; otherwise the worker is
-        probed now (if its link is up), and its lease decides."""
+        """Handles a peer that found `msg.worker_id` unreachable and routed around it.
+
+        A connection of the peer's that ended, with the worker's link gone too, is an exit.
+        Otherwise the worker is probed now, if its link is up, and its lease decides."""
         rec = self.cluster.workers.get(msg.worker_id)
         if rec is None or rec.state is WorkerState.DEAD:
             return
@@ -354,13 +366,13 @@ class Orchestrator:
             if msg.closed:
                 self._declare(msg.worker_id, f"reported by {reporter} ({msg.reason}), and its link is gone")
             return
-        if msg.closed:  # (its link may end in a moment: the same death seen from here)
+        if msg.closed:  # its link may end in a moment: the same death seen from here
             self.verdicts.connection_ended(msg.worker_id, time.monotonic(), f"{reporter}'s connection to it ended")
         if self.verdicts.reported(reporter, msg.worker_id):
             link.send(LinkProbe(next(self._nonce)))
 
     async def watch_leases(self) -> None:
-        """Ticks every lease (orchestrator/verdicts.py): probes the quiet, declares the silent dead."""
+        """Ticks every lease (orchestrator/verdicts.py). It probes the quiet and declares the silent dead."""
         await self.recovered.wait()
         while True:
             await asyncio.sleep(self.verdicts.tick_s)
@@ -387,8 +399,9 @@ class Orchestrator:
         return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
 
     def apply(self, effect: Effect) -> bool:
-        """Carries out what a helper decided (orchestrator/effects.py). Returns False for a `Send`
-        to a worker with no link."""
+        """Carries out what a helper decided (orchestrator/effects.py).
+
+        Returns False for a `Send` to a worker with no link."""
         if isinstance(effect, Send):
             link = self.links.get(effect.worker_id)
             if link is None:
@@ -403,7 +416,9 @@ class Orchestrator:
         return True
 
     def _broadcast(self, soon: bool = False) -> dict[str, Any] | None:
-        """The cluster view to every worker (orchestrator/broadcast.py); `soon`: coalesced with
-        what else changes in the next few milliseconds (registrations, readiness)."""
+        """Sends the cluster view to every worker (orchestrator/broadcast.py).
+
+        With `soon` it is coalesced with what else changes in the next few milliseconds, such as
+        registrations and readiness."""
         return self.broadcaster.publish(soon)
 

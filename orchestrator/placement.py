@@ -1,7 +1,7 @@
 """Placement planners: which EWs hold which (layer, expert), in routing order.
 
-Failure domains are nodes (machines): given each EW's node, the copies of one expert go on
-different nodes wherever the cluster has enough of them, so one machine's death leaves a live copy.
+Failure domains are nodes (machines). Given each EW's node, the copies of one expert go on different
+nodes wherever the cluster has enough of them. So one machine's death leaves a live copy.
 """
 
 from __future__ import annotations
@@ -13,21 +13,23 @@ Unit = tuple[int, int]
 
 
 class PlacementPlanner(abc.ABC):
-    """Maps every logical expert to an ordered list of EWs (primary first, then shadows).
-    Pure: no I/O, no state."""
+    """Maps every logical expert to an ordered list of EWs, primary first, then shadows.
+
+    It is pure: no I/O, no state."""
 
     @abc.abstractmethod
     def place(self, units: list[Unit], workers: list[str], nodes: dict[str, str] | None = None) -> dict[Unit, list[str]]:
-        """`nodes`: EW -> the node it runs on (None or missing: every EW a node of its own)."""
+        """`nodes` maps EW -> the node it runs on. If None or missing, every EW is a node of its own."""
 
 
 class BalancedPlanner(PlacementPlanner):
-    """Primaries round-robin over the EWs, taken node by node in turn (balanced by count). Each of
-    the `shadows` inactive copies of a unit goes on the first EW after the previous copy's that
-    holds no copy of it yet and is on a node that holds none either (any EW without a copy when
-    no such node is left). So the copies of one expert are on distinct EWs (any single EW failure
-    leaves a live copy), on distinct nodes where there are enough nodes (any single node failure
-    leaves one), and with as many EWs on every node, shadows are balanced too."""
+    """Primaries round-robin over the EWs, taken node by node in turn, balanced by count.
+
+    Each of the `shadows` inactive copies of a unit goes on the first EW after the previous copy's
+    that holds no copy of it yet and is on a node that holds none either. When no such node is left,
+    it goes on any EW without a copy. So the copies of one expert are on distinct EWs, and any single
+    EW failure leaves a live copy. They are on distinct nodes where there are enough nodes, so any
+    single node failure leaves one. With as many EWs on every node, shadows are balanced too."""
 
     def __init__(self, shadows: int = 0) -> None:
         if shadows < 0:
@@ -54,8 +56,9 @@ class BalancedPlanner(PlacementPlanner):
 
 
 def interleave(workers: list[str], node: dict[str, str]) -> list[str]:
-    """The workers taken one per node in turn (nodes in order of first appearance): consecutive
-    EWs are on different nodes as long as every node has some left."""
+    """The workers taken one per node in turn, nodes in order of first appearance.
+
+    Consecutive EWs are on different nodes as long as every node has some left."""
     by_node: dict[str, list[str]] = {}
     for w in workers:
         by_node.setdefault(node[w], []).append(w)
@@ -68,7 +71,7 @@ def interleave(workers: list[str], node: dict[str, str]) -> list[str]:
 
 
 def single_node_units(placement: dict[Unit, list[str]], nodes: dict[str, str]) -> dict[str, list[Unit]]:
-    """Node -> the units whose every copy is on it (one failure of that node loses them)."""
+    """Node -> the units whose every copy is on it; one failure of that node loses them."""
     out: dict[str, list[Unit]] = {}
     for unit, ews in placement.items():
         on = {nodes.get(w, w) for w in ews}
@@ -87,16 +90,19 @@ class Replan:
 
 def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit_bytes: int,
            nodes: dict[str, str] | None = None, resident: dict[str, set[Unit]] | None = None) -> Replan:
-    """The placement over a new set of EWs (some added, some gone) that moves the fewest bytes: the
-    Continuous Minimal Migration idea (AnchorTP) applied to expert placement. Every copy whose EW
-    stays keeps its place unless that EW holds more than its share; each EW's share is as even as
-    the copy count allows (`ceil` shares go to the EWs that already hold the most, so they shed
-    least); the copies to place (of units that lost one, and those shed) go to the EWs below
-    their share, on a node with no copy of that unit where there is one. The moved bytes are then
-    the sum over EWs of (share - copies kept), the least any balanced placement can move. Which
-    copy is primary is rebalanced too (it moves no byte): every EW serves about as many units.
-    `resident`: units an EW still holds beyond its placement (an earlier one's): placing a copy
-    there moves nothing, so those EWs are preferred and those copies not counted."""
+    """The placement over a new set of EWs (some added, some gone) that moves the fewest bytes.
+
+    This is the Continuous Minimal Migration idea (AnchorTP) applied to expert placement. Every copy
+    whose EW stays keeps its place unless that EW holds more than its share. Each EW's share is as
+    even as the copy count allows. The `ceil` shares go to the EWs that already hold the most, so
+    they shed least. The copies to place, of units that lost one and those shed, go to the EWs below
+    their share. They go on a node with no copy of that unit where there is one. The moved bytes are
+    then the sum over EWs of (share - copies kept), the least any balanced placement can move.
+
+    Which copy is primary is rebalanced too, which moves no byte. Every EW serves about as many units.
+
+    `resident` holds units an EW still holds beyond its placement, from an earlier one. Placing a
+    copy there moves nothing, so those EWs are preferred and those copies not counted."""
     if not workers:
         raise ValueError("no expert workers to place experts on")
     node = {w: (nodes or {}).get(w) or w for w in workers}
@@ -123,7 +129,7 @@ def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit
         while len(ews) < copies:
             used = {node[w] for w in ews}
             free = [w for w in workers if w not in ews]
-            under = [w for w in free if load[w] < share[w]] or free  # (a full EW only if none is below)
+            under = [w for w in free if load[w] < share[w]] or free  # a full EW only if none is below
             w = min(under, key=lambda w: (node[w] in used, unit not in have.get(w, ()), load[w] - share[w],
                                           workers.index(w)))
             ews.append(w)
@@ -140,8 +146,10 @@ def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit
 
 
 def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:
-    """Makes the copy on the EW with the fewest primaries so far each unit's primary (the others
-    keep their order as shadows): primaries spread as evenly as the copies allow, no byte moved."""
+    """Makes the copy on the EW with the fewest primaries so far each unit's primary.
+
+    The others keep their order as shadows. Primaries spread as evenly as the copies allow, and no
+    byte moves."""
     primaries = {w: 0 for w in workers}
     out: dict[Unit, list[str]] = {}
     for unit in sorted(held, key=lambda u: (len(held[u]), u)):  # units with fewer choices first

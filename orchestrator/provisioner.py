@@ -1,12 +1,15 @@
-"""Background replacement of dead workers (Tarragon §5.4): the orchestrator asks a `Provisioner`
-for a new process of a role; the new worker registers like any other and is slotted in.
+"""Background replacement of dead workers (Tarragon §5.4).
 
-- `SupervisorProvisioner` asks the process that started the orchestrator (`moe-fabric serve`'s
-  supervisor, over a socket pair it handed down), which owns every process of the fabric: a
+The orchestrator asks a `Provisioner` for a new process of a role. The new worker registers like
+any other and is slotted in.
+
+- `SupervisorProvisioner` asks the process that started the orchestrator, over a socket pair it
+  handed down. That is `moe-fabric serve`'s supervisor, which owns every process of the fabric. A
   replacement outlives the orchestrator that asked for it, and dies with the supervisor.
-- `LocalProvisioner` starts `moe-fabric <role> ARGS` itself, on this host, detached: replacements
-  outlive the orchestrator (a restarted one takes them over when they register again) and exit
+- `LocalProvisioner` starts `moe-fabric <role> ARGS` itself, on this host, detached. Replacements
+  outlive the orchestrator; a restarted one takes them over when they register again. They exit
   when the orchestrator's own supervisor (its parent) is gone.
+
 A cluster manager (Ray, Kubernetes) implements the same four methods.
 """
 
@@ -40,7 +43,8 @@ ROLE_COMMAND = {Role.ATTENTION: "attention-worker", Role.EXPERT: "expert-worker"
 @dataclass
 class Spawned:
     role: Role
-    key: str  # whom it replaces (REPLACEMENT), or its scale operation's name for it (SCALE_OUT)
+    # Whom it replaces (REPLACEMENT), or its scale operation's name for it (SCALE_OUT).
+    key: str
     pid: int = 0
     standby: bool = False
     origin: Origin = Origin.REPLACEMENT
@@ -54,21 +58,23 @@ class Provisioner(abc.ABC):
     @abc.abstractmethod
     def start(self, role: Role, key: str, boot_nice: int, avoid: list[str], standby: bool = False,
               origin: Origin = Origin.REPLACEMENT) -> bool:
-        """Asks for a worker of `role` in place of `key` (or for scale operation `key`, SCALE_OUT),
-        if possible on none of the nodes `avoid` (a warm standby where `standby`); False if none
-        can be started."""
+        """Asks for a worker of `role` in place of `key`, or for scale operation `key` (SCALE_OUT).
+
+        If possible it runs on none of the nodes `avoid`. With `standby` it is a warm standby.
+        Returns False if none can be started."""
 
     @abc.abstractmethod
     def exited_early(self) -> list[Spawned]:
-        """Processes started for us that exited before they registered (each reported once)."""
+        """Processes started for us that exited before they registered, each reported once."""
 
     @abc.abstractmethod
     def registered(self, pid: int) -> Spawned | None:
-        """The worker with `pid` registered: it is the cluster's now, not an early exit. Returns
-        what it was started for, if this provisioner started it."""
+        """Records that the worker with `pid` registered; it is the cluster's now, not an early exit.
+
+        Returns what it was started for, if this provisioner started it."""
 
     async def close(self) -> None:  # noqa: B027 - optional
-        """Called when the orchestrator exits (its replacements live on)."""
+        """Called when the orchestrator exits. Its replacements live on."""
 
 
 class NoProvisioner(Provisioner):
@@ -169,7 +175,7 @@ class LocalProvisioner(Provisioner):
         if standby and "--standby" not in argv:
             argv += ["--standby"]
         # The orchestrator's supervisor (its parent) bounds the replacement's life, not the
-        # orchestrator: a restarted orchestrator takes the replacement over.
+        # orchestrator. A restarted orchestrator takes the replacement over.
         cmd = [sys.executable, "-m", "launch.cli", ROLE_COMMAND[role], *argv, "--watch-pid", str(os.getppid())]
         out = open(Path(self.log_dir) / f"{ROLE_COMMAND[role]}-r{self._n}.log", "ab") if self.log_dir else None  # noqa: SIM115
         try:
@@ -197,7 +203,7 @@ class LocalProvisioner(Provisioner):
         return early
 
     async def close(self) -> None:
-        """Replacements that never registered are stopped; the others belong to the cluster."""
+        """Stops replacements that never registered. The others belong to the cluster."""
         for s, proc in self.children:
             if proc.poll() is None and s.pid not in self._registered:
                 with contextlib.suppress(ProcessLookupError):

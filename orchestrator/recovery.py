@@ -1,11 +1,13 @@
-"""What a (re)started orchestrator learns from the workers of an earlier one before it takes over
-(`Orchestrator.recover`): the newest view any of them holds, and whether every worker of that view
-is back.
+"""What a (re)started orchestrator learns from the workers of an earlier one before it takes over.
 
-Registrations carry only their view's version; the orchestrator asks for the view itself
+`Orchestrator.recover` uses it. It learns the newest view any of them holds, and whether every
+worker of that view is back.
+
+Registrations carry only their view's version. The orchestrator asks for the view itself
 (`Registered.send_view`, answered by `ViewReport`) only from a worker whose version is newer than
-the newest received, and waits for what it asked for. In a re-registration storm a few workers
-send a whole view, not all of them (256 whole views took ~0.5 s of a restarted orchestrator's CPU).
+the newest received. Then it waits for what it asked for. So in a re-registration storm a few
+workers send a whole view, not all of them. 256 whole views took ~0.5 s of a restarted
+orchestrator's CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class Recovery:
         self.started_at = time.time()
         self.newest: ClusterView | None = None  # the newest view a worker reported
         self.asked: set[str] = set()  # workers asked for their view, not answered yet
-        self.last_rejoin_at = 0.0  # when the last worker of an earlier orchestrator registered again
+        # When the last worker of an earlier orchestrator registered again.
+        self.last_rejoin_at = 0.0
         self.summary: dict[str, Any] = {}  # how the take-over went (GET /cluster)
 
     def registered(self, worker_id: str, reg: Register, recovering: bool) -> bool:
@@ -42,11 +45,11 @@ class Recovery:
             self.newest = view
 
     def gone(self, worker_id: str) -> None:
-        """Its link ended before its view came: not waited for."""
+        """Its link ended before its view came, so it is not waited for."""
         self.asked.discard(worker_id)
 
     def all_back(self, registered: dict[str, Any]) -> bool:
-        """Every worker of the newest view has registered again (and every view asked for came)."""
+        """Whether every worker of the newest view has registered again, and every view asked for came."""
         view = self.newest
         return view is not None and not self.asked and all(w.id in registered for w in view.workers if w.serving)
 

@@ -1,7 +1,9 @@
-"""Replacement workers for the dead: started by the provisioner `--replacement-delay-ms` after the
-death, in the background, bounded by `--max-replacements` and by the churn guard
-(orchestrator/churn.py: a line of workers whose replacements keep dying young is not replaced
-again). The orchestrator calls `replace` once it has declared a worker dead.
+"""Replacement workers for the dead.
+
+The provisioner starts them in the background, `--replacement-delay-ms` after the death. They are
+bounded by `--max-replacements` and by the churn guard (orchestrator/churn.py). That guard stops
+replacing a line of workers whose replacements keep dying young. The orchestrator calls `replace`
+once it has declared a worker dead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Replacements:
         self._delayed: set[asyncio.TimerHandle] = set()  # replacements waiting out the delay
 
     def lineage(self, worker_id: str) -> str:
-        """The first worker of the line `worker_id` replaced (itself, if it replaced nobody)."""
+        """The first worker of the line `worker_id` replaced; itself if it replaced nobody."""
         seen: set[str] = set()
         while worker_id not in seen:
             seen.add(worker_id)
@@ -41,7 +43,9 @@ class Replacements:
         return worker_id
 
     def died(self, worker_id: str, replacement: bool, age_s: float | None, reason: str) -> None:
-        """A worker died `age_s` after it registered (None: before it did): the churn guard counts it."""
+        """Counts, for the churn guard, a worker that died `age_s` after it registered.
+
+        `age_s` is None if it died before it registered."""
         lineage = self.lineage(worker_id)
         why = self.churn.died(lineage, replacement, age_s, reason)
         if why is not None:
@@ -49,11 +53,13 @@ class Replacements:
                       "machine cannot honour, a device fault, a bug) needs an operator", worker_id, lineage, why)
 
     def replace(self, role: Role, replaces: str, standby: bool = False) -> None:
-        """Starts a replacement after `replacement_delay_ms`: in the first few hundred ms after a
-        death the survivors restore and reroute its work, and a process starting up (the
-        interpreter and the CLI at normal priority, the rest in the idle class) would take CPU
-        from them on a host they share. The replacement is not on that path: a dead AW's
-        requests resume on healthy AWs, a dead EW's experts on their shadows."""
+        """Starts a replacement after `replacement_delay_ms`.
+
+        In the first few hundred ms after a death, the survivors restore and reroute its work. A
+        process starting up would take CPU from them on a host they share. (It runs the interpreter
+        and the CLI at normal priority, the rest in the idle class.) The replacement is not on the
+        path of recovery. A dead AW's requests resume on healthy AWs, a dead EW's experts on their
+        shadows."""
         delay = self.cfg.replacement_delay_ms / 1000
         if delay <= 0:
             self._start(role, replaces, standby)
@@ -73,20 +79,20 @@ class Replacements:
             self.started += 1
 
     async def watch(self) -> None:
-        """A replacement that exits before registering is started again (a double fault during start-up)."""
+        """Starts again a replacement that exits before registering, a double fault during start-up."""
         while True:
             await asyncio.sleep(0.5)
             for s in self.provisioner.exited_early():
                 log.warning("the %s (pid %d) started for %s exited with code %s before registering",
                             s.role.value, s.pid, s.key, s.code)
-                if s.origin is Origin.SCALE_OUT:  # (its scale operation times out and says so)
+                if s.origin is Origin.SCALE_OUT:  # its scale operation times out and says so
                     continue
                 self.died(s.key, True, None, f"exited with code {s.code}")
                 await asyncio.sleep(1.0)  # back off: whatever killed it may still be there
                 self.replace(s.role, s.key, s.standby)
 
     def stop(self) -> None:
-        """The cluster shuts down: replacements waiting out their delay are never started."""
+        """Marks the cluster as shutting down. Replacements waiting out their delay are never started."""
         self.stopping = True
         for handle in self._delayed:
             handle.cancel()

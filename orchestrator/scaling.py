@@ -2,19 +2,19 @@
 
 EWs first, then AWs, one operation at a time:
 
-    EW out    start the new EWs (the provisioner), wait for them to register, replan the placement
-              over the old slots and the new ones (`replan`: the fewest bytes moved), have every EW
-              that gains units load them, then commit: one routing table with all of it.
-    EW in     replan without the drained slots, have the survivors load what they gain, commit
-              (the drained EWs are in no replica list from that epoch on), give the AWs a moment to
-              switch tables at their next step, then drain the EWs: declared gone, never replaced.
-    AW out    start the new AWs and wait until they serve (gateways pick them up from the view).
-    AW in     drain the least busy AWs: each leaves as on SIGINT, and its requests resume on the
-              others from their KV checkpoints (the restore path); never replaced.
+    EW out    Start the new EWs (the provisioner) and wait for them to register. Replan the
+              placement over the old slots and the new ones (`replan`, the fewest bytes moved).
+              Have every EW that gains units load them. Then commit one routing table with all of it.
+    EW in     Replan without the drained slots and have the survivors load what they gain. Commit;
+              from that epoch on the drained EWs are in no replica list. Give the AWs a moment to
+              switch tables at their next step. Then drain the EWs: declared gone, never replaced.
+    AW out    Start the new AWs and wait until they serve. Gateways pick them up from the view.
+    AW in     Drain the least busy AWs, never replaced. Each leaves as on SIGINT, and its requests
+              resume on the others from their KV checkpoints (the restore path).
 
-A load that fails (an EW dies while loading, a timeout) aborts before the commit point: the old
-placement stays, nothing is half-applied. Units an EW no longer routes for stay loaded (mapped
-from the weight store they cost no private memory): a table an AW still holds may name them.
+A load that fails (an EW dies while loading, a timeout) aborts before the commit point. The old
+placement stays, and nothing is half-applied. Units an EW no longer routes for stay loaded, since a
+table an AW still holds may name them. Mapped from the weight store, they cost no private memory.
 """
 
 from __future__ import annotations
@@ -35,26 +35,29 @@ from orchestrator.replacements import Replacements
 log = logging.getLogger("orchestrator")
 
 DRAIN_TIMEOUT_S = 30.0
-SWITCH_GRACE_S = 1.0  # after a commit, before drained EWs leave: every AW switches tables at its next step
+# After a commit, before drained EWs leave. Every AW switches tables at its next step.
+SWITCH_GRACE_S = 1.0
 
 
 class ScaleError(FabricError):
-    """A scale request that cannot be carried out now (the fabric keeps serving as it was)."""
+    """A scale request that cannot be carried out now. The fabric keeps serving as it was."""
 
     recoverable = True
 
 
 class Scaler:
-    """Runs scale operations on the cluster's state; what must be sent or declared goes to `apply`
-    (the orchestrator's, which returns whether a `Send` found a link)."""
+    """Runs scale operations on the cluster's state.
+
+    What must be sent or declared goes to `apply`. That is the orchestrator's, which returns whether
+    a `Send` found a link."""
 
     def __init__(self, cluster: Cluster, replacements: Replacements, apply: Callable[[Effect], bool],
                  linked: Callable[[str], bool], serving: Callable[[], bool], timeout_s: float = 180.0) -> None:
         self.cluster = cluster
-        self.replacements = replacements  # (its provisioner starts the new workers)
+        self.replacements = replacements  # its provisioner starts the new workers
         self.apply = apply
         self.linked = linked  # whether a worker has a link to the orchestrator now
-        self.serving = serving  # whether the fabric serves (recovered, a table, not stopping)
+        self.serving = serving  # whether the fabric serves: recovered, a table, not stopping
         self.timeout_s = timeout_s
         self.lock = asyncio.Lock()
         self.started = 0
@@ -107,7 +110,7 @@ class Scaler:
         plan = replan(c.placement, slots, copies, unit_bytes, nodes, resident)
         try:
             await self._load(plan.placement, {s: holder[s] for s in set(plan.added) | set(joined)})
-            self._check_slots()  # (a death while loading: its slot must be refilled first)
+            self._check_slots()  # after a death while loading, its slot must be refilled first
         except BaseException:
             self._abort(joined, removed, victims)
             raise
@@ -124,8 +127,10 @@ class Scaler:
                 "units_moved": sum(len(u) for u in plan.added.values()), "joined": sorted(joined), "drained": victims}
 
     async def _load(self, placement: dict[tuple[int, int], list[str]], ews_by_slot: dict[str, str]) -> None:
-        """Every EW named loads its slot's units of `placement`; returns once each said ready for
-        this very assignment (its `op`). Every link is checked before anything is sent."""
+        """Has every EW named load its slot's units of `placement`.
+
+        Returns once each said ready for this very assignment (its `op`). Every link is checked
+        before anything is sent."""
         c = self.cluster
         missing = [ew for ew in ews_by_slot.values() if not self.linked(ew)]
         if missing:
@@ -146,13 +151,15 @@ class Scaler:
                 raise ScaleError(f"the expert workers did not load their new experts within {self.timeout_s:.0f} s; "
                                  "nothing was committed")
             await asyncio.sleep(0.01)
-        for ew_slot, ew in ews_by_slot.items():  # (only now: what an EW holds counts as free to place)
+        # Only now does what an EW holds count as free to place.
+        for ew_slot, ew in ews_by_slot.items():
             c.workers[ew].loaded |= {u for u, slots in placement.items() if ew_slot in slots}
 
     async def add_copy(self, unit: tuple[int, int], ew: str) -> bool:
-        """One more copy of `unit` on `ew` (in its slot), loaded, then in the placement; the next
-        table publishes it. False where it cannot be done now (a scale operation runs, `ew` holds
-        no slot or a copy already, the load failed)."""
+        """Adds one more copy of `unit` on `ew`, in its slot: loaded, then in the placement.
+
+        The next table publishes it. Returns False where it cannot be done now: a scale operation
+        runs, `ew` holds no slot or a copy already, or the load failed."""
         c = self.cluster
         rec = c.workers.get(ew)
         if rec is None or not rec.slot or c.occupant.get(rec.slot) != ew or c.placement is None \
@@ -176,7 +183,9 @@ class Scaler:
             raise ScaleError(f"slot {busy[0]} is being refilled after a death; scale once it is")
 
     def _abort(self, joined: dict[str, str], removed: list[str], victims: list[str]) -> None:
-        """Nothing was committed: the old placement stands; EWs started for it leave again."""
+        """Undoes an operation that committed nothing.
+
+        The old placement stands, and EWs started for the operation leave again."""
         c = self.cluster
         c.reserved.difference_update(joined)
         c.removing.difference_update(removed)
@@ -200,7 +209,7 @@ class Scaler:
 
     # -- shared -----------------------------------------------------------------------------------
     async def _start(self, role: Role, n: int, until: WorkerState = WorkerState.STARTING) -> list[str]:
-        """Starts `n` workers of `role`; returns their ids once registered (and in state `until`)."""
+        """Starts `n` workers of `role` and returns their ids once registered and in state `until`."""
         c = self.cluster
         t0 = time.time()
         for _ in range(n):
@@ -216,7 +225,7 @@ class Scaler:
             if len(ok) >= n:
                 return sorted(ok, key=_natural)[:n]
             if time.monotonic() > deadline:
-                if role is Role.EXPERT:  # (an EW outside the placement serves nothing: let it go)
+                if role is Role.EXPERT:  # an EW outside the placement serves nothing: let it go
                     for wid in ok:
                         c.reserved.discard(wid)
                         self._drain(wid)
@@ -224,8 +233,9 @@ class Scaler:
             await asyncio.sleep(0.02)
 
     def _drain(self, worker_id: str) -> None:
-        """The worker leaves for good (as on SIGTERM), and is not replaced; one that has not left
-        within DRAIN_TIMEOUT_S is declared dead (fenced)."""
+        """Has the worker leave for good, as on SIGTERM, and not be replaced.
+
+        One that has not left within DRAIN_TIMEOUT_S is declared dead (fenced)."""
         self.cluster.drained.add(worker_id)
         if not self.apply(Send(worker_id, Drain("scaled in"))):
             self.apply(Declare(worker_id, "drained (scaled in)"))

@@ -1,6 +1,8 @@
-"""The orchestrator process: its HTTP server (the workers' websocket `/ws`, and the admin
-endpoints `GET /cluster` and `POST /shutdown`, which need the cluster secret as Bearer), the
-provisioner, and the order of start-up and shutdown around `Orchestrator` (orchestrator/main.py).
+"""The orchestrator process around `Orchestrator` (orchestrator/main.py).
+
+It holds the HTTP server, the provisioner, and the order of start-up and shutdown. The server has
+the workers' websocket `/ws` and the admin endpoints `GET /cluster` and `POST /shutdown`. The admin
+endpoints need the cluster secret as Bearer.
 """
 
 from __future__ import annotations
@@ -32,27 +34,30 @@ def make_app(orch: Orchestrator) -> web.Application:
 
     async def get_cluster(request: web.Request) -> web.Response:
         admin(request)
-        # ?routing=0 leaves out the routing table and redundancy (a scan of every expert: ~50 ms and a
-        # large body at Qwen3-235B's 94 x 128 experts, for pollers that want the workers only)
+        # ?routing=0 leaves out the routing table and redundancy, for pollers that want the workers
+        # only. Those need a scan of every expert: ~50 ms and a large body at Qwen3-235B's 94 x 128 experts.
         body = orch.cluster.to_json(routing=request.query.get("routing", "1") != "0")
         body["recovering"] = not orch.recovered.is_set()
         body["replacements_started"] = orch.replacements.started
-        body["not_replaced"] = orch.replacements.churn.stopped  # lineage -> why its replacements stopped
+        # Lineage -> why its replacements stopped.
+        body["not_replaced"] = orch.replacements.churn.stopped
         body["scaled"] = orch.scaler.history
         body["control"] = {**orch.traffic, "links": len(orch.links), "broadcasts": orch.broadcaster.log_json()}
         body["recovery"] = orch.recovery.summary
         return web.json_response(body)
 
     async def post_shutdown(request: web.Request) -> web.Response:
-        """The whole cluster is being stopped: workers that go away now are not replaced."""
+        """Announces that the whole cluster is being stopped. Workers that go away now are not replaced."""
         admin(request)
         orch.shutting_down = True
         log.info("cluster shutdown announced: no more replacements")
         return web.json_response({"shutting_down": True})
 
     async def post_scale(request: web.Request) -> web.Response:
-        """Adds or drains workers while serving: {"attention_workers": N, "expert_workers": M} (either
-        may be left out). Answers once done, with what moved."""
+        """Adds or drains workers while serving.
+
+        The body is {"attention_workers": N, "expert_workers": M}; either may be left out. It answers
+        once done, with what moved."""
         admin(request)
         try:
             body = await request.json()
@@ -83,7 +88,7 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
     await runner.setup()
     tls = cfg.tls
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=tls.server if tls is not None else None,
-                       backlog=LISTEN_BACKLOG)  # (every worker registers again at once after a restart)
+                       backlog=LISTEN_BACKLOG)  # every worker registers again at once after a restart
     await site.start()
     port = runner.addresses[0][1]
     orch.cluster.self_record.port = port

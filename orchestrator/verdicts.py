@@ -1,24 +1,25 @@
 """Who is dead: the orchestrator's verdicts, decided on evidence, never on one slow answer.
 
 Evidence of a death:
-- an exit: the worker said it was leaving (`Leaving`), or its link ended and a peer reports that
-  its own connection to it ended too, in either order within a lease (a dead process's sockets
-  all close), or its link ended and it did not register again within `--rejoin-grace-ms`
-  (main.py);
-- a missed lease: every worker sends a `Heartbeat` on its link every `--heartbeat-ms`. One silent
-  for half of `--lease-ms` is probed (`LinkProbe`, answered by its link's reader whatever its
-  compute is doing); one silent for the whole lease, its probe unanswered, is dead. A hung process
-  (SIGSTOP) and a machine gone without a word (no FIN, no RST) both end here, within the lease. A
-  pause shorter than the lease less a heartbeat (a GC pause, a page-fault storm) is not a death.
+- An exit. The worker said it was leaving (`Leaving`). Or its link ended and a peer reports that
+  its own connection to it ended too, in either order within a lease; a dead process's sockets all
+  close. Or its link ended and it did not register again within `--rejoin-grace-ms` (main.py).
+- A missed lease. Every worker sends a `Heartbeat` on its link every `--heartbeat-ms`. One silent
+  for half of `--lease-ms` is probed (`LinkProbe`). Its link's reader answers the probe whatever
+  its compute is doing. One silent for the whole lease, its probe unanswered, is dead. A hung
+  process (SIGSTOP) and a machine gone without a word (no FIN, no RST) both end here, within the
+  lease. A pause shorter than the lease less a heartbeat (a GC pause, a page-fault storm) is not a
+  death.
 
-A peer's report (`PeerFailed`) is a suspicion: the peer has already routed around the worker. The
-orchestrator probes the worker at once, and the lease decides. Every peer that reported a worker
-that then answers hears so (`PeerAlive`); whether it uses that worker again is its own probes'
-call (a worker may answer here and be unreachable on its data port).
+A peer's report (`PeerFailed`) is a suspicion, and the peer has already routed around the worker.
+The orchestrator probes the worker at once, and the lease decides. If the worker then answers,
+every peer that reported it hears so (`PeerAlive`). Whether a peer uses that worker again is its
+own probes' call, since a worker may answer here and be unreachable on its data port.
 
-Pure state: `tick` and `heard` return what must be sent or declared; `Orchestrator` does it.
-A worker not serving yet (registered, loading, warming up; a standby) holds nothing anyone waits
-for, and a replacement boots in the idle scheduling class: its lease is `STARTING_LEASE_S`.
+This is pure state. `tick` and `heard` return what must be sent or declared, and `Orchestrator`
+does it. A worker not serving yet (registered, loading, warming up, or a standby) holds nothing
+anyone waits for. A replacement boots in the idle scheduling class. So such a worker's lease is
+`STARTING_LEASE_S`.
 """
 
 from __future__ import annotations
@@ -26,29 +27,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STARTING_LEASE_S = 10.0
-LAG_CREDIT_S = 0.05  # a tick this late means the orchestrator itself was not running: nobody's silence counts
+# A tick this late means the orchestrator itself was not running, so nobody's silence counts.
+LAG_CREDIT_S = 0.05
 
 
 @dataclass
 class Lease:
-    heard: float  # when anything last came from the worker (the orchestrator's clock, monotonic)
+    # When anything last came from the worker, on the orchestrator's monotonic clock.
+    heard: float
     serving: bool
     probed: bool = False  # a probe is out since it was last heard
-    reporters: set[str] = field(default_factory=set)  # peers that reported it since it was last heard
+    # Peers that reported it since it was last heard.
+    reporters: set[str] = field(default_factory=set)
 
 
 @dataclass
 class Verdicts:
-    """`lease_s`: the silence that is a death; every lease is ticked every `tick_s`."""
+    """The leases of all workers. `lease_s` is the silence that is a death; every lease is ticked every `tick_s`."""
 
     lease_s: float
     tick_s: float = 0.05
     leases: dict[str, Lease] = field(default_factory=dict)
     last_tick: float | None = None
-    ended: dict[str, tuple[float, str]] = field(default_factory=dict)  # worker -> (when, what) a peer's connection to it ended
+    # Worker -> (when, what): a peer's connection to it ended.
+    ended: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def watch(self, worker_id: str, now: float, serving: bool) -> None:
-        """A worker (re)registered on a live link."""
+        """Starts the lease of a worker that (re)registered on a live link."""
         self.leases[worker_id] = Lease(now, serving)
 
     def serving(self, worker_id: str, serving: bool = True) -> None:
@@ -57,12 +62,13 @@ class Verdicts:
             lease.serving = serving
 
     def forget(self, worker_id: str) -> None:
-        """Its link is gone (the exit paths decide from here) or it is dead."""
+        """Drops the lease once the worker is dead or its link is gone; the exit paths decide from there."""
         self.leases.pop(worker_id, None)
 
     def heard(self, worker_id: str, now: float) -> set[str]:
-        """Something came from the worker: its lease is renewed. Returns the peers that reported it
-        meanwhile (they hear `PeerAlive`)."""
+        """Renews the worker's lease, as something came from it.
+
+        Returns the peers that reported it meanwhile. They hear `PeerAlive`."""
         lease = self.leases.get(worker_id)
         if lease is None:
             return set()
@@ -71,7 +77,7 @@ class Verdicts:
         return told
 
     def reported(self, reporter: str, worker_id: str) -> bool:
-        """A peer suspects the worker; returns whether to probe it now (no probe out yet)."""
+        """Records that a peer suspects the worker. Returns whether to probe it now, with no probe out yet."""
         lease = self.leases.get(worker_id)
         if lease is None:
             return False
@@ -82,13 +88,14 @@ class Verdicts:
         return True
 
     def connection_ended(self, worker_id: str, now: float, what: str) -> None:
-        """A peer's connection to the worker ended while its link was up: if its link ends within
-        a lease too, that is an exit (`exited`)."""
+        """Records that a peer's connection to the worker ended while its link was up.
+
+        If its link ends within a lease too, that is an exit (`exited`)."""
         self.ended = {w: e for w, e in self.ended.items() if now - e[0] < self.lease_s}
         self.ended[worker_id] = (now, what)
 
     def exited(self, worker_id: str, now: float) -> str | None:
-        """The worker's link ended: what a peer saw end within a lease before, if anything."""
+        """The worker's link ended. Returns what a peer saw end within a lease before, if anything."""
         when, what = self.ended.pop(worker_id, (0.0, ""))
         return what if what and now - when < self.lease_s else None
 
@@ -96,7 +103,8 @@ class Verdicts:
         """Returns (workers to probe, (worker, silence) whose lease ran out)."""
         if self.last_tick is not None:
             lag = now - self.last_tick - self.tick_s
-            if lag > LAG_CREDIT_S:  # (this process was stopped or starved: its own silence, not theirs)
+            # This process was stopped or starved. The silence is its own, not theirs.
+            if lag > LAG_CREDIT_S:
                 for lease in self.leases.values():
                     lease.heard += lag
         self.last_tick = now

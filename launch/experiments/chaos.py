@@ -1,16 +1,18 @@
-"""`moe-fabric experiment chaos`: a soak that kills a random process of a random role every
-`--kill-every` seconds, with SIGKILL, SIGINT or SIGSTOP, under a closed-loop workload whose client
-resumes broken streams with `Last-Event-ID`.
+"""`moe-fabric experiment chaos`: a soak that kills processes under load.
 
-Each kill is a single failure: before the next one the soak waits (bounded) until the fabric is
-whole again (every worker role back to its size, every expert with all its copies, the
-orchestrator not recovering). A stopped process is woken `--stop-for` seconds later (the fabric
-will have fenced it, or its supervisor restarted it). Greedy outputs are compared with a
+Every `--kill-every` seconds it kills a random process of a random role, with SIGKILL, SIGINT or
+SIGSTOP. The load is a closed-loop workload whose client resumes broken streams with `Last-Event-ID`.
+
+Each kill is a single failure. Before the next one the soak waits, bounded, until the fabric is
+whole again: every worker role back to its size, every expert with all its copies, and the
+orchestrator not recovering. A stopped process is woken `--stop-for` seconds later. By then the
+fabric will have fenced it, or its supervisor restarted it. Greedy outputs are compared with a
 failure-free pass over the same prompts, made first.
 
-Reports, per kill, the stall (per stream decoding at the kill the longer of its first two token gaps after it,
-the largest over the streams) and, overall, requests lost (an error, or fewer tokens than asked),
-corrupt (complete, but not the failure-free tokens) and hung (not complete within `--deadline`).
+It reports the stall per kill. For each stream decoding at the kill, that is the longer of its first
+two token gaps after it, and the stall is the largest over the streams. Overall it reports requests
+lost (an error, or fewer tokens than asked), corrupt (complete, but not the failure-free tokens)
+and hung (not complete within `--deadline`).
 """
 
 from __future__ import annotations
@@ -83,8 +85,11 @@ class Chaos:
         self._wake: set[asyncio.Task[None]] = set()
 
     def whole(self, victim: Kill | None = None) -> bool:
-        """Every role back to its size, every expert with all its copies, no recovery under way,
-        and the victim (if any) out of the view, or woken again (a SIGSTOP the fabric never saw)."""
+        """Whether the fabric is whole again.
+
+        That means every role back to its size, every expert with all its copies, and no recovery
+        under way. The victim, if any, must be out of the view, or woken again (a SIGSTOP the fabric
+        never saw)."""
         try:
             c = self.fabric.cluster()
         except OSError:
@@ -102,7 +107,7 @@ class Chaos:
                 and all(p.poll() is None for _, p in self.fabric.procs if _.startswith(("orchestrator", "gateway"))))
 
     async def wait_whole(self, victim: Kill, limit: float) -> float | None:
-        """Seconds from the kill until the fabric is whole again (None: not within `limit`)."""
+        """Seconds from the kill until the fabric is whole again, or None if not within `limit`."""
         while self.run.now() - victim.at < limit:
             if await asyncio.to_thread(self.whole, victim):
                 return self.run.now() - victim.at

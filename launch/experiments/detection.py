@@ -1,5 +1,7 @@
-"""When the fabric noticed a failure experiment's victim, from the orchestrator's authoritative view
-(`GET /cluster`): the first peer's suspicion, the death's declaration, the replacement's readiness."""
+"""When the fabric noticed a failure experiment's victim.
+
+It reads the orchestrator's authoritative view (`GET /cluster`) for the first peer's suspicion, the
+death's declaration, and the replacement's readiness."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ if TYPE_CHECKING:
 
 
 def detection(inj: Injection, cluster: dict[str, Any] | None) -> dict[str, float | None]:
-    """From the orchestrator's authoritative view: when the victim was declared dead and when its
-    replacement (or, for the orchestrator or a gateway, its restarted self) was ready, in seconds
-    after the kill (wall clocks of one host)."""
+    """When the victim was declared dead and when its replacement was ready, from the orchestrator's view.
+
+    For the orchestrator or a gateway, the replacement is its restarted self. Times are in seconds
+    after the kill, on the wall clocks of one host."""
     out: dict[str, float | None] = {"suspected_s": None, "detected_s": None, "replacement_ready_s": None}
     if cluster is None or inj.kill_wall is None:
         return out
@@ -20,12 +23,14 @@ def detection(inj: Injection, cluster: dict[str, Any] | None) -> dict[str, float
     victim = next((w for w in workers if w["pid"] == inj.victim_pid), None)
     if victim is not None and victim["state"] == "dead":
         out["detected_s"] = victim["state_since"] - inj.kill_wall
-        found = [w["stats"].get("suspected_at", {}).get(victim["id"]) for w in workers]  # an AW, for an EW victim
+        # An AW's stats, for an EW victim.
+        found = [w["stats"].get("suspected_at", {}).get(victim["id"]) for w in workers]
         found = [t for t in found if t is not None]
         out["suspected_s"] = min(found) - inj.kill_wall if found else None
     role = inj.exp.args.role
     new = None
-    if role == "node":  # every replacement of what the node hosted: the last one ready
+    # Every replacement of what the node hosted; the last one ready counts.
+    if role == "node":
         fresh = [w for w in workers if w["role"] in ("attention", "expert", "checkpoint_store")
                  and w["state"] == "alive" and w["registered_at"] > inj.kill_wall]
         if fresh:
@@ -33,7 +38,8 @@ def detection(inj: Injection, cluster: dict[str, Any] | None) -> dict[str, float
         return out
     if victim is not None:
         new = next((w for w in workers if w["info"].get("replaces") == victim["id"] and w["state"] == "alive"), None)
-    if new is None:  # AWs, stores and gateways take no slot; the orchestrator is new: whoever came after the kill
+    # AWs, stores and gateways take no slot, and the orchestrator is new. So take whoever came after the kill.
+    if new is None:
         want = {"expert": "expert", "attention": "attention", "store": "checkpoint_store", "gateway": "gateway",
                 "orchestrator": "orchestrator"}[role]
         new = next((w for w in workers if w["role"] == want and w["state"] == "alive"

@@ -1,19 +1,25 @@
 """`moe-fabric experiment failover`: one process of one role dies under load; what do clients see?
 
-The paper's §7.2 experiment (Fig. 9), for every role: an expert or attention worker, the
-checkpoint store, the orchestrator or a gateway. A seeded workload (token-id prompts of random ids,
-greedy, `ignore_eos`, fixed output length; Poisson arrivals, or a closed loop of C streams) runs
-once without failure for reference outputs, then again while the victim gets a signal `--at`
-seconds in. The client resumes a broken stream with `Last-Event-ID` (workload.py). `--mode fabric`
-lets the fabric heal itself; `--mode restart-all` is the MegaScale-Infer-like baseline: stop every
-process, start a fresh fabric (weights reloaded) and resubmit each unfinished request as prompt +
-tokens received, for the tokens that remain.
+This is the paper's §7.2 experiment (Fig. 9), for every role: an expert or attention worker, the
+checkpoint store, the orchestrator or a gateway. A seeded workload runs once without failure for
+reference outputs. Then it runs again while the victim gets a signal `--at` seconds in. The
+workload has token-id prompts of random ids, greedy, `ignore_eos` and a fixed output length. Its
+load is Poisson arrivals, or a closed loop of C streams. The client resumes a broken stream with
+`Last-Event-ID` (workload.py).
 
-Metrics: the stall (per stream decoding at the kill the longer of its first two token gaps after it, the largest
-over the streams), time to first success, when the victim's process was gone, time back to 90 % of
-the pre-failure throughput, when the orchestrator declared the victim dead and when its
-replacement (or restarted self) was ready, requests lost, and whether every output equals the
-reference.
+`--mode fabric` lets the fabric heal itself. `--mode restart-all` is the MegaScale-Infer-like
+baseline. It stops every process and starts a fresh fabric, with weights reloaded. Then it
+resubmits each unfinished request as prompt + tokens received, for the tokens that remain.
+
+Metrics:
+- the stall: for each stream decoding at the kill, the longer of its first two token gaps after it;
+  the largest over the streams;
+- time to first success;
+- when the victim's process was gone;
+- time back to 90 % of the pre-failure throughput;
+- when the orchestrator declared the victim dead, and when its replacement (or restarted self) was
+  ready;
+- requests lost, and whether every output equals the reference.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ if TYPE_CHECKING:
 
 VICTIMS = {"expert": "expert-worker-1", "attention": "attention-worker-0", "store": "checkpoint-store-0",
            "orchestrator": "orchestrator", "gateway": "gateway-0",
-           "node": "attention-worker-0"}  # (--cluster ray: the node of this one dies, with all it hosts)
+           "node": "attention-worker-0"}  # --cluster ray: the node of this one dies, with all it hosts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,13 +136,15 @@ class Experiment:
         delay = self.args.replacement_delay_ms
         extra = {"orchestrator": ["--replacement-delay-ms", str(delay)]} if delay is not None else None
         fabric = Fabric(self.cfg, extra_args=extra, log_dir=str(self.out / logs))
-        self.fabrics.append(fabric)  # registered before start: cleanup stops it whatever happens
+        # Registered before start, so cleanup stops it whatever happens.
+        self.fabrics.append(fabric)
         return fabric
 
     def start(self) -> None:
         t = time.monotonic()
         self.fabric.start()
-        while True:  # in short slices, so an aborted experiment does not wait for a whole start
+        # In short slices, so an aborted experiment does not wait for a whole start.
+        while True:
             try:
                 self.fabric.wait_ready(1.0)
                 break
@@ -185,15 +193,18 @@ class Experiment:
 
 
 class Injection:
-    """The failure run's kill (and, for restart-all, the restart)."""
+    """The failure run's kill and, for restart-all, the restart."""
 
     def __init__(self, exp: Experiment, run: Run) -> None:
         self.exp, self.run = exp, run
         self.kill: float | None = None
-        self.kill_wall: float | None = None  # time.time() of the kill, to compare with the orchestrator's clock
+        # time.time() of the kill, to compare with the orchestrator's clock.
+        self.kill_wall: float | None = None
         self.victim_pid: int | None = None
-        self.gone: float | None = None  # when the victim's process had exited (SIGSTOP: it stays)
-        self.survivors: dict[str, int] = {}  # --role node: the processes of the other nodes -> their pid
+        # When the victim's process had exited. After SIGSTOP it stays.
+        self.gone: float | None = None
+        # --role node: the processes of the other nodes -> their pid.
+        self.survivors: dict[str, int] = {}
         self.ready: float | None = None  # restart-all: when the fresh fabric was ready
 
     async def inject(self, at: float) -> None:
@@ -232,9 +243,10 @@ class Injection:
             await watch
 
     async def watch_exit(self, victim: Proc) -> None:
-        """Records when the victim's process is gone (for at most 10 s: the thread's own wait is
-        bounded, or a victim that never exits, an orchestrator Ray restarts elsewhere, would hold
-        asyncio.run's executor shutdown for ever)."""
+        """Records when the victim's process is gone, waiting at most 10 s.
+
+        The thread's own wait is bounded. Otherwise a victim that never exits, such as an
+        orchestrator Ray restarts elsewhere, would hold asyncio.run's executor shutdown for ever."""
         try:
             await asyncio.to_thread(victim.wait, 10.0)
             self.gone = self.run.now()
@@ -251,14 +263,15 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     baseline, ttp = tl.recovery(series, kill)
     gaps = tl.token_gaps(times)
     stall, tfs = tl.stall(times, kill), tl.first_success(times, kill)
-    # The same measure on the failure-free run at the same moment: what a stall reads against.
+    # The same measure on the failure-free run at the same moment, which a stall reads against.
     stall_ref = tl.stall([s.times for s in ref.streams], kill)
     reference = {s.index: s.tokens for s in ref.streams}
     differ = [s.index for s in fail.streams if reference.get(s.index) != s.tokens]
     gone = fail.lost(args.tokens)
     found = detection(inj, cluster)
     now = dict((n, p.pid) for n, p in exp.fabric.procs) if inj.survivors else {}
-    restarted = sorted(n for n, pid in inj.survivors.items() if now.get(n) != pid)  # (a survivor's new pid, or gone)
+    # A survivor with a new pid, or gone.
+    restarted = sorted(n for n, pid in inj.survivors.items() if now.get(n) != pid)
     metrics = {"kill_at_s": kill, "victim_gone_s": None if inj.gone is None else inj.gone - kill,
                "new_fabric_ready_s": inj.ready, "stall_s": stall, "stall_without_failure_s": stall_ref,
                "normal_gap_s": tl.normal_gap(times, kill),
@@ -277,7 +290,7 @@ def report(exp: Experiment, ref: Run, fail: Run, inj: Injection, cluster: dict[s
     result = {"config": config, "metrics": metrics, "throughput": [[round(t, 3), v] for t, v in series],
               "reference_throughput": [[round(t, 3), v] for t, v in ref_series],
               "gaps": [[round(t, 4), round(g, 5), i] for t, g, i in gaps], "log_notes": notes,
-              # every stream's token times, of both runs: what a later definition of a measure reads
+              # Every stream's token times, of both runs, for a later definition of a measure to read.
               "times": [[round(t, 4) for t in ts] for ts in times],
               "reference_times": [[round(t, 4) for t in s.times] for s in ref.streams],
               "requests": [{k: v for k, v in asdict(s).items() if k not in ("prompt", "tokens", "times")}
@@ -321,7 +334,7 @@ def check(args: argparse.Namespace) -> None:
     if args.cluster == "ray" and (args.mode != "fabric" or args.signal == "STOP"):
         raise ConfigError("--cluster ray runs --mode fabric with --signal INT or KILL")
     if args.role == "node":
-        args.signal = "KILL"  # (what a node's death is to its processes)
+        args.signal = "KILL"  # what a node's death is to its processes
     need = {"node": 2, "expert": args.expert_workers, "attention": args.attention_workers, "gateway": args.gateways,
             "store": 2 if args.checkpoint_stores else 0, "orchestrator": 2}[args.role]
     if need < 2 and args.mode == "fabric" and args.role != "store":
@@ -355,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = None
         if args.mode == "fabric":
             if args.signal == "STOP" and inj.victim_pid:
-                with contextlib.suppress(ProcessLookupError):  # (its supervisor may have killed it)
+                with contextlib.suppress(ProcessLookupError):  # its supervisor may have killed it
                     os.kill(inj.victim_pid, signal.SIGCONT)  # fenced: it exits once woken
             cluster = _settled_cluster(exp, args.role)
         say("failover", f"failure run: {len(fail.streams)} requests; stopping the fabric")
@@ -373,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settled_cluster(exp: Experiment, role: str) -> dict[str, Any] | None:
-    """The cluster view once the victim is replaced or back (bounded), for the detection times."""
+    """The cluster view once the victim is replaced or back, bounded, for the detection times."""
     deadline = time.monotonic() + (60.0 if role == "node" else 15.0)
     cluster = None
     while time.monotonic() < deadline:
@@ -383,7 +396,8 @@ def _settled_cluster(exp: Experiment, role: str) -> dict[str, Any] | None:
             time.sleep(0.2)
             continue
         alive = [w["role"] for w in cluster["workers"] if w["state"] == "alive"]
-        if role == "node":  # every replacement up: the AWs back to their number, every slot filled
+        # Every replacement is up: the AWs back to their number, every slot filled.
+        if role == "node":
             settled = (alive.count("attention") >= exp.cfg.attention_workers
                        and not cluster.get("redundancy", {}).get("slots_vacant"))
         else:

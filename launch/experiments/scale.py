@@ -1,26 +1,27 @@
 """`moe-fabric experiment scale`: the fabric's own machinery at deployment size, by simulation.
 
-For each model shape (Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3) and cluster size (A AWs and as
-many EWs), a `--compute sim` fabric runs the real code (role runtime, orchestrator, routing tables,
-TCP links with the cluster handshake, probes, checkpoints, a gateway) with AWs and EWs hosted many
-per process (launch/experiments/sim_cluster.py). Under a closed-loop workload it kills an EW, an AW
-and the orchestrator (restarted at once, as `serve` would) and reports:
+It runs for each model shape (Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3) and cluster size (A AWs
+and as many EWs). A `--compute sim` fabric runs the real code: role runtime, orchestrator, routing
+tables, TCP links with the cluster handshake, probes, checkpoints and a gateway. AWs and EWs are
+hosted many per process (launch/experiments/sim_cluster.py). Under a closed-loop workload it kills
+an EW, an AW and the orchestrator. The orchestrator is restarted at once, as `serve` would. It
+reports:
 
-    links           sockets per AW and EW and per process; memory per link (the workers' processes'
-                    RSS over the AW-EW links: an upper bound)
-    control         orchestrator traffic (bytes/s in + out) idle and loaded; AW->EW probes/s
-    routing update  the death's update: bytes of the delta sent and of a whole view; time from its
-                    publication until the last AW applied it
-    EW death        from the death to the last AW rerouting around it (it found the link dead, or
-                    applied the table without it); the orchestrator's CPU for the event
-    AW death        from the death to the next token of every stream running then (the dead AW's
-                    resume from their KV checkpoints on other AWs), beside the streams' usual
-                    token gap (TBT) at that load
-    orchestrator    from the restart to every worker registered again with the new one (and the
-                    boot: process start to serving)
+    links           Sockets per AW and EW and per process. Memory per link: the workers' processes'
+                    RSS over the AW-EW links, an upper bound.
+    control         Orchestrator traffic (bytes/s in + out), idle and loaded. AW->EW probes/s.
+    routing update  The death's update: bytes of the delta sent and of a whole view. Time from its
+                    publication until the last AW applied it.
+    EW death        From the death to the last AW rerouting around it, as it found the link dead or
+                    applied the table without it. The orchestrator's CPU for the event.
+    AW death        From the death to the next token of every stream running then. The dead AW's
+                    streams resume from their KV checkpoints on other AWs. Shown beside the
+                    streams' usual token gap (TBT) at that load.
+    orchestrator    From the restart to every worker registered again with the new one. Also the
+                    boot: process start to serving.
 
-Each figure is plotted against cluster size, with its growth exponent (the slope of log figure over
-log size from the smallest to the largest size). Writes a JSON of every run and a PNG.
+Each figure is plotted against cluster size, with its growth exponent. That is the slope of log
+figure over log size, from the smallest to the largest size. It writes a JSON of every run and a PNG.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Workload:
         self.thread.start()
 
     def median_gap(self) -> float:
-        """The median gap between a stream's tokens so far (the step time streams see)."""
+        """The median gap between a stream's tokens so far, the step time streams see."""
         gaps = [b - a for s in list(self.run.streams) for a, b in zip(s.times, s.times[1:])]
         return statistics.median(gaps) if gaps else math.nan
 
@@ -123,7 +124,7 @@ class Workload:
 
     def resumed_after(self, at: float, timeout: float) -> list[float]:
         """Seconds from wall time `at` to the next token of every stream that was running then."""
-        t = self.run.now() - (time.time() - at)  # (wall-clock `at` on the run's clock)
+        t = self.run.now() - (time.time() - at)  # wall-clock `at` on the run's clock
         deadline = time.monotonic() + timeout
         while True:
             running = [s for s in list(self.run.streams) if s.times and s.times[0] < t and not (s.done and
@@ -218,7 +219,7 @@ def _ew_death(cl: SimCluster, orch_pid: int, idle_cpu: float) -> dict[str, Any]:
     ew = next(w for w in c["workers"] if w["role"] == "expert" and w["state"] == "alive")
     cpu0 = _cpu_s(orch_pid)
     at = cl.kill_worker(ew["id"], ew["pid"])
-    time.sleep(3.0)  # (stats arrive every second)
+    time.sleep(3.0)  # stats arrive every second
     cpu = _cpu_s(orch_pid) - cpu0 - 3.0 * idle_cpu
     c = cl.cluster()
     pub = next((b for b in c["control"]["broadcasts"] if b["epoch"] > epoch0 and b["at"] >= at), None)
@@ -239,10 +240,10 @@ def _ew_death(cl: SimCluster, orch_pid: int, idle_cpu: float) -> dict[str, Any]:
             "update_median_ms": 1e3 * statistics.median(applied) if applied else math.inf,
             "update_sent_ms": 1e3 * (pub["sent_at"] - pub["at"]) if pub and pub.get("sent_at") else math.inf,
             "update_delta_bytes": pub["delta_bytes"] if pub else 0,
-            # (a whole view's size is logged for the newest broadcast only: the view after the death)
+            # A whole view's size is logged for the newest broadcast only, the view after the death.
             "update_whole_bytes": c["control"]["broadcasts"][-1].get("whole_bytes", 0) if pub else 0,
             "aws_that_found_it": found_by_link,
-            # (the orchestrator's own account: deciding and publishing, then writing to every link)
+            # The orchestrator's own account: deciding and publishing, then writing to every link.
             "orch_cpu_ms_per_death": (pub.get("decide_cpu_ms", 0) + pub.get("send_cpu_ms", 0)) if pub else math.nan,
             "orch_cpu_ms_window": 1e3 * max(0.0, cpu)}
 
@@ -253,7 +254,8 @@ def _aw_death(cl: SimCluster, load: Workload) -> dict[str, Any]:
     victim = busy[0]
     at = cl.kill_worker(victim["id"], victim["pid"])
     gaps = load.resumed_after(at, 60.0)
-    deadline = time.monotonic() + 10  # declared dead (by a peer's report, or its link's rejoin grace)
+    # Declared dead, by a peer's report or its link's rejoin grace.
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not any(w["id"] == victim["id"] and w["state"] == "dead"
                                                   for w in cl.cluster()["workers"]):
         time.sleep(0.1)
@@ -278,7 +280,7 @@ def _orchestrator_restart(cl: SimCluster) -> dict[str, Any]:
         time.sleep(0.05)
     if not rec:
         return {"orch_restart_s": math.inf}
-    back = rec["last_rejoin_at"] if rec["all_back"] else rec["done_at"]  # (the last worker back, else the grace)
+    back = rec["last_rejoin_at"] if rec["all_back"] else rec["done_at"]  # the last worker back, else the grace
     return {"orch_restart_s": back - spawned, "orch_boot_s": rec["started_at"] - spawned,
             "orch_reregister_s": back - rec["started_at"], "orch_all_back": rec["all_back"],
             "orch_workers_back": rec["workers_back"], "orch_down_s": spawned - killed}

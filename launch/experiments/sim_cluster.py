@@ -1,15 +1,19 @@
-"""A simulated fabric on this machine for the scale experiment: the orchestrator, a checkpoint
-store and a gateway as usual, and `--compute sim` AWs and EWs hosted many per process
-(`--sim-workers`, fabric/sim_host.py), so that 128 + 128 workers fit on a few cores.
+"""A simulated fabric on this machine for the scale experiment.
 
-Faults: `kill_worker` tells a worker's host process to kill it (it dies as on SIGKILL; the host
-answers with the time of death); `kill_orchestrator` SIGKILLs the orchestrator and
-`restart_orchestrator` starts a new one on the same port, as `serve`'s supervisor would.
+The orchestrator, a checkpoint store and a gateway run as usual. The `--compute sim` AWs and EWs
+are hosted many per process (`--sim-workers`, fabric/sim_host.py), so that 128 + 128 workers fit
+on a few cores.
 
-Dozens of workers share one event loop here, on 2 cores shared by all: a loop's lag is what a
-dedicated core's would never be, so probes are patient (`probe_interval_ms`, 50 ms rather than
-10) and so are the orchestrator's leases (`lease_ms`, 3 s rather than 700 ms: a loop shared by
-dozens of workers sends their heartbeats late). A killed worker's connections close, so its death
+Faults:
+- `kill_worker` tells a worker's host process to kill it. It dies as on SIGKILL, and the host
+  answers with the time of death.
+- `kill_orchestrator` SIGKILLs the orchestrator.
+- `start_orchestrator` starts a new one on the same port, as `serve`'s supervisor would.
+
+Dozens of workers share one event loop here, on 2 cores shared by all. A loop's lag is what a
+dedicated core's would never be. So probes are patient (`probe_interval_ms`, 50 ms rather than
+10), and so are the orchestrator's leases (`lease_ms`, 3 s rather than 700 ms). A loop shared by
+dozens of workers sends their heartbeats late. A killed worker's connections close, so its death
 is seen without probes or leases.
 """
 
@@ -45,7 +49,7 @@ from launch.launcher import free_port
 
 
 class Host:
-    """One process of the simulation, and (a worker host) the deaths it reported."""
+    """One process of the simulation, and, for a worker host, the deaths it reported."""
 
     def __init__(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         self.name, self.proc = name, proc
@@ -141,7 +145,7 @@ class SimCluster:
         return at
 
     def kill_worker(self, worker_id: str, pid: int, timeout: float = 10.0) -> float:
-        """Kills one simulated worker; returns the wall-clock time it died."""
+        """Kills one simulated worker and returns the wall-clock time it died."""
         host = next((h for h in self.hosts if h.proc.pid == pid and h.proc.stdin is not None), None)
         if host is None or host.proc.stdin is None:
             raise FabricError(f"no host process {pid} for {worker_id}")
@@ -179,7 +183,7 @@ class SimCluster:
             return dict(json.loads(r.read()))
 
     def wait_ready(self, timeout: float, say: Any = None) -> float:
-        """Waits until every AW and EW serves and the gateway answers; returns the seconds taken."""
+        """Waits until every AW and EW serves and the gateway answers. Returns the seconds taken."""
         t0 = time.monotonic()
         last = ""
         while time.monotonic() - t0 < timeout:

@@ -1,9 +1,10 @@
-"""The model shapes of the scale experiment, as config.json files for `--compute sim` (no weights):
-what sets the routing table (MoE layers x experts x copies), the bytes on the wire (hidden size,
+"""The model shapes of the scale experiment, as config.json files for `--compute sim` (no weights).
+
+A shape sets the routing table (MoE layers x experts x copies), the bytes on the wire (hidden size,
 bf16) and the KV checkpoint traffic (KV heads x head dim per layer).
 
-DeepSeek-V3's attention is MLA: its cache holds one 576-wide latent (512 + 64 rope) per token and
-layer, written here as one KV head of dimension 576; its first 3 layers are dense.
+DeepSeek-V3's attention is MLA. Its cache holds one 576-wide latent (512 + 64 rope) per token and
+layer, written here as one KV head of dimension 576. Its first 3 layers are dense.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def write_shape(name: str, root: Path) -> Path:
-    """A checkpoint directory holding only `name`'s config.json (enough for `--compute sim`)."""
+    """A checkpoint directory holding only `name`'s config.json, which is enough for `--compute sim`."""
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**_COMMON, **SHAPES[name]}, indent=1))

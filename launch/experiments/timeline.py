@@ -1,7 +1,7 @@
 """Failover metrics from per-token arrival times, and the Fig. 9-style timeline plot.
 
 All times are seconds since the start of the run. A stream is the list of arrival times of its
-tokens (a chunk carrying several tokens gives them the same time).
+tokens. A chunk carrying several tokens gives them the same time.
 """
 
 from __future__ import annotations
@@ -13,31 +13,35 @@ from collections.abc import Sequence
 from pathlib import Path
 
 WINDOW = 0.5  # seconds per throughput window
-BASELINE_SPAN = 3.0  # seconds before the kill whose windows make the pre-failure baseline
+# Seconds before the kill whose windows make the pre-failure baseline.
+BASELINE_SPAN = 3.0
 RECOVERED = 0.9  # fraction of the baseline that counts as "back"
 
 
 def token_gaps(streams: Sequence[Sequence[float]]) -> list[tuple[float, float, int]]:
-    """(arrival time, time since the stream's previous token, stream index) for every token but the first."""
+    """(arrival time, time since the stream's previous token, stream index), for every token but the first."""
     return [(b, b - a, i) for i, times in enumerate(streams) for a, b in zip(times, times[1:])]
 
 
 def stall(streams: Sequence[Sequence[float]], kill: float) -> float | None:
-    """The longest a stream waited for a token because of the kill: per stream that was decoding
-    at the kill (its first token before it), the larger of its first two token gaps that end after
-    the kill, the largest over the streams; None if no such gap. The first gap alone (the one
-    spanning the kill) misses the real wait when the victim's last step was already on its way and
-    reached the client just after the signal. A stream with no token yet at the kill has no gap the
-    kill interrupted (what it waited shows in its time to first token, not here), and one that
-    began after the kill would add its first gaps, however late, as the kill's (a new stream's
-    second token waits for the prefill of those that arrived with it)."""
+    """The longest a stream waited for a token because of the kill, or None if no such gap.
+
+    It looks at each stream that was decoding at the kill, i.e. had its first token before it. It
+    takes the larger of the stream's first two token gaps that end after the kill, and returns the
+    largest over the streams.
+
+    The first gap alone, the one spanning the kill, misses the real wait when the victim's last step
+    was already on its way and reached the client just after the signal. A stream with no token yet
+    at the kill has no gap the kill interrupted; what it waited shows in its time to first token,
+    not here. One that began after the kill would add its first gaps, however late, as the kill's.
+    A new stream's second token waits for the prefill of those that arrived with it."""
     waits = [g for times in streams if times and times[0] <= kill
              for g in [b - a for a, b in zip(times, times[1:]) if b > kill][:2]]
     return max(waits) if waits else None
 
 
 def normal_gap(streams: Sequence[Sequence[float]], kill: float) -> float | None:
-    """The median token gap before the kill: what a stall reads against."""
+    """The median token gap before the kill, which a stall reads against."""
     gaps = [b - a for times in streams for a, b in zip(times, times[1:]) if b < kill]
     return statistics.median(gaps) if gaps else None
 
@@ -49,8 +53,10 @@ def first_success(streams: Sequence[Sequence[float]], kill: float) -> float | No
 
 
 def throughput(streams: Sequence[Sequence[float]], anchor: float = 0.0) -> list[tuple[float, float]]:
-    """(window start, output tokens/s) over WINDOW-long windows, with a window edge at `anchor`
-    (the kill, so no window straddles it), from the first window holding t=0 to the last token."""
+    """(window start, output tokens/s) over WINDOW-long windows.
+
+    A window edge is at `anchor`, the kill, so no window straddles it. The windows run from the first
+    one holding t=0 to the last token."""
     times = [t for s in streams for t in s]
     if not times:
         return []
@@ -64,9 +70,11 @@ def throughput(streams: Sequence[Sequence[float]], anchor: float = 0.0) -> list[
 
 
 def recovery(series: Sequence[tuple[float, float]], kill: float) -> tuple[float | None, float | None]:
-    """(pre-failure baseline tok/s, time from the kill to the end of the first later window that
-    reaches RECOVERED x baseline). The baseline is the median of the windows in the BASELINE_SPAN
-    seconds before the kill; the time is None if no window gets back."""
+    """(pre-failure baseline tok/s, time to recover).
+
+    The time to recover runs from the kill to the end of the first later window that reaches
+    RECOVERED x baseline. It is None if no window gets back. The baseline is the median of the
+    windows in the BASELINE_SPAN seconds before the kill."""
     eps = 1e-9
     before = [v for t, v in series if t >= kill - BASELINE_SPAN - eps and t + WINDOW <= kill + eps]
     if not before:
@@ -81,10 +89,11 @@ def recovery(series: Sequence[tuple[float, float]], kill: float) -> tuple[float 
 def plot_timeline(path: Path, gaps: Sequence[tuple[float, float, int]], series: Sequence[tuple[float, float]],
                   kill: float, kill_label: str, title: str, ready: float | None = None,
                   reference: Sequence[tuple[float, float]] = ()) -> bool:
-    """Top: time between tokens of every token (scatter, log scale); bottom: output throughput.
-    A vertical line marks the kill (and, for a full restart, when the new fabric was ready); the
-    failure-free run of the same workload is drawn in grey for comparison. False (and no plot)
-    without matplotlib (`pip install 'moe-fabric[experiments]'`)."""
+    """Plots the time between tokens of every token on top (scatter, log scale), output throughput below.
+
+    A vertical line marks the kill. For a full restart, another marks when the new fabric was ready.
+    The failure-free run of the same workload is drawn in grey for comparison. Returns False, with
+    no plot, without matplotlib (`pip install 'moe-fabric[experiments]'`)."""
     try:
         import matplotlib
     except ImportError:

@@ -1,7 +1,8 @@
-"""The client side of the failure experiments: seeded streaming requests against the fabric, the
-arrival time of every token recorded, and a client that does what a robust one should when its
-stream breaks (its gateway died or hung): it sends the same request again with `Last-Event-ID`
-and gets exactly the rest (gateway/streaming.py).
+"""The client side of the failure experiments.
+
+It sends seeded streaming requests against the fabric and records the arrival time of every token.
+Its client does what a robust one should when its stream breaks because its gateway died or hung.
+It sends the same request again with `Last-Event-ID` and gets exactly the rest (gateway/streaming.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Stream:
 
 
 class Broken(Exception):
-    """The stream broke off (the connection, or the gateway): resume it."""
+    """The stream broke off, at the connection or the gateway. Resume it."""
 
 
 def say(tag: str, msg: str) -> None:
@@ -45,8 +46,8 @@ def say(tag: str, msg: str) -> None:
 class Client:
     """Streams one request to completion, resuming it on any break.
 
-    `read_timeout`: a stream with no event for this long is given up on and resumed (a hung
-    gateway). `deadline`: past this, a request that is still not complete counts as hung."""
+    A stream with no event for `read_timeout` is given up on and resumed, as from a hung gateway.
+    Past `deadline`, a request that is still not complete counts as hung."""
 
     def __init__(self, url: str, tokens: int, now: Callable[[], float], read_timeout: float = 10.0,
                  deadline: float = 120.0, resume: bool = True) -> None:
@@ -58,16 +59,17 @@ class Client:
         self.resume = resume
 
     def body(self, s: Stream) -> dict[str, object]:
-        """The request as first sent (a resume sends it again, with Last-Event-ID); without
-        resumption (restart-all's fresh fabric knows nothing of it), the prompt plus the tokens
-        received, for the tokens still missing."""
+        """The request as first sent; a resume sends it again, with Last-Event-ID.
+
+        Without resumption, it is the prompt plus the tokens received, for the tokens still missing.
+        (Restart-all's fresh fabric knows nothing of the request.)"""
         prompt, left = (s.prompt, self.tokens) if self.resume else (s.prompt + s.tokens, self.tokens - len(s.tokens))
         return {"prompt": prompt, "max_tokens": left, "temperature": 0, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}
 
     async def attempt(self, session: aiohttp.ClientSession, s: Stream, body: dict[str, object]) -> None:
-        """One HTTP request; returns when the stream is complete, raises Broken to resume it."""
-        headers = {"Accept": "text/event-stream"}  # (an SSE client: it gets event ids, to resume with)
+        """One HTTP request. Returns when the stream is complete, raises Broken to resume it."""
+        headers = {"Accept": "text/event-stream"}  # an SSE client gets event ids, to resume with
         if self.resume and s.last_event_id:
             headers["Last-Event-ID"] = s.last_event_id
         try:
@@ -127,8 +129,10 @@ class Client:
 
 
 class Run:
-    """One pass of a seeded workload: Poisson arrivals (`arrivals`) or a closed loop of
-    `concurrency` streams for `duration` seconds (at most `limit` requests)."""
+    """One pass of a seeded workload.
+
+    It is Poisson arrivals (`arrivals`), or a closed loop of `concurrency` streams for `duration`
+    seconds, with at most `limit` requests."""
 
     def __init__(self, name: str, url: str, tokens: int, prompt: Callable[[int], list[int]], duration: float,
                  concurrency: int | None = None, arrivals: list[float] | None = None, limit: int | None = None,
