@@ -1,18 +1,18 @@
 """The cluster secret and the handshake that proves a peer holds it.
 
-Every internal connection (a worker's control link to the orchestrator, AW to EW, AW to store,
-gateway to AW) begins with a mutual challenge-response over the cluster secret, before a single
-message is read. Fixed sizes, so that nothing an unauthenticated peer sends is parsed:
+Every internal connection begins with a mutual challenge-response over the cluster secret, before a single
+message is read. That covers a worker's control link to the orchestrator, AW to EW, AW to store, and gateway to
+AW. Sizes are fixed, so that nothing an unauthenticated peer sends is parsed:
 
     dialer  -> listener   MAGIC (8) | dialer nonce Nd (32)
     listener -> dialer    listener nonce Nl (32) | HMAC(K, "listener" | Nd | Nl) (32)
     dialer  -> listener   HMAC(K, "dialer" | Nl | Nd) (32)
     listener -> dialer    ACCEPT (1)
 
-K = HMAC(secret, KEY_LABEL). Fresh nonces on both sides: a recorded handshake replayed to a
-listener fails (its nonce is new), a listener that does not hold the secret fails the dialer's
-check; every MAC is compared in constant time, and the whole exchange has a deadline. After it,
-messages flow as before: no per-message cost.
+K = HMAC(secret, KEY_LABEL). Both sides use fresh nonces. A recorded handshake replayed to a listener fails, as
+its nonce is new. A listener that does not hold the secret fails the dialer's check. Every MAC is compared in
+constant time, and the whole exchange has a deadline. After it, messages flow as before, with no per-message
+cost.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def create_secret_file(path: str | Path) -> bool:
 
 
 def load_secret(path: str | None) -> bytes | None:
-    """The cluster secret from `path`, else from $MOE_FABRIC_CLUSTER_SECRET, else None (no
-    authentication). A file that others can read, or a secret shorter than MIN_SECRET_BYTES, is
-    refused: the secret is every internal port's only key."""
+    """The cluster secret from `path`, else from $MOE_FABRIC_CLUSTER_SECRET, else None (no authentication).
+
+    A file that others can read, or a secret shorter than MIN_SECRET_BYTES, is refused. The secret is every
+    internal port's only key."""
     if path:
         p = Path(path)
         try:
@@ -125,8 +126,9 @@ async def _read(read: Read, n: int) -> bytes:
 
 
 async def dialer_handshake(secret: bytes, read: Read, write: Write, peer: str) -> None:
-    """The connecting side. Raises AuthError if the peer does not prove it holds the secret or
-    refuses this side's proof."""
+    """The connecting side.
+
+    Raises AuthError if the peer does not prove it holds the secret, or refuses this side's proof."""
     key = _key(secret)
     nd = secrets.token_bytes(NONCE)
     try:
@@ -144,8 +146,10 @@ async def dialer_handshake(secret: bytes, read: Read, write: Write, peer: str) -
 
 
 async def listener_handshake(secret: bytes, read: Read, write: Write, peer: str) -> None:
-    """The accepting side. Raises AuthError (the caller closes the connection) on anything but a
-    dialer that proves it holds the secret."""
+    """The accepting side.
+
+    Raises AuthError on anything but a dialer that proves it holds the secret. The caller closes the
+    connection."""
     key = _key(secret)
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT):

@@ -1,12 +1,12 @@
 """A worker's websocket link to the orchestrator, kept up for as long as the worker runs.
 
-The data path does not depend on this link: when it drops (the orchestrator died, restarts, or
-the network hiccuped), the worker keeps serving with its last view and reconnects with backoff,
-then registers again with its id, the newest orchestrator generation it has seen and its last
-view (see `Runtime.register`). Generation fencing: an orchestrator whose generation is older than
-one this worker has followed is a stale one (a hung process that woke up, or one partitioned away);
-the worker does not follow it. An orchestrator that answers `Fenced` has declared this worker dead:
-`run` returns and the worker leaves.
+The data path does not depend on this link. When it drops (the orchestrator died, restarts, or the network
+hiccuped), the worker keeps serving with its last view and reconnects with backoff. It then registers again with
+its id, the newest orchestrator generation it has seen and its last view (see `Runtime.register`).
+
+Generation fencing: an orchestrator whose generation is older than one this worker has followed is a stale one,
+a hung process that woke up or one partitioned away. The worker does not follow it. An orchestrator that answers
+`Fenced` has declared this worker dead. `run` returns and the worker leaves.
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ from fabric.wire import decode_bytes, encode_bytes
 
 log = logging.getLogger(__name__)
 
-MIN_BACKOFF = 0.05  # seconds between reconnection attempts, doubling up to MAX_BACKOFF, each with jitter
-MAX_BACKOFF = 0.25  # (a restarted orchestrator serves ~0.5 s after the old one died: a 1 s cap cost up to 0.8 s
-#                     more before every worker was back; a refused connection costs next to nothing)
+# Seconds between reconnection attempts, doubling up to MAX_BACKOFF, each with jitter.
+MIN_BACKOFF = 0.05
+# A restarted orchestrator serves ~0.5 s after the old one died. A 1 s cap cost up to 0.8 s more before every
+# worker was back. A refused connection costs next to nothing.
+MAX_BACKOFF = 0.25
 STALE_BACKOFF = 1.0  # after finding a stale orchestrator
-HEARTBEAT = 5.0  # websocket pings: a hung orchestrator is noticed within 1.5x this
+# Websocket pings. A hung orchestrator is noticed within 1.5x this.
+HEARTBEAT = 5.0
 REGISTER_TIMEOUT = 10.0
 
 
@@ -50,8 +53,9 @@ def unpack(data: bytes) -> Message:
 
 
 def ws_channel(ws: aiohttp.ClientWebSocketResponse | Any) -> tuple[auth.Read, auth.Write]:
-    """The cluster handshake's byte exchange over a websocket (client or server side): one
-    binary message per step."""
+    """The cluster handshake's byte exchange over a websocket, client or server side.
+
+    Each step is one binary message."""
 
     async def read(n: int) -> bytes:
         msg = await ws.receive()
@@ -77,18 +81,20 @@ class ControlLink:
     def __init__(self, address: Callable[[], tuple[str, int]], make_register: Callable[[], Register],
                  deliver: Callable[[Message], None], secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.address = address  # asked again before every connection: the orchestrator may move
+        # Asked again before every connection, as the orchestrator may move.
+        self.address = address
         self.secret = secret
         self.tls = tls
         self.url = self._url()
         self.make_register = make_register
-        self.deliver = deliver  # the orchestrator's messages (and a `Registration` after each registration)
+        # The orchestrator's messages, and a `Registration` after each registration.
+        self.deliver = deliver
         self.worker_id = ""
         self.generation = 0  # the newest orchestrator generation this worker followed
         self.connected = asyncio.Event()
         self.fenced: str | None = None  # why the orchestrator declared this worker dead
         self.registrations = 0
-        self.leaving = False  # this worker is shutting down: a closed link is no news
+        self.leaving = False  # this worker is shutting down, so a closed link is no news
         self._ws: aiohttp.ClientWebSocketResponse | None = None
 
     def _url(self) -> str:
@@ -104,8 +110,8 @@ class ControlLink:
             while True:
                 try:
                     self.url = self._url()
-                    # (no permessage-deflate: aiohttp deflates a message over 5 KiB in a thread pool, which
-                    # made a view delta to 256 workers take ~90 ms to arrive; the control plane is small)
+                    # No permessage-deflate. aiohttp deflates a message over 5 KiB in a thread pool, which made
+                    # a view delta to 256 workers take ~90 ms to arrive. The control plane is small.
                     ws = await session.ws_connect(self.url, heartbeat=HEARTBEAT, max_msg_size=64 << 20, compress=0,
                                                   ssl=self.tls if self.tls is not None else True,
                                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
@@ -115,7 +121,7 @@ class ControlLink:
                         last_warning = now
                         log.warning("no orchestrator at %s for %.0f s (%s); serving on, still trying", self.url,
                                     now - down_since, exc)
-                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # (jitter: no thundering herd)
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # jitter, so no thundering herd
                     delay = min(MAX_BACKOFF, delay * 2)
                     continue
                 delay = MIN_BACKOFF
@@ -145,7 +151,8 @@ class ControlLink:
                 log.error("orchestrator link: %s", exc)
                 raise
         reg = self.make_register()
-        view, reg.view = reg.view, None  # (its version only; the view itself if the orchestrator asks)
+        # Its version only. The view itself goes if the orchestrator asks.
+        view, reg.view = reg.view, None
         if view is not None:
             reg.view_version = list(view.version)
         await ws.send_bytes(pack(reg))
@@ -199,16 +206,19 @@ class ControlLink:
         return unpack(msg.data)
 
     def abort(self) -> None:
-        """Cuts the connection at once (a simulated SIGKILL): the orchestrator sees it end now."""
+        """Cuts the connection at once, as a simulated SIGKILL. The orchestrator sees it end now."""
         ws = self._ws
         sock = ws.get_extra_info("socket") if ws is not None else None
         if sock is not None:
             with contextlib.suppress(OSError), socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
-                dup.shutdown(socket.SHUT_RDWR)  # (on a duplicate: the loop's own socket object refuses it)
+                # On a duplicate, as the loop's own socket object refuses it.
+                dup.shutdown(socket.SHUT_RDWR)
 
     async def send(self, msg: Message) -> None:
-        """Raises PeerDeadError when no orchestrator is connected (nothing is queued for later:
-        what an orchestrator needs after a reconnection, it gets from the registration)."""
+        """Raises PeerDeadError when no orchestrator is connected.
+
+        Nothing is queued for later. What an orchestrator needs after a reconnection, it gets from the
+        registration."""
         ws = self._ws
         if ws is None or ws.closed:
             raise PeerDeadError(self.url, "no orchestrator connected")

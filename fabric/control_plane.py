@@ -1,18 +1,21 @@
-"""Where a worker's control plane runs: a thread with an event loop of its own, beside the data
-plane's loop, which runs the steps, compute included.
+"""Where a worker's control plane runs: a thread with an event loop of its own.
 
-The control loop does everything that tells whether the worker is alive: the orchestrator link
-(registration, heartbeats, probes), the control port (peers' probes; an EW's AWs say there whether
-they have a batch running), and the watchdog of the data plane's steps. It never computes, so a
-step that takes seconds (a cold first step, a JIT, a device sync, a long prefill) is never taken
-for a death. The data plane keeps its compute inline, so a layer costs no thread hand-off: on this
-VM one costs ~0.4 ms a round trip, and two a layer (the compute in a thread of its own) measured
-0.84x tokens/s at 16 streams.
+It runs beside the data plane's loop, which runs the steps, compute included.
 
-The threads share the GIL. torch releases it inside its ops; Python-heavy compute (the per-layer
-glue, Triton's interpreter) holds it, and CPython hands it to a waiting thread after its switch
-interval, 5 ms by default, every time that thread needs it again: a loop that takes it a dozen
-times to answer a probe would answer in tens of ms. Workers switch every `SWITCH_S`.
+The control loop does everything that tells whether the worker is alive. That is the orchestrator link
+(registration, heartbeats, probes), the control port, and the watchdog of the data plane's steps. On the control
+port, peers send probes, and an EW's AWs say whether they have a batch running. The control loop never computes.
+So a step that takes seconds (a cold first step, a JIT, a device sync, a long prefill) is never taken for a
+death.
+
+The data plane keeps its compute inline, so a layer costs no thread hand-off. On this VM one hand-off costs
+~0.4 ms a round trip. Two a layer, with the compute in a thread of its own, measured 0.84x tokens/s at 16
+streams.
+
+The threads share the GIL. torch releases it inside its ops. Python-heavy compute (the per-layer glue, Triton's
+interpreter) holds it. CPython hands it to a waiting thread after its switch interval, 5 ms by default, every
+time that thread needs it again. So a loop that takes it a dozen times to answer a probe would answer in tens of
+ms. Workers switch every `SWITCH_S`.
 
 With `separate=False` (many simulated workers in one process) the control plane runs on the loop
 that starts it.
@@ -35,9 +38,10 @@ SWITCH_S = 0.0005
 
 
 def normal_class() -> None:
-    """Puts the calling thread in the normal scheduling class. The data plane's threads may run
-    SCHED_BATCH (`--sched`), which a waking thread never preempts; the control loop's work is a
-    few microseconds a message and must not wait out a compute thread's time slice (Linux only)."""
+    """Puts the calling thread in the normal scheduling class (Linux only).
+
+    The data plane's threads may run SCHED_BATCH (`--sched`), which a waking thread never preempts. The control
+    loop's work is a few microseconds a message and must not wait out a compute thread's time slice."""
     if hasattr(os, "SCHED_OTHER"):
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -71,7 +75,7 @@ class ControlPlane:
                     loop = asyncio.new_event_loop()
                 asyncio.set_event_loop(loop)
                 self.loop = loop
-            except BaseException as exc:  # (raised in `start`, not lost in this thread)
+            except BaseException as exc:  # raised in `start`, not lost in this thread
                 failed.append(exc)
                 return
             finally:

@@ -1,12 +1,18 @@
-"""A worker's control port, served on its control loop (fabric/control_plane.py): peers' probes,
-answered whatever the data plane is doing, and what their control channel carries for the role.
+"""A worker's control port, served on its control loop (fabric/control_plane.py).
 
-A peer opens one connection, says `Hello(its id, "control")`, then sends `Ping`s, answered here
-with `Pong` (with the role's load: an EW's says how many of the peer's calls it holds), and whatever else its role's channel carries (an EW's AWs: `AwActivity`), handed to
-the service (`Service.control_message`, on the control loop; None when the peer's connection
-ends). Identity is bound to the connection: a second peer that claims a connected peer's id is
-refused (`bound_elsewhere`: unless the first connection ends meanwhile, a peer reconnecting). Always TCP (with the cluster secret, and TLS where configured), whatever the data
-transport: control messages are small, and UCX is driven from the data plane's loop.
+It answers peers' probes whatever the data plane is doing, and takes what their control channel carries for the
+role.
+
+A peer opens one connection, says `Hello(its id, "control")`, then sends `Ping`s. Each is answered here with a
+`Pong` that carries the role's load; an EW's says how many of the peer's calls it holds. Whatever else the role's
+channel carries (from an EW's AWs, `AwActivity`) is handed to the service (`Service.control_message`, on the
+control loop). The service gets None when the peer's connection ends.
+
+Identity is bound to the connection. A second peer that claims a connected peer's id is refused
+(`bound_elsewhere`), unless the first connection ends meanwhile, as when a peer reconnects.
+
+It is always TCP, with the cluster secret and TLS where configured, whatever the data transport. Control
+messages are small, and UCX is driven from the data plane's loop.
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.transport.base import Connection, Listener, Transport, bound_elsewhere
 
 OnMessage = Callable[[str, Message | None], None]
-Load = Callable[[str], tuple[float, int]]  # peer -> (how long the compute call under way has run, the peer's calls held)
+# peer -> (how long the compute call under way has run, the peer's calls held)
+Load = Callable[[str], tuple[float, int]]
 
 
 class ControlPort:
     def __init__(self, transport: Transport, on_message: OnMessage, load: Load) -> None:
         self.transport = transport
         self.on_message = on_message  # raises ProtocolError for what the role does not take
-        self.load = load  # what a Pong says besides its nonce (read from this thread: a snapshot)
+        # What a Pong says besides its nonce. It is read from this thread, as a snapshot.
+        self.load = load
         self.listener: Listener | None = None
         self.peers: dict[str, Connection] = {}
 
@@ -41,7 +49,7 @@ class ControlPort:
         peer = hello.aw_id
         if await bound_elsewhere(self.peers.get(peer), Pong(-1)):
             raise AuthError(f"{conn.peer} claims {peer}'s control channel, which is connected")
-        self.on_message(peer, hello)  # (the role may refuse it: a peer declared dead)
+        self.on_message(peer, hello)  # the role may refuse a peer declared dead
         self.peers[peer] = conn
         try:
             while True:
@@ -58,7 +66,7 @@ class ControlPort:
                 self.on_message(peer, None)
 
     async def drop(self, peer: str) -> None:
-        """Closes `peer`'s control connection (declared dead: never served again)."""
+        """Closes `peer`'s control connection. The peer was declared dead and is never served again."""
         conn = self.peers.pop(peer, None)
         if conn is not None:
             await conn.close()

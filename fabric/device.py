@@ -1,7 +1,9 @@
-"""Where a worker's tensors live (`--device cpu|cuda|cuda:N`): weights, the KV cache and the compute
-on the device, the wire and the checkpoint store in host memory. The spec is checked when the
-config is made (`fabric.config_fields.check_device`) and resolved when the worker starts (`resolve`: the
-device must exist); `to_host` and `to_device` are the moves at the boundary, no-ops on the CPU."""
+"""Where a worker's tensors live (`--device cpu|cuda|cuda:N`).
+
+Weights, the KV cache and the compute are on the device. The wire and the checkpoint store are in host memory.
+The spec is checked when the config is made (`fabric.config_fields.check_device`). It is resolved when the
+worker starts (`resolve`), and the device must exist then. `to_host` and `to_device` are the moves at the
+boundary, no-ops on the CPU."""
 
 from __future__ import annotations
 
@@ -39,20 +41,23 @@ def visible_gpus() -> int:
 
 
 def worker_device(spec: str, index: int) -> str:
-    """The device of the `index`-th worker of `serve --device spec`: `cuda` hands worker i GPU i modulo
-    the GPUs visible (each its own where there are enough); `cpu` and `cuda:N` are taken as they are."""
+    """The device of the `index`-th worker of `serve --device spec`.
+
+    `cuda` hands worker i GPU i modulo the GPUs visible, so each has its own where there are enough. `cpu` and
+    `cuda:N` are taken as they are."""
     if spec != "cuda":
         return spec
     gpus = visible_gpus()
     if gpus == 0:
-        resolve(spec)  # (raises: no CUDA device)
+        resolve(spec)  # raises, as there is no CUDA device
     return f"cuda:{index % gpus}"
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory (for the wire or the checkpoint store): itself where it is there already,
-    else a copy in pinned memory (a DMA at the bus's speed, not staged through a pageable buffer;
-    torch caches the pinned blocks), made before this returns."""
+    """`t` in host memory, for the wire or the checkpoint store.
+
+    It is `t` itself where it is there already. Else it is a copy in pinned memory, made before this returns. The
+    copy is a DMA at the bus's speed, not staged through a pageable buffer. torch caches the pinned blocks."""
     if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -61,20 +66,23 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def for_wire(t: torch.Tensor, conn_device: torch.device | None) -> torch.Tensor:
-    """`t` as a connection carries it: as it is where the connection carries `t`'s device memory
-    (`Connection.frames_device`), else in host memory."""
+    """`t` as a connection carries it.
+
+    It stays as it is where the connection carries `t`'s device memory (`Connection.frames_device`). Else it goes
+    in host memory."""
     return t if conn_device is not None and t.device == conn_device else to_host(t)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (a host tensor off the wire) on `device`: itself on the CPU."""
+    """`t`, a host tensor off the wire, on `device`. On the CPU it is `t` itself."""
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
 async def settled(device: torch.device) -> None:
-    """Waits until the kernels queued so far on `device`'s current stream are done, without holding
-    up the event loop (a thread waits on a CUDA event); at once on the CPU. Before a transport
-    reads or writes device memory outside the stream's order (UCX)."""
+    """Waits until the kernels queued so far on `device`'s current stream are done.
+
+    It does not hold up the event loop, as a thread waits on a CUDA event. On the CPU it returns at once. Call it
+    before a transport reads or writes device memory outside the stream's order (UCX)."""
     if device.type != "cuda":
         return
     event = torch.cuda.Event()
@@ -88,9 +96,10 @@ def done() -> bool:
 
 
 class HostCopies:
-    """Copies of device tensors into pinned host memory on a side stream, so that the step that made
-    them goes on (the checkpoint lane's KV segments): `start` returns the host tensor at once and a
-    function that says whether its copy is done. On the CPU a tensor is its own copy, done at once."""
+    """Copies of device tensors into pinned host memory on a side stream, so the step that made them goes on.
+
+    The checkpoint lane's KV segments use it. `start` returns the host tensor at once, and a function that says
+    whether its copy is done. On the CPU a tensor is its own copy, done at once."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -100,10 +109,11 @@ class HostCopies:
         if self.stream is None or t.device.type == "cpu":
             return t, done
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (after the kernels that wrote t)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the kernels that wrote t
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # (t's memory is not reused before the copy has read it)
+        # t's memory is not reused before the copy has read it.
+        t.record_stream(self.stream)
         event = torch.cuda.Event()
         event.record(self.stream)
         return host, event.query

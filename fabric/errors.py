@@ -1,8 +1,8 @@
 """Typed errors. Each says whether the caller can recover from it.
 
-A peer's death is an expected event (`PeerDeadError`, recoverable: reroute or replay); a malformed
-frame closes one connection (`ProtocolError`, recoverable for the process); bad configuration or an
-unreadable checkpoint stops the process at start-up (`ConfigError`, `ModelFormatError`, fatal).
+A peer's death is an expected event (`PeerDeadError`, recoverable by rerouting or replaying). A malformed frame
+closes one connection (`ProtocolError`, recoverable for the process). Bad configuration or an unreadable
+checkpoint stops the process at start-up (`ConfigError`, `ModelFormatError`, fatal).
 """
 
 from __future__ import annotations
@@ -39,19 +39,22 @@ class PeerDeadError(FabricError):
 
 
 class PeerSilentError(PeerDeadError):
-    """The peer answered no probe for longer than its silence bound: hung, cut off, or very slow.
-    A suspicion, as a stall is: its connection did not end."""
+    """The peer answered no probe for longer than its silence bound.
+
+    It is hung, cut off, or very slow. This is a suspicion, as a stall is, since its connection did not end."""
 
 
 class PeerStalledError(PeerDeadError):
-    """The peer took no data (or gave no result) for the send deadline: a stuck reader on a live
-    connection, or a slow one. It may still answer probes: the link is routed around like a dead
-    one, and tried again; whether the process is dead is the orchestrator's verdict."""
+    """The peer took no data, or gave no result, for the send deadline.
+
+    It is a stuck reader on a live connection, or a slow one, and may still answer probes. The link is routed
+    around like a dead one, and tried again. Whether the process is dead is the orchestrator's verdict."""
 
 
 def connection_ended(exc: BaseException) -> bool:
-    """Whether `exc` says a connection ended (an EOF, a reset: the sign of an exit), not that the
-    peer went silent or took no data."""
+    """Whether `exc` says a connection ended, by an EOF or a reset, the sign of an exit.
+
+    It is false where the peer only went silent or took no data."""
     return isinstance(exc, PeerDeadError) and not isinstance(exc, PeerStalledError | PeerSilentError)
 
 
@@ -62,12 +65,14 @@ class RequestError(FabricError):
 
 
 class ExpertsUnavailableError(FabricError):
-    """Every copy of a logical expert is gone and no replacement joined within the bound; the
-    requests of that step end with an in-band error, the process keeps serving."""
+    """Every copy of a logical expert is gone and no replacement joined within the bound.
+
+    The requests of that step end with an in-band error. The process keeps serving."""
 
     recoverable = True
 
 
 class AuthError(ProtocolError):
-    """A peer did not prove that it holds the cluster secret (or claimed an identity that is not
-    its own); its connection is closed before any message of it is read."""
+    """A peer did not prove that it holds the cluster secret, or claimed an identity that is not its own.
+
+    Its connection is closed before any message of it is read."""

@@ -1,13 +1,14 @@
-"""Test-only fault hooks, each enabled by an environment variable that only the tests set; unset,
-nothing here runs.
+"""Test-only fault hooks, each enabled by an environment variable that only the tests set.
 
-- `MOE_FABRIC_TEST_CRASH_SEED=N` (attention workers): crash (SIGKILL itself, as a native fault
-  would) in any step that serves a request with seed N, the "query of death".
-- `MOE_FABRIC_TEST_DROP_ON_SIGUSR1=1` (checkpoint stores): on SIGUSR1, close every AW connection
-  while the process serves on: its peers lose a store the orchestrator finds alive.
-- `MOE_FABRIC_TEST_SLOW_STEPS=FIRST_MS,EVERY_MS` (attention and expert workers): the first step
-  served (an AW's forward, an EW's batch) takes FIRST_MS longer, every later one EVERY_MS longer,
-  slept inline, as compute runs: a cold first step and a slow device, as a GPU's look from outside.
+Unset, nothing here runs.
+
+- `MOE_FABRIC_TEST_CRASH_SEED=N` (attention workers): crash in any step that serves a request with seed N,
+  the "query of death". The worker SIGKILLs itself, as a native fault would.
+- `MOE_FABRIC_TEST_DROP_ON_SIGUSR1=1` (checkpoint stores): on SIGUSR1, close every AW connection while the
+  process serves on. Its peers lose a store the orchestrator finds alive.
+- `MOE_FABRIC_TEST_SLOW_STEPS=FIRST_MS,EVERY_MS` (attention and expert workers): the first step served (an
+  AW's forward, an EW's batch) takes FIRST_MS longer, every later one EVERY_MS longer. The delay is slept
+  inline, as compute runs. This gives a cold first step and a slow device, as a GPU's look from outside.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Logprobs as the API carries them: JSON has neither NaN nor infinities, so a non-finite value
-(a model's NaN or -inf logit) becomes `FLOOR_LOGPROB`."""
+"""Logprobs as the API carries them, with non-finite values made finite.
+
+JSON has neither NaN nor infinities. So a non-finite value (a model's NaN or -inf logit) becomes `FLOOR_LOGPROB`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Telling a supervisor how this process is doing, with systemd's notification protocol: a
-datagram `READY=1` once the process serves, `WATCHDOG=1` every third of `$WATCHDOG_USEC` from the
-event loop (a process whose loop is stuck stops pinging and its supervisor restarts it), and
-`STOPPING=1` when it shuts down, to the unix socket named by `$NOTIFY_SOCKET`. `moe-fabric serve`
-speaks the same protocol as systemd (`Type=notify`, `WatchdogSec=`), so the roles behave alike
-under either. Without `$NOTIFY_SOCKET` every call here does nothing.
+"""Telling a supervisor how this process is doing, with systemd's notification protocol.
+
+Datagrams go to the unix socket named by `$NOTIFY_SOCKET`. `READY=1` is sent once the process serves, and
+`STOPPING=1` when it shuts down. `WATCHDOG=1` is sent every third of `$WATCHDOG_USEC` from the event loop. A
+process whose loop is stuck stops pinging, and its supervisor restarts it.
+
+`moe-fabric serve` speaks the same protocol as systemd (`Type=notify`, `WatchdogSec=`), so the roles behave
+alike under either. Without `$NOTIFY_SOCKET` every call here does nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Notifier:
             return
         try:
             self._sock.sendto(state.encode(), self.address)
-        except OSError as exc:  # the supervisor is gone or busy: nothing to tell
+        except OSError as exc:  # the supervisor is gone or busy, so nothing to tell
             log.debug("notify %s: %s", state, exc)
 
     async def watchdog(self) -> None:

@@ -1,5 +1,6 @@
-"""Process plumbing every role uses: logging, uvloop, signals, the supervisor's watchdog, and never
-outliving the supervisor."""
+"""Process plumbing every role uses.
+
+It covers logging, uvloop, signals, the supervisor's watchdog, and never outliving the supervisor."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ def die_with_parent() -> None:
 
 
 def watch_process(pid: int | None) -> None:
-    """Backstop to PDEATHSIG, and the lifeline of a process its watched one did not start (a
-    replacement some other process started for the supervisor): exit as soon as `pid` is gone."""
+    """Exits as soon as `pid` is gone.
+
+    This backs up PDEATHSIG. It is also the lifeline of a process its watched one did not start, such as a
+    replacement some other process started for the supervisor."""
     if not pid:
         return
 
@@ -76,12 +79,13 @@ def watch_process(pid: int | None) -> None:
 
 
 def set_sched(policy: str) -> None:
-    """Puts the calling thread, and every thread it starts later, in a CPU scheduling class:
-    "batch" (SCHED_BATCH) or "normal" (SCHED_OTHER). A fabric's workers wake each other dozens of
-    times a step; under the default policy the woken peer preempts the sender in the middle of
-    its sends when they share a core. Batch tasks are not preempted on wake-up, only at the end of
-    their time slice, so the sender finishes its burst (the next EW's call, its own bookkeeping)
-    and then blocks. Linux only; elsewhere (or if the kernel refuses) nothing changes."""
+    """Puts the calling thread, and every thread it starts later, in a CPU scheduling class.
+
+    The class is "batch" (SCHED_BATCH) or "normal" (SCHED_OTHER). A fabric's workers wake each other dozens of
+    times a step. Under the default policy the woken peer preempts the sender in the middle of its sends when
+    they share a core. Batch tasks are not preempted on wake-up, only at the end of their time slice. So the
+    sender finishes its burst (the next EW's call, its own bookkeeping) and then blocks. Linux only; elsewhere,
+    or if the kernel refuses, nothing changes."""
     if policy == "normal" or not hasattr(os, "SCHED_BATCH"):
         return
     try:
@@ -91,8 +95,9 @@ def set_sched(policy: str) -> None:
 
 
 def pin_cpus(cpus: str | None) -> None:
-    """Keeps the calling thread, and every thread it starts later, on these CPUs (a `taskset -c`
-    list; None: wherever the kernel likes). Linux only; elsewhere nothing changes."""
+    """Keeps the calling thread, and every thread it starts later, on these CPUs.
+
+    `cpus` is a `taskset -c` list; None means wherever the kernel likes. Linux only; elsewhere nothing changes."""
     if cpus is None or not hasattr(os, "sched_setaffinity"):
         return
     try:
@@ -101,12 +106,14 @@ def pin_cpus(cpus: str | None) -> None:
         logging.getLogger(__name__).warning("cannot pin to CPUs %s: %s", cpus, exc)
 
 
-IDLE_NICE = 20  # boot_nice 20 means the idle class: below nice 19, as the kernel itself treats SCHED_IDLE
+# boot_nice 20 means the idle class, below nice 19, as the kernel itself treats SCHED_IDLE.
+IDLE_NICE = 20
 
 
 def _start_niced(fn: Callable[[], T], nice: int, deliver: Callable[[bool, Any], object]) -> threading.Thread:
-    """Starts `fn` in a fresh thread at `nice` (see run_niced); `deliver(ok, result or exception)`
-    is called in that thread when it ends."""
+    """Starts `fn` in a fresh thread at `nice` (see run_niced).
+
+    `deliver(ok, result or exception)` is called in that thread when it ends."""
 
     def body() -> None:
         tid = threading.get_native_id()
@@ -132,14 +139,16 @@ def _niced_here(nice: int) -> bool:
 
 
 def run_niced(fn: Callable[[], T], nice: int) -> T:
-    """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it. On Linux
-    niceness and scheduling policy are per thread, so the caller keeps its own (no process may
-    lower its niceness again unprivileged: this is how a replacement boots in the background and
-    then serves at full priority). A fresh thread, not a pool's: a pool thread would stay niced.
-    `nice` = IDLE_NICE puts the thread in SCHED_IDLE instead: it runs only on a CPU nothing else
-    wants, and a serving thread that wakes takes the CPU back at once (a nice-19 thread still
-    costs a waking thread up to a time slice; on a step with dozens of wake-ups, that adds up).
-    Elsewhere, or with nice <= 0, `fn` just runs here."""
+    """Runs `fn` in a fresh thread whose niceness is raised by `nice`, and waits for it.
+
+    On Linux niceness and scheduling policy are per thread, so the caller keeps its own. No process may lower
+    its niceness again unprivileged. This is how a replacement boots in the background and then serves at full
+    priority. The thread is a fresh one, not a pool's, as a pool thread would stay niced.
+
+    `nice` = IDLE_NICE puts the thread in SCHED_IDLE instead. It runs only on a CPU nothing else wants, and a
+    serving thread that wakes takes the CPU back at once. A nice-19 thread still costs a waking thread up to a
+    time slice; on a step with dozens of wake-ups, that adds up. Elsewhere, or with nice <= 0, `fn` just runs
+    here."""
     if _niced_here(nice):
         return fn()
     out: list[tuple[bool, Any]] = []
@@ -151,14 +160,14 @@ def run_niced(fn: Callable[[], T], nice: int) -> T:
 
 
 async def run_niced_async(fn: Callable[[], T], nice: int) -> T:
-    """`run_niced` for an event loop: the loop keeps running while `fn` does (in a thread either way)."""
+    """`run_niced` for an event loop, which keeps running while `fn` does. `fn` runs in a thread either way."""
     if _niced_here(nice):
         return await asyncio.to_thread(fn)
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
 
     def settle(ok: bool, value: Any) -> None:
-        if not done.done():  # (the caller may have been cancelled meanwhile)
+        if not done.done():  # the caller may have been cancelled meanwhile
             if ok:
                 done.set_result(value)
             else:
@@ -172,7 +181,7 @@ _failed = threading.Event()  # set when the process must exit non-zero after its
 
 
 def mark_failed() -> None:
-    """The process cannot go on (main loop crashed, orchestrator lost): exit non-zero."""
+    """Marks that the process cannot go on (main loop crashed, orchestrator lost), so it exits non-zero."""
     _failed.set()
 
 
@@ -189,8 +198,9 @@ async def fatal_on_error(coro: Coroutine[Any, Any, None], stop: asyncio.Event) -
 
 
 def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -> int:
-    """Runs `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event. While it runs, the event
-    loop pings the supervisor's watchdog (fabric/notify.py). Returns an exit code."""
+    """Runs `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event. Returns an exit code.
+
+    While it runs, the event loop pings the supervisor's watchdog (fabric/notify.py)."""
     setup_logging(role)
     log = logging.getLogger(role)
     try:
@@ -214,14 +224,16 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -
 
     profile_dir = os.environ.get("MOE_FABRIC_PROFILE_DIR")
     profiler = None
-    if profile_dir:  # developer aid: a cProfile dump per process, written at exit
+    # Developer aid: a cProfile dump per process, written at exit.
+    if profile_dir:
         import cProfile
 
         profiler = cProfile.Profile()
         profiler.enable()
     try:
         asyncio.run(runner())
-    except ConfigError as exc:  # (at start-up: a flag this machine cannot honour) the reason, no traceback
+    except ConfigError as exc:
+        # At start-up, a flag this machine cannot honour. Log the reason, with no traceback.
         log.error("%s cannot start: %s", role, exc)
         return 2
     except Exception:
@@ -238,12 +250,13 @@ ServeFn = Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]]
 
 
 def run_role(role: str, cfg: Any, load: Callable[[], ServeFn]) -> NoReturn:
-    """A role process's whole life: its scheduling class and CPUs first (threads started later inherit
-    it), a watch on its supervisor, `load()` (importing the role), its `serve(cfg, stop)` on an
-    event loop, then exit. The role has closed its links and listeners by the time `serve`
-    returns; what is left is the interpreter tearing down torch and every module, which took
-    ~0.65 CPU s (1.2 s) on an AW here, CPU that a dying worker takes from the survivors in the
-    middle of their failover. It is skipped."""
+    """A role process's whole life, up to its exit.
+
+    First come its scheduling class and CPUs, which threads started later inherit, and a watch on its
+    supervisor. Then `load()` imports the role, and its `serve(cfg, stop)` runs on an event loop. The role has
+    closed its links and listeners by the time `serve` returns. What is left is the interpreter tearing down
+    torch and every module. That took ~0.65 CPU s (1.2 s) on an AW here, CPU that a dying worker takes from the
+    survivors in the middle of their failover. It is skipped."""
     set_sched(getattr(cfg, "sched_policy", "normal"))
     pin_cpus(getattr(cfg, "cpus", None))
     watch_process(getattr(cfg, "watch_pid", None))

@@ -1,7 +1,8 @@
-"""Reaching a peer again after this process lost it: losing a link is a suspicion, not a verdict,
-so the peer is tried again in the background until it answers (or is declared dead, or leaves the
-view). An AW does so for its EWs (attention_worker/ew_links.py), a gateway for its AWs
-(gateway/aw_pool.py)."""
+"""Reaching a peer again after this process lost it.
+
+Losing a link is a suspicion, not a verdict. So the peer is tried again in the background until it answers, is
+declared dead, or leaves the view. An AW does so for its EWs (attention_worker/ew_links.py), a gateway for its
+AWs (gateway/aw_pool.py)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,21 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RELINK_MIN = 0.05  # seconds before the first try, doubling...
-RELINK_MAX = 1.0  # ...up to this
+# Seconds before the first try. The pause doubles at each try, up to RELINK_MAX.
+RELINK_MIN = 0.05
+RELINK_MAX = 1.0
 RELINK_TIMEOUT = 1.0  # one try at most
-CONNECT_TIMEOUT = 2.0  # seconds: a first connection to a peer new in the view (a handshake included)
+# Seconds for a first connection to a peer new in the view, a handshake included.
+CONNECT_TIMEOUT = 2.0
 
 
 async def reach_again(try_once: Callable[[], Awaitable[T]], wanted: Callable[[], bool], wake: asyncio.Event,
                       peer: str) -> T | None:
-    """`try_once()`, each try bounded by RELINK_TIMEOUT, after a pause that doubles from RELINK_MIN
-    to RELINK_MAX (cut short when `wake` is set: the orchestrator vouched for the peer), until a try
-    succeeds (its result) or `wanted()` turns false (None). A lost connection, a malformed answer
-    or a timeout is a failed try."""
+    """Tries `try_once()` until a try succeeds, returning its result, or `wanted()` turns false, returning None.
+
+    Each try is bounded by RELINK_TIMEOUT. Before it comes a pause that doubles from RELINK_MIN to RELINK_MAX.
+    The pause is cut short when `wake` is set, as the orchestrator vouched for the peer. A lost connection, a
+    malformed answer or a timeout is a failed try."""
     delay, tries = RELINK_MIN, 0
     while True:
         wake.clear()

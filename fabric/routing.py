@@ -1,18 +1,18 @@
 """The Expert Routing Table (ERT): logical expert -> ordered list of physical replicas on EWs.
 
-Owned by the orchestrator, versioned by (generation, epoch), pushed to every worker as a record
-inside `RoutingUpdate`. Placement is over *slots* (the EW ids of the first placement); the table
-says which live EW occupies each slot, and the placement tensor lists, for each logical expert,
-its slots in routing order (primary first, then shadows). A logical expert's replicas are the live
-occupants of its slots, in that order; the first not known dead serves traffic.
+The orchestrator owns it, versions it by (generation, epoch), and pushes it to every worker as a record inside
+`RoutingUpdate`. Placement is over *slots*, the EW ids of the first placement. The table says which live EW
+occupies each slot. The placement tensor lists, for each logical expert, its slots in routing order: primary
+first, then shadows. A logical expert's replicas are the live occupants of its slots, in that order. The first
+not known dead serves traffic.
 
-The placement travels as one int16 frame (`[L_moe, E, C]` slot indices, -1: no copy; a numpy array:
-the orchestrator needs no torch), so a Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame
-rather than a 1 MiB msgpack header.
+The placement travels as one int16 frame of `[L_moe, E, C]` slot indices, -1 meaning no copy. It is a numpy
+array, as the orchestrator needs no torch. So a Qwen3-235B-sized table (94 x 128 x 2) is a 48 KiB frame rather
+than a 1 MiB msgpack header.
 
-Expert load balancing: `active` (`[L_moe, E]` int16, absent: 1 each) says how many of an expert's
-first replicas serve traffic at once; an AW spreads a hot expert's rows over that many live
-replicas (the rest stay inactive shadows).
+Expert load balancing: `active` (`[L_moe, E]` int16; absent means 1 each) says how many of an expert's first
+replicas serve traffic at once. An AW spreads a hot expert's rows over that many live replicas. The rest stay
+inactive shadows.
 
 Legend: L_moe MoE layers, E experts per layer, C copies per expert (1 + shadows).
 """
@@ -34,14 +34,18 @@ class EwAddress:
     worker_id: str
     host: str
     port: int
-    sync: bool = True  # its gather policy waits for every active AW: send it a call every layer, empty or not
-    control_port: int = 0  # its control channel (probes, activity), served on its control loop
+    # Its gather policy waits for every active AW. Send it a call every layer, empty or not.
+    sync: bool = True
+    # Its control channel (probes, activity), served on its control loop.
+    control_port: int = 0
 
 
 @dataclass(frozen=True, eq=False)
 class RoutingTable:
-    generation: int  # the orchestrator that published it (a fencing token: newer wins)
-    epoch: int  # increases with every table an orchestrator publishes (and across orchestrators)
+    # The orchestrator that published it. It is a fencing token: newer wins.
+    generation: int
+    # Increases with every table an orchestrator publishes, and across orchestrators.
+    epoch: int
     num_layers: int
     num_experts: int
     layers: list[int]  # the MoE layers, in order
@@ -49,14 +53,15 @@ class RoutingTable:
     occupants: list[str]  # per slot: the live EW serving it, "" when vacant
     addresses: list[EwAddress]  # every live occupant
     placement: np.ndarray  # [L_moe, E, C] int16 slot indices, -1: none
-    active: np.ndarray | None = None  # [L_moe, E] int16: replicas serving at once (None: 1 each)
+    # [L_moe, E] int16, the replicas serving at once. None means 1 each.
+    active: np.ndarray | None = None
     _rows: dict[int, list[list[int]]] = field(init=False, repr=False, compare=False)  # per MoE layer, on first use
     _layer_index: dict[int, int] = field(init=False, repr=False, compare=False)
     _by_id: dict[str, EwAddress] = field(init=False, repr=False, compare=False)
     _active: list[list[int]] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        """Checks the table is self-consistent (a decoded one comes from the network)."""
+        """Checks the table is self-consistent, as a decoded one comes from the network."""
         p = self.placement
         if p.dtype != np.int16 or p.ndim != 3 or p.shape[0] != len(self.layers) or p.shape[1] != self.num_experts:
             raise ProtocolError(f"routing table: placement of shape {tuple(p.shape)} {p.dtype} does not fit "
@@ -81,22 +86,24 @@ class RoutingTable:
         object.__setattr__(self, "_active", a.tolist() if a is not None else None)
 
     def _row(self, i: int) -> list[list[int]]:
-        """Layer index i's [E][C] slot indices, listed on first use: a table is built on every
-        worker for every epoch, and listing a Qwen3-235B-sized placement whole took ~14 ms."""
+        """Layer index i's [E][C] slot indices, listed on first use.
+
+        A table is built on every worker for every epoch. Listing a Qwen3-235B-sized placement whole took ~14 ms."""
         row = self._rows.get(i)
         if row is None:
             row = self._rows[i] = self.placement[i].tolist()
         return row
 
     def adopt_rows(self, older: RoutingTable) -> None:
-        """Shares the listed rows of an older table with the same placement tensor (a new epoch
-        that only changed occupants)."""
+        """Shares the listed rows of an older table with the same placement tensor.
+
+        That is a new epoch that only changed occupants."""
         if older.placement is self.placement:
             object.__setattr__(self, "_rows", older._rows)
 
     @property
     def version(self) -> tuple[int, int]:
-        """Tables are ordered by (generation, epoch): a newer orchestrator's table always wins."""
+        """Tables are ordered by (generation, epoch), so a newer orchestrator's table always wins."""
         return self.generation, self.epoch
 
     @property
@@ -122,8 +129,10 @@ class RoutingTable:
         return None
 
     def serving(self, layer: int, expert: int, dead: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """The live replicas that share (layer, expert)'s rows now: its first `active` replicas not in
-        `dead`, or, when all of those are dead, the first live one after them ([] if none is left)."""
+        """The live replicas that share (layer, expert)'s rows now.
+
+        They are its first `active` replicas not in `dead`. When all of those are dead, it is the first live one
+        after them, or [] if none is left."""
         i = self._layer_index.get(layer)
         if i is None or not 0 <= expert < self.num_experts:
             return []
@@ -172,8 +181,9 @@ class RoutingTable:
 
 def placement_tensor(layers: list[int], num_experts: int, slots: list[str],
                      placement: dict[Unit, list[str]]) -> np.ndarray:
-    """A planner's unit -> slots map as the table's [L_moe, E, C] int16 tensor (built as lists:
-    element-wise tensor writes took ~50 ms for a Qwen3-235B shape, on every death)."""
+    """A planner's unit -> slots map as the table's [L_moe, E, C] int16 tensor.
+
+    It is built as lists. Element-wise tensor writes took ~50 ms for a Qwen3-235B shape, on every death."""
     copies = max((len(v) for v in placement.values()), default=1)
     index = {s: i for i, s in enumerate(slots)}
     pad = [-1] * copies
@@ -183,7 +193,7 @@ def placement_tensor(layers: list[int], num_experts: int, slots: list[str],
 
 
 def active_tensor(layers: list[int], num_experts: int, active: dict[Unit, int]) -> np.ndarray | None:
-    """Units -> replicas serving at once, as the table's [L_moe, E] int16 tensor (None: all 1)."""
+    """Units -> replicas serving at once, as the table's [L_moe, E] int16 tensor (None if all are 1)."""
     if not any(n > 1 for n in active.values()):
         return None
     t = np.ones((len(layers), num_experts), dtype=np.int16)

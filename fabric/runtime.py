@@ -1,28 +1,30 @@
-"""The one lifecycle every worker role shares (AW, EW, checkpoint store, gateway): start, register,
-follow the orchestrator, report, reconnect, shut down. A role plugs a `Service` into `Runtime`.
+"""The one lifecycle every worker role shares (AW, EW, checkpoint store, gateway).
 
-Two loops (fabric/control_plane.py): the data plane's, which runs the service (and its compute,
-inline), and the control plane's, in a thread of its own, which runs the orchestrator link, the
-control port (fabric/control_port.py) and the steps' watchdog. Nothing the control loop does waits
-on compute, so a worker whose step takes seconds is not taken for a dead one.
+It starts, registers, follows the orchestrator, reports, reconnects and shuts down. A role plugs a `Service`
+into `Runtime`.
 
-    start        service.start() (data loop): listeners up, what needs no orchestrator done; the
-                 port to advertise; then the control port (control loop)
-    register     ControlLink (control loop): the websocket, (re)registration with this worker's id,
-                 generation and view; a Heartbeat every `Registered.heartbeat_ms` (its lease)
-    follow       one dispatcher (data loop) hands control messages to service.handle() in order;
-                 RoutingUpdate also becomes `runtime.view`, which the next registration reports back
-    report       WorkerStats every second; PeerFailed through `report_dead`, re-sent after every
-                 registration for peers still suspected (a new orchestrator heard nothing)
-    watch        the data plane's loop blocked past `--step-timeout-s` (a step that never ends: a wedged
-                 device, a bug): the process exits, which its peers see at once (the control loop
-                 answers for it otherwise)
-    reconnect    the link drops -> the service keeps serving; the link reconnects on its own
+There are two loops (fabric/control_plane.py). The data plane's runs the service, and its compute, inline. The
+control plane's runs in a thread of its own. It runs the orchestrator link, the control port
+(fabric/control_port.py) and the steps' watchdog. Nothing the control loop does waits on compute. So a worker
+whose step takes seconds is not taken for a dead one.
+
+    start        service.start() (data loop) brings listeners up, does what needs no orchestrator, and
+                 returns the port to advertise. Then the control port starts (control loop).
+    register     ControlLink (control loop) opens the websocket and (re)registers with this worker's id,
+                 generation and view. It sends a Heartbeat every `Registered.heartbeat_ms`, its lease.
+    follow       One dispatcher (data loop) hands control messages to service.handle() in order.
+                 RoutingUpdate also becomes `runtime.view`, which the next registration reports back.
+    report       WorkerStats go every second. PeerFailed goes through `report_dead`, and is re-sent after
+                 every registration for peers still suspected, as a new orchestrator heard nothing.
+    watch        The data plane's loop is blocked past `--step-timeout-s` by a step that never ends (a
+                 wedged device, a bug). The process exits, which its peers see at once. Otherwise the
+                 control loop would answer for it.
+    reconnect    The link drops -> the service keeps serving; the link reconnects on its own.
     shut down    stop (SIGINT/SIGTERM, Drain, a failed main loop, or Fenced) -> Leaving to the orchestrator,
-                 service.close(), the control port and the link closed; idempotent and in this order
+                 service.close(), then the control port and the link closed. Idempotent, and in this order.
 
-A main loop runs under `runtime.spawn`, so an unexpected exception is logged with its traceback
-and stops the process (exit code 1) instead of dying silently.
+A main loop runs under `runtime.spawn`. So an unexpected exception is logged with its traceback and stops the
+process (exit code 1) instead of dying silently.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL = 1.0
 STATS_REFRESH = 30.0  # seconds: unchanged stats are sent again this often
-TURN_INTERVAL = 0.25  # seconds: how often the data plane's loop marks that it turns (the watchdog's)
+# How often, in seconds, the data plane's loop marks that it turns, for the watchdog.
+TURN_INTERVAL = 0.25
 EPOCHS_KEPT = 16
 
 
@@ -75,8 +78,9 @@ NODE_ENV = "MOE_FABRIC_NODE"
 
 
 def node_name() -> str:
-    """The failure domain this process runs in: $MOE_FABRIC_NODE, else the host's name. Placement
-    puts the copies of an expert on different nodes where it can."""
+    """The failure domain this process runs in: $MOE_FABRIC_NODE, else the host's name.
+
+    Placement puts the copies of an expert on different nodes where it can."""
     return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
@@ -94,30 +98,32 @@ class Service(abc.ABC):
         return {}
 
     async def registered(self) -> None:  # noqa: B027 - optional hook
-        """After every (re)registration (the worker id is known from the first one on)."""
+        """Called after every (re)registration. The worker id is known from the first one on."""
 
     @abc.abstractmethod
     async def handle(self, msg: Message) -> None:
         """One control message from the orchestrator (RoutingUpdate, AssignExperts, PeerAlive)."""
 
     def stats(self) -> WorkerStats | None:
-        """This worker's load: the figures decisions read, and a report for /cluster (None: none)."""
+        """This worker's load (the figures decisions read, and a report for /cluster), or None."""
         return None
 
     def control_message(self, peer: str, msg: Message | None) -> None:
-        """(control loop) What a peer sent on this worker's control port besides probes: its
-        `Hello` first (raise ProtocolError to refuse it), None once its connection ended."""
+        """Takes what a peer sent on this worker's control port besides probes (control loop).
+
+        Its `Hello` comes first; raise ProtocolError to refuse it. None comes once its connection ended."""
         if msg is not None and msg.kind != "hello":
             raise ProtocolError(f"unexpected {msg.kind} on the control port")
 
     def busy_for(self) -> float:
-        """(any thread) How long the compute call under way has run (0: none): the watchdog's log."""
+        """How long the compute call under way has run, 0 if none, for the watchdog's log. Any thread."""
         return 0.0
 
     def load(self, peer: str) -> tuple[float, int]:
-        """(control loop) What a `Pong` to `peer` says: how long the compute call under way has run,
-        and how many of `peer`'s calls this worker holds (an EW's; read from the data plane's
-        state: a snapshot)."""
+        """What a `Pong` to `peer` says (control loop).
+
+        That is how long the compute call under way has run, and how many of `peer`'s calls this worker holds
+        (an EW's). It is read from the data plane's state, as a snapshot."""
         return self.busy_for(), 0
 
     @abc.abstractmethod
@@ -125,7 +131,7 @@ class Service(abc.ABC):
         """Stops serving: listeners and links closed, in the role's order. Called once."""
 
     def abort(self) -> None:  # noqa: B027 - optional hook
-        """Killed (a simulation's SIGKILL): every listener and connection cut at once."""
+        """Killed by a simulation's SIGKILL: cuts every listener and connection at once."""
 
 
 class Runtime:
@@ -133,30 +139,34 @@ class Runtime:
         self.cfg = cfg
         self.service = service
         self.stop = asyncio.Event()
-        self.view: ClusterView | None = None  # the newest view received (reported back when registering)
+        # The newest view received. It is reported back when registering.
+        self.view: ClusterView | None = None
         self.port = 0
         self.control_port_number = 0
         self.secret = cfg.secret
         tls = cfg.tls
-        # (`separate`: the control plane in a thread of its own; many simulated workers share a loop)
+        # `separate` puts the control plane in a thread of its own. Many simulated workers share a loop.
         self.control = ControlPlane(separate)
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()  # the orchestrator's messages, on the data loop
         self.link = ControlLink(lambda: cfg.orchestrator_addr, self._register, self._deliver, self.secret,
                                 tls.client if tls is not None else None)
-        # Peers dial it to probe this worker: TCP whatever the data transport (fabric/control_port.py)
+        # Peers dial it to probe this worker. It is TCP whatever the data transport (fabric/control_port.py).
         self.control_transport = self.tcp_transport()
         self.control_port = ControlPort(self.control_transport, service.control_message, service.load)
-        self.suspects: dict[str, PeerFailed] = {}  # this worker's reports (re-sent to a new orchestrator)
+        self.suspects: dict[str, PeerFailed] = {}  # this worker's reports, re-sent to a new orchestrator
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
-        self.crashed = False  # killed (fabric/sim_host.py): leaves without a word, as on SIGKILL
-        self.epochs_seen: dict[int, float] = {}  # routing-table epoch -> when its view arrived (wall clock)
-        self.turned = time.monotonic()  # when the data plane's loop last turned (the watchdog's)
+        # Killed (fabric/sim_host.py). It leaves without a word, as on SIGKILL.
+        self.crashed = False
+        # Routing-table epoch -> when its view arrived (wall clock).
+        self.epochs_seen: dict[int, float] = {}
+        self.turned = time.monotonic()  # when the data plane's loop last turned, for the watchdog
 
     def tcp_transport(self) -> Transport:
-        """A TCP transport with this worker's secret, TLS and send deadline: the control port's (on
-        the control loop), or one for a service's control channels to its peers' control ports (on
-        the data loop: a transport and its connections belong to one loop)."""
+        """A TCP transport with this worker's secret, TLS and send deadline.
+
+        It is the control port's (on the control loop), or one for a service's control channels to its peers'
+        control ports (on the data loop). A transport and its connections belong to one loop."""
         return make_transport("tcp", send_timeout=self.cfg.send_timeout_ms / 1000, secret=self.cfg.secret,
                               tls=self.cfg.tls)
 
@@ -165,8 +175,10 @@ class Runtime:
         return self.link.worker_id
 
     def _register(self) -> Register:
-        """(control loop) `service.registration()` reads the data plane's state from this thread:
-        a snapshot, taken under the GIL."""
+        """Builds the `Register` message (control loop).
+
+        `service.registration()` reads the data plane's state from this thread, as a snapshot taken under the
+        GIL."""
         fields = self.service.registration()
         fields.setdefault("traits", Traits()).node = node_name()
         cfg = self.cfg
@@ -175,7 +187,7 @@ class Runtime:
                         control_port=cfg.advertise_control_port or self.control_port_number, **fields)
 
     def _deliver(self, msg: Message) -> None:
-        """(control loop) A message from the orchestrator, for the dispatcher on the data loop."""
+        """Hands a message from the orchestrator to the dispatcher on the data loop (control loop)."""
         self.control.to_main(self.inbox.put_nowait, msg)
 
     def spawn(self, coro: Coroutine[Any, Any, None], main_loop: bool = False) -> asyncio.Task[None]:
@@ -186,7 +198,7 @@ class Runtime:
         return task
 
     def crash(self) -> None:
-        """Dies as on SIGKILL: sockets closed, no `Leaving` (a simulation's fault injection)."""
+        """Dies as on SIGKILL, with sockets closed and no `Leaving`. For a simulation's fault injection."""
         self.crashed = True
         self.stop.set()
         self.service.abort()
@@ -198,15 +210,16 @@ class Runtime:
         await self.control.run(self.control_port.drop(peer))
 
     def ready(self) -> None:
-        """The worker serves: tell the supervisor (once)."""
+        """Tells the supervisor, once, that the worker serves."""
         if not self._ready:
             self._ready = True
             notifier().send("READY=1")
 
     def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
-        """Tells the orchestrator (whose verdict is authoritative) that this worker cannot reach a
-        peer (`closed`: its connection ended, not a silence); without an orchestrator now, the next
-        one hears it after this worker registers with it."""
+        """Tells the orchestrator, whose verdict is authoritative, that this worker cannot reach a peer.
+
+        `closed` means its connection ended, not a silence. Without an orchestrator now, the next one hears it
+        after this worker registers with it."""
         self.suspects[peer] = msg = PeerFailed(peer, reason, closed)
         self.spawn(self._send_quietly(msg))
 
@@ -215,7 +228,7 @@ class Runtime:
         self.suspects.pop(peer, None)
 
     async def send(self, msg: Message) -> None:
-        """To the orchestrator (over the control loop); PeerDeadError when none is connected."""
+        """Sends to the orchestrator over the control loop. Raises PeerDeadError when none is connected."""
         await self.control.run(self.link.send(msg))
 
     async def _send_quietly(self, msg: Message) -> None:
@@ -237,18 +250,22 @@ class Runtime:
             if isinstance(msg, ViewDelta):
                 try:
                     view = view_delta.apply(self.view, msg)
-                except ProtocolError as exc:  # (an inconsistent result: as good as the wrong base)
+                except ProtocolError as exc:
+                    # An inconsistent result is as good as the wrong base.
                     log.warning("a view delta did not apply (%s); asking for the whole view", exc)
                     view = None
-                if view is None:  # not the view it was made from (say, one sent before a reconnection)
+                # Not the view it was made from, say one sent before a reconnection.
+                if view is None:
                     await self._send_quietly(ViewRequest())
                     continue
                 msg = RoutingUpdate(view)
             if isinstance(msg, RoutingUpdate):
                 if self.view is not None and msg.view.version < self.view.version:
-                    continue  # a stale orchestrator's (the link never follows one; kept for safety)
+                    # A stale orchestrator's. The link never follows one; this is kept for safety.
+                    continue
                 self.view = msg.view
-                for peer in msg.view.dead:  # (ruled on: a new orchestrator needs no report of it)
+                # These were ruled on. A new orchestrator needs no report of them.
+                for peer in msg.view.dead:
                     self.suspects.pop(peer, None)
                 epoch = msg.view.table.epoch if msg.view.table else 0
                 if epoch not in self.epochs_seen:
@@ -258,8 +275,9 @@ class Runtime:
             await self.service.handle(msg)
 
     async def _report(self) -> None:
-        """Stats every second while they change, else every `STATS_REFRESH` (an idle cluster of
-        hundreds of workers stays quiet); after every registration at once."""
+        """Sends stats every second while they change, else every `STATS_REFRESH`.
+
+        So an idle cluster of hundreds of workers stays quiet. After every registration they go at once."""
         last: WorkerStats | None = None
         last_at = 0.0
         registrations = 0
@@ -281,24 +299,26 @@ class Runtime:
     async def _watch_link(self, link_task: asyncio.Future[None]) -> None:
         await asyncio.wait([link_task])
         if self.link.fenced is not None and not self.stop.is_set():
-            # Expected after a hang (SIGSTOP, a stall): the fabric has replaced this worker meanwhile.
+            # Expected after a hang (SIGSTOP, a stall). The fabric has replaced this worker meanwhile.
             log.warning("%s: the orchestrator declared this worker dead (%s); leaving", self.worker_id or "this worker",
                         self.link.fenced)
             mark_failed()
             self.stop.set()
 
     async def _turn(self) -> None:
-        """(data loop) Marks that this loop turns: compute runs inline, so a step that never ends,
-        or anything else that blocks the loop, stops the marks."""
+        """Marks that this loop turns (data loop).
+
+        Compute runs inline, so a step that never ends, or anything else that blocks the loop, stops the marks."""
         while True:
             self.turned = time.monotonic()
             await asyncio.sleep(TURN_INTERVAL)
 
     async def _watchdog(self, timeout: float) -> None:
-        """(control loop) A data plane's loop that has not turned for `timeout` (a compute call,
-        or anything else, blocking it) is a wedged device or a bug, not slowness: the process
-        exits, as NCCL's watchdog ends one, and its peers see it at once (this loop would answer
-        their probes for it for ever)."""
+        """Exits when the data plane's loop has not turned for `timeout` (control loop).
+
+        A compute call, or anything else, blocking the loop that long is a wedged device or a bug, not
+        slowness. The process exits, as NCCL's watchdog ends one, and its peers see it at once. Otherwise this
+        loop would answer their probes for it for ever."""
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
             stuck = time.monotonic() - self.turned
@@ -324,7 +344,8 @@ class Runtime:
             self.port = await self.service.start(self)
             self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
                                                                                        self.cfg.control_port))
-        except BaseException:  # (a start that failed half-way: what it opened is closed, the thread joined)
+        except BaseException:
+            # A start that failed half-way. What it opened is closed, and the thread joined.
             with contextlib.suppress(Exception):
                 await self.service.close()
             self.control.stop()
@@ -347,7 +368,8 @@ class Runtime:
                     await asyncio.wait_for(self._send_quietly(Leaving("shutting down")), 1.0)
             for task in list(self._tasks):
                 task.cancel()
-            if self.crashed:  # every socket of a killed process goes at once: the orchestrator's too
+            # Every socket of a killed process goes at once, the orchestrator's too.
+            if self.crashed:
                 link_task.cancel()
             await self.service.close()
             await self.control.run(self.control_port.close())

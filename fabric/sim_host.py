@@ -1,11 +1,12 @@
-"""Many workers in one process (`--compute sim --sim-workers N`): a deployment-scale simulation
-on a few cores. Each worker is a whole `Runtime` with its own `Service`: its own identity
-(registration), listener, links and tasks, exactly as if it were a process of its own; only the
-event loop and the pid are shared. A worker whose main loop fails stops alone.
+"""Many workers in one process (`--compute sim --sim-workers N`), a deployment-scale simulation on a few cores.
 
-Fault injection (`--sim-control`): the process reads `kill WORKER_ID` lines on stdin; that worker
-dies as on SIGKILL (its sockets close, it says nothing to the orchestrator) and the process
-answers `killed WORKER_ID UNIX_TIME` on stdout, the time of the death.
+Each worker is a whole `Runtime` with its own `Service`. It has its own identity (registration), listener, links
+and tasks, exactly as if it were a process of its own. Only the event loop and the pid are shared. A worker whose
+main loop fails stops alone.
+
+Fault injection (`--sim-control`): the process reads `kill WORKER_ID` lines on stdin. That worker dies as on
+SIGKILL: its sockets close, and it says nothing to the orchestrator. The process answers
+`killed WORKER_ID UNIX_TIME` on stdout, with the time of the death.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ log = logging.getLogger(__name__)
 
 
 async def serve_workers(cfg: WorkerConfig, make: Callable[[], Service], stop: asyncio.Event) -> None:
-    """Runs `cfg.sim_workers` workers (one: the usual single-worker process) until `stop`."""
+    """Runs `cfg.sim_workers` workers until `stop`. With one, it is the usual single-worker process."""
     if cfg.sim_workers == 1 and not cfg.sim_control:
         await Runtime(cfg, make()).serve(stop)
         return
-    runtimes = [Runtime(cfg, make(), separate=False) for _ in range(cfg.sim_workers)]  # (one loop for all)
+    runtimes = [Runtime(cfg, make(), separate=False) for _ in range(cfg.sim_workers)]  # one loop for all
     stops = [asyncio.Event() for _ in runtimes]
     tasks = [asyncio.create_task(rt.serve(ev)) for rt, ev in zip(runtimes, stops)]
     control = asyncio.create_task(read_commands(runtimes)) if cfg.sim_control else None
@@ -60,6 +61,6 @@ async def read_commands(runtimes: list[Runtime]) -> None:
             continue
         try:
             rt.crash()
-        except Exception:  # (the kill happened all the same: its stop is set)
+        except Exception:  # the kill happened all the same, as its stop is set
             log.exception("killing %s", words[1])
         print(f"killed {words[1]} {time.time():.6f}", flush=True)

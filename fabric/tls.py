@@ -1,10 +1,10 @@
 """Optional TLS for TCP links and the HTTP servers (the `ssl` module).
 
-One cluster certificate and key (`--tls-cert`, `--tls-key`), the same on every process: a listener
-presents it, a dialer accepts only a peer that presents it (the certificate is its own trust
-anchor; host names are not checked, as peers are named by address and proven by the cluster
-handshake, which runs inside TLS). TLS adds what the handshake does not: the bytes on the wire are
-encrypted. UCX has no TLS: `--transport ucx` with TLS is refused.
+One cluster certificate and key (`--tls-cert`, `--tls-key`) are the same on every process. A listener presents
+the certificate, and a dialer accepts only a peer that presents it. The certificate is its own trust anchor.
+Host names are not checked, as peers are named by address and proven by the cluster handshake, which runs inside
+TLS. TLS adds what the handshake does not: the bytes on the wire are encrypted. UCX has no TLS, so
+`--transport ucx` with TLS is refused.
 
 A self-signed cluster certificate:
 
@@ -35,7 +35,8 @@ class Tls:
         if cert is None or key is None:
             return None
         tls = Tls(cert, key)
-        _ = tls.server  # unreadable files or a key that does not match: refused at start-up
+        # Unreadable files or a key that does not match are refused at start-up.
+        _ = tls.server
         return tls
 
     @cached_property
@@ -54,13 +55,15 @@ class Tls:
         """The dialing side's context (built once)."""
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.cert)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.check_hostname = False  # peers are dialled by address; the certificate must still verify
+        # Peers are dialled by address. The certificate must still verify.
+        ctx.check_hostname = False
         return ctx
 
 
 def write_self_signed(out: Path, name: str = "cluster", days: int = 365) -> Tls:
-    """A self-signed cluster certificate and key in `out` (openssl, as the module docstring shows):
-    for tests, benchmarks and a first try."""
+    """Writes a self-signed cluster certificate and key in `out`, for tests, benchmarks and a first try.
+
+    It runs openssl, as the module docstring shows."""
     cert, key = out / f"{name}.crt", out / f"{name}.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", str(days),
                     "-subj", "/CN=moe-fabric", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)

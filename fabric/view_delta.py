@@ -1,8 +1,9 @@
-"""Cluster views sent as differences: the orchestrator broadcasts every change to every worker, and
-at deployment scale a whole view is the routing table's [L_moe, E, C] placement (48 KiB for a
-Qwen3-235B shape) plus every worker's record, times every link, for each death. A delta carries
-what changed: a death's is one vacated slot, one address gone and one worker's state, a few
-hundred bytes whatever the cluster's size.
+"""Cluster views sent as differences.
+
+The orchestrator broadcasts every change to every worker. At deployment scale a whole view is the routing
+table's [L_moe, E, C] placement (48 KiB for a Qwen3-235B shape) plus every worker's record, times every link,
+for each death. A delta carries what changed. A death's delta is one vacated slot, one address gone and one
+worker's state: a few hundred bytes, whatever the cluster's size.
 
     diff(old, new)     the orchestrator: the delta from its previous broadcast to the next
     apply(view, d)     a worker: the next view, or None when `view` is not the delta's base
@@ -22,8 +23,9 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 def diff(old: ClusterView, new: ClusterView) -> ViewDelta | None:
-    """The delta that turns `old` into `new`, or None where there is none to send (another
-    generation, or a table where there was none: those go whole)."""
+    """The delta that turns `old` into `new`, or None where there is none to send.
+
+    Another generation, or a table where there was none, goes whole."""
     if old.generation != new.generation or (new.table is not None and old.table is None) or \
             (new.table is None and old.table is not None) or not set(old.dead) <= set(new.dead):
         return None

@@ -3,11 +3,10 @@
     prefix  = magic b"MoF1" | u32 header_len | u32 n_frames | u64 body_len      (20 bytes)
     body    = n_frames x u64 frame_len | header (msgpack map) | frame 0 | frame 1 | ...
 
-The prefix lets a reader check every length against `WireLimits` *before* it allocates or reads
-the body, so an oversized length header costs nothing. A frame is host bytes, or (over a UCX
-connection that carries device memory, `fabric.transport.ucx`) a flat uint8 tensor on a device;
-the bytes on the wire are the same. msgpack never carries code (no pickle), and
-the decoded header is walked once to enforce a nesting-depth limit.
+The prefix lets a reader check every length against `WireLimits` *before* it allocates or reads the body. So
+an oversized length header costs nothing. A frame is host bytes, or a flat uint8 tensor on a device over a UCX
+connection that carries device memory (`fabric.transport.ucx`). The bytes on the wire are the same. msgpack
+never carries code (no pickle), and the decoded header is walked once to enforce a nesting-depth limit.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ from fabric.errors import ProtocolError
 if TYPE_CHECKING:
     import torch
 
-    Frame: TypeAlias = bytes | bytearray | memoryview | torch.Tensor  # (a tensor: flat uint8, on a device)
+    Frame: TypeAlias = bytes | bytearray | memoryview | torch.Tensor  # a tensor is flat uint8, on a device
 else:
-    Frame = object  # (no torch here: the control plane's processes never import it)
+    # No torch here, as the control plane's processes never import it.
+    Frame = object
 
 MAGIC = b"MoF1"
 PREFIX = struct.Struct("<4sIIQ")
@@ -137,8 +137,10 @@ def decode_header(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) 
 
 
 def _check_depth(obj: Any, budget: int) -> None:
-    """Containers nested deeper than `budget` raise. Map keys are scalars (msgpack cannot hash a
-    container), so only values are walked, and only the containers among them."""
+    """Raises where containers nest deeper than `budget`.
+
+    Map keys are scalars, as msgpack cannot hash a container. So only values are walked, and only the
+    containers among them."""
     if budget < 0:
         raise ProtocolError("header nested too deeply")
     for v in (obj.values() if type(obj) is dict else obj):

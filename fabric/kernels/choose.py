@@ -1,7 +1,8 @@
-"""Which kernels a worker runs, from its `--kernel` and `--device`: on the CPU the AVX-512 module
-(skinny.py: the GEMM and paged decode attention) or torch; `triton` the Triton kernels (on a CUDA
-device, or on the CPU under Triton's interpreter, `TRITON_INTERPRET=1`, which is how the tests run
-them); on a GPU otherwise, torch."""
+"""Which kernels a worker runs, from its `--kernel` and `--device`.
+
+On the CPU it runs the AVX-512 module (skinny.py, with the GEMM and paged decode attention) or torch. `triton`
+runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which
+is how the tests run them. On a GPU otherwise it runs torch."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 
 def triton_module(name: str, device: torch.device) -> Any:
-    """fabric.kernels.<name> (a Triton module) for a worker on `device`, or a ConfigError saying what
-    `--kernel triton` lacks here."""
+    """fabric.kernels.<name>, a Triton module, for a worker on `device`.
+
+    Raises a ConfigError saying what `--kernel triton` lacks here."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--kernel triton runs on a CUDA device (--device cuda), or on the CPU under Triton's "
                           "interpreter (TRITON_INTERPRET=1, for tests)")
@@ -33,13 +35,14 @@ def triton_module(name: str, device: torch.device) -> Any:
 
 
 def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.SkinnyGemm | None:
-    """The skinny GEMM for the few-row products (the CPU's, fp32, --kernel auto), or None: torch."""
+    """The skinny GEMM for the few-row products (the CPU's, fp32, --kernel auto), or None for torch."""
     return skinny.gemm_for(kernel, dtype) if device.type == "cpu" else None
 
 
 def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int) -> DecodeAttention | None:
-    """The AW's decode attention over its paged cache (of `block_size`-token blocks), or None: torch's
-    gather + SDPA."""
+    """The AW's decode attention over its paged cache of `block_size`-token blocks.
+
+    None means torch's gather + SDPA."""
     if kernel == "triton":
         if block_size & (block_size - 1):
             raise ConfigError(f"--kernel triton needs a power-of-two --block-size, not {block_size}")

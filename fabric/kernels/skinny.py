@@ -1,13 +1,13 @@
-"""The skinny fp32 GEMM of `skinny_gemm.cpp` for expert FFNs: a decode step gives each expert a few
-rows, and torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what reading W once allows on
-CPUs it does not tune for (2.3x slower than this kernel at 4-8 rows on this project's AMD EPYC VM;
-docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64]. The same
-compiled module carries the AW's paged decode attention (`paged_attention.cpp`,
-`paged_attention_for`).
+"""The skinny fp32 GEMM of `skinny_gemm.cpp` for expert FFNs.
 
-Built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use (about 20 s;
-`scripts/_venv.sh` builds it at install: `python -m fabric.kernels.skinny`), and only where the CPU
-has AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
+A decode step gives each expert a few rows. torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what
+reading W once allows on CPUs it does not tune for. It is 2.3x slower than this kernel at 4-8 rows on this
+project's AMD EPYC VM (docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
+The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `paged_attention_for`).
+
+It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in about 20 s.
+`scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). It is built only where the CPU has
+AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
 
 Legend: M rows, K inner dimension, N output columns (a multiple of 64), NB = N / 64.
 """
@@ -60,7 +60,8 @@ def load() -> Any | None:
     try:
         module = load_extension(name="moe_fabric_skinny", sources=[str(p) for p in SOURCES], build_directory=str(out),
                                 extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
-    except Exception as exc:  # no compiler, no headers: serve with torch's matmul instead
+    except Exception as exc:
+        # No compiler or no headers. Serve with torch's matmul instead.
         log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)
         return None
     log.debug("skinny GEMM kernel loaded in %.1f s", time.perf_counter() - t0)
@@ -82,7 +83,9 @@ class SkinnyGemm:
         return self.ops.pack(w_t)
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W -> [M, N] (more than 48 rows, a prefill: torch's batched matmul over the blocks)."""
+        """x [M, K] @ W -> [M, N].
+
+        More than 48 rows, as in a prefill, run torch's batched matmul over the blocks."""
         return self.ops.mm(x, packed)
 
     def swiglu_ffn(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -90,7 +93,7 @@ class SkinnyGemm:
         return self.ops.ffn_batch([x], [gate_up], [down])[0]
 
     def swiglu_ffns(self, xs: list[torch.Tensor], gate_ups: list[torch.Tensor], downs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`swiglu_ffn` of each (x, gate_up, down), in one call (the GIL released throughout)."""
+        """`swiglu_ffn` of each (x, gate_up, down), in one call that releases the GIL throughout."""
         return self.ops.ffn_batch(xs, gate_ups, downs)
 
 
@@ -103,14 +106,17 @@ def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:
 
 
 def paged_attention_for(kernel: str, dtype: torch.dtype) -> Any | None:
-    """The module whose `paged_decode` (paged_attention.cpp) an AW with `--kernel kernel` runs its
-    decode attention with over a cache of `dtype`, or None (torch: gather, then SDPA)."""
+    """The module whose `paged_decode` (paged_attention.cpp) runs an AW's decode attention.
+
+    It serves an AW with `--kernel kernel` over a cache of `dtype`. None means torch: gather, then SDPA."""
     return load() if kernel == "auto" and dtype == torch.float32 else None
 
 
 class Projection:
-    """x @ W for one weight W [K, N]: packed for the kernel where `gemm` is given, N fits and W is
-    fp32, else W as it is (any layout torch's matmul takes, e.g. a transposed view)."""
+    """x @ W for one weight W [K, N].
+
+    W is packed for the kernel where `gemm` is given, N fits and W is fp32. Else W is kept as it is, in any
+    layout torch's matmul takes (e.g. a transposed view)."""
 
     def __init__(self, w: torch.Tensor, gemm: SkinnyGemm | None) -> None:
         self.gemm = gemm if gemm is not None and w.dtype == torch.float32 and SkinnyGemm.fits(w.shape[1]) else None
@@ -118,7 +124,7 @@ class Projection:
 
     @classmethod
     def prepared(cls, w: torch.Tensor, gemm: SkinnyGemm | None) -> Projection:
-        """One whose W is already in its serving layout (`.w` of another): packed ([NB, K, 64]) or not."""
+        """A projection whose W is already in its serving layout (`.w` of another), packed ([NB, K, 64]) or not."""
         p = cls.__new__(cls)
         p.gemm, p.w = (gemm if w.dim() == 3 else None), w
         if w.dim() == 3 and gemm is None:

@@ -1,12 +1,13 @@
-"""Paged decode attention for an attention worker on a GPU, in Triton: one query token per sequence
-against its K/V in the AW's paged cache (attention_worker/kv_cache.py), GQA and sliding windows.
+"""Paged decode attention for an attention worker on a GPU, in Triton.
 
-Legend: B sequences, H query heads, K kv heads (H a multiple of K), d head dim, S block size,
-T max blocks per sequence. The cache is the AW's flat [blocks * S, K, d] view: position p of a
-sequence lives in slot block_tables[b, p // S] * S + p % S. A block id below 0 is a hole (a block
-a sliding window gave back): it holds nothing the query may see. A program runs one (sequence,
-query head): an online softmax over the sequence's blocks. Runs on CUDA tensors, or on CPU
-tensors under Triton's interpreter (`TRITON_INTERPRET=1`).
+One query token per sequence attends to its K/V in the AW's paged cache (attention_worker/kv_cache.py). GQA and
+sliding windows are handled.
+
+Legend: B sequences, H query heads, K kv heads (H a multiple of K), d head dim, S block size, T max blocks per
+sequence. The cache is the AW's flat [blocks * S, K, d] view. Position p of a sequence lives in slot
+block_tables[b, p // S] * S + p % S. A block id below 0 is a hole, a block a sliding window gave back. It holds
+nothing the query may see. A program runs one (sequence, query head), as an online softmax over the sequence's
+blocks. Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale, windo
         denom = denom * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
         m = m_new
-    tl.store(out + (b * H + h) * D + rd, tl.where(denom > 0, acc / denom, 0.0), mask=dmask)  # (an empty row: 0)
+    tl.store(out + (b * H + h) * D + rd, tl.where(denom > 0, acc / denom, 0.0), mask=dmask)  # an empty row gives 0
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int = 0) -> torch.Tensor:
-    """q [B, H, d]; k_cache, v_cache [blocks * S, K, d]; block_tables [B, T] int32 (-1: none);
-    seq_lens [B] int32 (tokens in the cache, the query's own included) -> [B, H, d] fp32."""
+    """Paged decode attention of q [B, H, d] -> [B, H, d] fp32.
+
+    k_cache, v_cache [blocks * S, K, d]; block_tables [B, T] int32 (-1: none); seq_lens [B] int32. A sequence's
+    length counts the tokens in the cache, the query's own included."""
     bsz, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[2] != d or block_tables.shape[0] != bsz:

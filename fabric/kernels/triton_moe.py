@@ -1,11 +1,13 @@
-"""Fused MoE for an expert worker on a GPU, in Triton: the rows of every expert it hosts, sorted by
-expert, through one grouped launch for gate/up with SwiGLU and one for down.
+"""Fused MoE for an expert worker on a GPU, in Triton.
 
-Legend: N rows (sorted by expert), D hidden, I intermediate, E experts in the group. The weights
-are the EW's serving layout stacked: gate_up_t [E, D, 2I] (gate columns first, then up) and
-down_t [E, I, D]. The rows are cut into tiles of BLOCK_M rows of one expert each (`tiles`); a
-program computes one tile x one block of output columns. Runs on CUDA tensors, or on CPU tensors
-under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests check it against torch.
+The rows of every expert it hosts, sorted by expert, go through one grouped launch for gate/up with SwiGLU and
+one for down.
+
+Legend: N rows (sorted by expert), D hidden, I intermediate, E experts in the group. The weights are the EW's
+serving layout stacked: gate_up_t [E, D, 2I] (gate columns first, then up) and down_t [E, I, D]. The rows are
+cut into tiles of BLOCK_M rows of one expert each (`tiles`). A program computes one tile x one block of output
+columns. Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
+the tests check it against torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def _gate_up_swiglu(x, w, h, tile_expert, tile_start, tile_end, D, I,  # noqa: E
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    e = tl.load(tile_expert + t).to(tl.int64)  # (int64: a stack of experts passes 2^31 elements)
+    # int64, as a stack of experts passes 2^31 elements.
+    e = tl.load(tile_expert + t).to(tl.int64)
     start = tl.load(tile_start + t)
     end = tl.load(tile_end + t)
     rm = start + tl.arange(0, BM)
@@ -36,7 +39,8 @@ def _gate_up_swiglu(x, w, h, tile_expert, tile_start, tile_end, D, I,  # noqa: E
         wmask = (rk[:, None] < D) & (rn[None, :] < I)
         g = tl.load(base + rn[None, :], mask=wmask, other=0.0)
         u = tl.load(base + I + rn[None, :], mask=wmask, other=0.0)
-        if IEEE:  # fp32: full precision (tl.dot would use TF32 on NVIDIA GPUs)
+        # fp32 gets full precision, as tl.dot would use TF32 on NVIDIA GPUs.
+        if IEEE:
             acc_g += tl.dot(a, g, input_precision="ieee")
             acc_u += tl.dot(a, u, input_precision="ieee")
         else:
@@ -62,7 +66,7 @@ def _down(h, w, y, tile_expert, tile_start, tile_end, I, D,  # noqa: E741
         a = tl.load(h + rm[:, None] * I + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < I), other=0.0)
         b = tl.load(w + e * I * D + rk[:, None] * D + rn[None, :], mask=(rk[:, None] < I) & (rn[None, :] < D),
                     other=0.0)
-        a = a.to(b.dtype)  # (h is fp32; the weights may be bf16)
+        a = a.to(b.dtype)  # h is fp32; the weights may be bf16
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
@@ -71,8 +75,9 @@ def _down(h, w, y, tile_expert, tile_start, tile_end, I, D,  # noqa: E741
 
 
 def tiles(counts: list[int], block_m: int = BLOCK_M) -> tuple[list[int], list[int], list[int]]:
-    """(expert, first row, end row) of every tile: each expert's rows cut into tiles of block_m;
-    an expert with no rows has none."""
+    """(expert, first row, end row) of every tile.
+
+    Each expert's rows are cut into tiles of block_m. An expert with no rows has none."""
     experts, starts, ends = [], [], []
     row = 0
     for e, n in enumerate(counts):
@@ -85,8 +90,9 @@ def tiles(counts: list[int], block_m: int = BLOCK_M) -> tuple[list[int], list[in
 
 
 def fused_moe(x: torch.Tensor, counts: list[int], gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
-    """x [N, D] (expert e owns the next counts[e] rows), gate_up_t [E, D, 2I], down_t [E, I, D] ->
-    SwiGLU FFN of every row by its expert [N, D] (fp32)."""
+    """SwiGLU FFN of every row by its expert: x [N, D] -> [N, D] (fp32).
+
+    Expert e owns the next counts[e] rows of x. The weights are gate_up_t [E, D, 2I] and down_t [E, I, D]."""
     n, d = x.shape
     e, _, two_i = gate_up_t.shape
     inter = two_i // 2

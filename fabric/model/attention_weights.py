@@ -1,12 +1,12 @@
 """Everything an AW holds: embeddings, attention, norms, routers, dense MLPs, lm_head; never experts.
 
-The attention projections and lm_head are `Projection`s: packed for the skinny GEMM kernel
-(fabric/kernels/skinny.py) when one is given, else stored transposed ([in, out]): with the few rows
-of a decode step, MKL's x @ W runs about a third faster than x @ W^T on this kind of CPU.
+The attention projections and lm_head are `Projection`s. They are packed for the skinny GEMM kernel
+(fabric/kernels/skinny.py) when one is given, else stored transposed ([in, out]). With the few rows of a decode
+step, MKL's x @ W runs about a third faster than x @ W^T on this kind of CPU.
 
-`serving_tensors` names every tensor in its serving layout; an AW builds its weights from those
-names, read from the checkpoint or mapped from the host's weight store (fabric/model/weight_store.py),
-so both give the same layout and the same numerics."""
+`serving_tensors` names every tensor in its serving layout. An AW builds its weights from those names, read from
+the checkpoint or mapped from the host's weight store (fabric/model/weight_store.py). So both give the same
+layout and the same numerics."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from fabric.model.config import ModelConfig
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     post_norm: torch.Tensor  # [D]
-    qkv: Projection  # [D, (H + 2K) d]: fused so one matmul projects all three
+    qkv: Projection  # [D, (H + 2K) d], fused so one matmul projects all three
     qkv_bias: torch.Tensor | None
     o_proj: Projection  # [H d, D]
     q_norm: torch.Tensor | None  # [d] (qwen3)
@@ -46,7 +46,7 @@ class AttentionWeights:
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, gemm: SkinnyGemm | None = None,
              device: torch.device | None = None) -> AttentionWeights:
-        """Read from the checkpoint: only the tensors an AW needs."""
+        """Reads only the tensors an AW needs from the checkpoint."""
         ckpt = Checkpoint(model_dir, cfg.torch_dtype)
         tensors = dict(serving_tensors(ckpt, cfg, gemm))
         return cls.build(tensors.get, cfg, gemm, bytes_read=ckpt.bytes_read, device=device)
@@ -54,8 +54,10 @@ class AttentionWeights:
     @classmethod
     def build(cls, get: Callable[[str], torch.Tensor | None], cfg: ModelConfig, gemm: SkinnyGemm | None,
               bytes_read: int = 0, bytes_mapped: int = 0, device: torch.device | None = None) -> AttentionWeights:
-        """From serving tensors by name (`get` returns None for one the model does not have), on
-        `device` (copied there from host memory; the CPU: as they are)."""
+        """Builds the weights on `device` from serving tensors by name.
+
+        `get` returns None for a tensor the model does not have. Tensors are copied to `device` from host memory;
+        on the CPU they are used as they are."""
         def on_device(name: str) -> torch.Tensor | None:
             t = get(name)
             return t.to(device) if t is not None and device is not None and t.device != device else t

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 ARCHS = ("mixtral", "qwen3_moe")
-DTYPES = ("float32", "bfloat16")  # (torch is imported where a dtype is used: the orchestrator never needs it)
+# torch is imported where a dtype is used. The orchestrator never needs it.
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,15 @@ class ModelConfig:
     sliding_window: int | None
     attention_bias: bool
     qk_norm: bool
-    dense_layers: tuple[int, ...]  # layers whose FFN is a dense MLP on the AW (qwen3 mlp_only_layers)
+    # Layers whose FFN is a dense MLP on the AW (qwen3 mlp_only_layers).
+    dense_layers: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     dtype: str
 
     @property
     def itemsize(self) -> int:
-        """Bytes per weight element (no torch needed: the orchestrator plans with it)."""
+        """Bytes per weight element, without torch, as the orchestrator plans with it."""
         return {"float32": 4, "bfloat16": 2}[self.dtype]
 
     @property

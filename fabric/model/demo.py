@@ -1,9 +1,9 @@
 """Deterministic random-weight Mixture-of-Experts checkpoints for tests, demos and benchmarks.
 
-The fabric has to be exercised end to end (tokenizer, chat template, sharded safetensors, expert
-routing) without downloading gigabytes of real weights, and tests need the *same bytes* on every
-machine so golden outputs stay comparable. Files are written by hand in the layout transformers
-reads, so this module needs torch, safetensors and tokenizers but never imports transformers.
+The fabric has to be exercised end to end (tokenizer, chat template, sharded safetensors, expert routing)
+without downloading gigabytes of real weights. Tests need the *same bytes* on every machine, so that golden
+outputs stay comparable. Files are written by hand in the layout transformers reads. So this module needs torch,
+safetensors and tokenizers but never imports transformers.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    # The prose alone supports ~1.2k merges; upper/title-cased copies and space-less word forms
-    # roughly double that, letting the bench tokenizer grow past a toy vocabulary.
+    # The prose alone supports ~1.2k merges. Upper/title-cased copies and space-less word forms roughly double
+    # that, letting the bench tokenizer grow past a toy vocabulary.
     variants = [_CORPUS, _CORPUS.upper(), _CORPUS.title(), "\n".join(_CORPUS.split())]
     tok.train_from_iterator(variants, trainer)
     return tok
@@ -134,7 +134,8 @@ def _config(arch: str, s: _Size, vocab: int, dtype: str) -> dict[str, Any]:
         cfg.update(architectures=["MixtralForCausalLM"], bos_token_id=1, head_dim=None,
                    intermediate_size=s.expert_inter, num_local_experts=s.experts,
                    rms_norm_eps=1e-5, router_jitter_noise=0.0)
-    else:  # qwen3_moe; intermediate_size only sizes dense layers, and mlp_only_layers is empty
+    else:
+        # qwen3_moe. intermediate_size only sizes dense layers, and mlp_only_layers is empty.
         cfg.update(architectures=["Qwen3MoeForCausalLM"], attention_bias=False, bos_token_id=None,
                    decoder_sparse_step=1, head_dim=s.hidden // s.heads,
                    intermediate_size=4 * s.hidden, mlp_only_layers=[],
@@ -144,8 +145,10 @@ def _config(arch: str, s: _Size, vocab: int, dtype: str) -> dict[str, Any]:
 
 
 def _weight_specs(arch: str, s: _Size, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """All tensor names and shapes in generation order (4.x per-expert names, which transformers
-    5 still converts on load and which per-expert serving workers can slice without unfusing)."""
+    """All tensor names and shapes in generation order.
+
+    They are the 4.x per-expert names. transformers 5 still converts them on load, and per-expert serving
+    workers can slice them without unfusing."""
     h, i, hd = s.hidden, s.expert_inter, s.hidden // s.heads
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
     moe, names = (("block_sparse_moe", ("w1", "w2", "w3")) if arch == "mixtral"
@@ -171,9 +174,9 @@ def _weight_specs(arch: str, s: _Size, vocab: int) -> list[tuple[str, tuple[int,
 def _draw(gen: torch.Generator, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Approximately normal values (std 0.02) that are bit-identical on every CPU.
 
-    torch.randn uses vectorised log/cos whose last bits differ between AVX2 and scalar builds, so
-    we sum four uniforms instead (Irwin-Hall): torch.rand's bits come straight from the seeded
-    Mersenne Twister and the remaining ops are plain IEEE adds and multiplies. Norms get 1 + noise.
+    torch.randn uses vectorised log/cos whose last bits differ between AVX2 and scalar builds. So we sum four
+    uniforms instead (Irwin-Hall). torch.rand's bits come straight from the seeded Mersenne Twister, and the
+    remaining ops are plain IEEE adds and multiplies. Norms get 1 + noise.
     """
     u = torch.rand((4, *shape), generator=gen, dtype=torch.float32)
     x = (u[0] + u[1] + u[2] + u[3] - 2.0) * (_STD * math.sqrt(3.0))
@@ -182,8 +185,10 @@ def _draw(gen: torch.Generator, name: str, shape: tuple[int, ...]) -> torch.Tens
 
 def _write_weights(out: Path, specs: list[tuple[str, tuple[int, ...]]], seed: int,
                    dtype: torch.dtype, shard_bytes: int | None) -> None:
-    """Write one file or contiguous shards; the draw order never depends on the sharding, so
-    sharded and unsharded checkpoints hold identical tensors. Only one shard is held in memory."""
+    """Write one file or contiguous shards.
+
+    The draw order never depends on the sharding, so sharded and unsharded checkpoints hold identical tensors.
+    Only one shard is held in memory."""
     item = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     used = 0
@@ -271,7 +276,8 @@ def write_demo_model(out_dir: str | Path, arch: str = "mixtral", seed: int = 0,
         for f in tmp.iterdir():
             f.chmod(0o644)
         if out.exists():
-            out.rmdir()  # verified empty above; rename cannot replace a directory portably
+            # Verified empty above. rename cannot replace a directory portably.
+            out.rmdir()
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

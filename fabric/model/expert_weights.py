@@ -1,6 +1,7 @@
-"""An expert's serving layout, the same whether an EW reads it from the checkpoint or maps it from the
-weight store: (gate_up_t [D, 2I], down_t [I, D]), fused and transposed (the fastest layout for torch's
-matmul on the few rows an expert sees per batch), or both packed for the skinny GEMM kernel
+"""An expert's serving layout, whether an EW reads it from the checkpoint or maps it from the weight store.
+
+The layout is (gate_up_t [D, 2I], down_t [I, D]), fused and transposed. That is the fastest layout for torch's
+matmul on the few rows an expert sees per batch. Or both are packed for the skinny GEMM kernel
 (fabric/kernels/skinny.py), which reads them about twice as fast."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Tensor ops shared by both sides. Legend: T tokens, D hidden, H heads, K kv heads, d head dim, I expert
-intermediate size. Numerics follow the transformers implementations (fp32 norm statistics, rotate-half
-RoPE), so greedy tokens match them.
+"""Tensor ops shared by both sides.
+
+Legend: T tokens, D hidden, H heads, K kv heads, d head dim, I expert intermediate size. Numerics follow the
+transformers implementations (fp32 norm statistics, rotate-half RoPE), so greedy tokens match them.
 """
 
 from __future__ import annotations

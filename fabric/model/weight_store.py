@@ -1,17 +1,18 @@
-"""The host-memory weight store's format: every tensor a worker serves with, in its serving layout
-(cast, fused, transposed, packed for the kernel), in one file on /dev/shm, written once by the
-weight-store process (weight_store/main.py) and mapped by every worker on the host (ReMP's shared
-CPU-memory weight store).
+"""The host-memory weight store's format (ReMP's shared CPU-memory weight store).
+
+It holds every tensor a worker serves with, in its serving layout (cast, fused, transposed, packed for the
+kernel), in one file on /dev/shm. The weight-store process (weight_store/main.py) writes it once, and every
+worker on the host maps it.
 
     <dir>/manifest.json     {format, key, data, size, tensors: {name: [offset, dtype, shape, transposed]}}
     <dir>/weights-<id>.bin  the tensors, each at a page-aligned offset
 
-The manifest is written after its data file is complete and replaces the old one atomically, so a
-manifest that parses names a whole file. A worker maps each tensor it needs on its own
-(copy-on-write, pre-faulted): pages are shared with every other worker on the host, nothing is
-copied, and what it mapped stays valid after the store is gone or republished (the old file is
-unlinked, its pages live on while mapped). `key` says which checkpoint and which layout: a worker
-whose key differs (another dtype, another kernel) reads the checkpoint instead.
+The manifest is written after its data file is complete and replaces the old one atomically. So a manifest that
+parses names a whole file. A worker maps each tensor it needs on its own (copy-on-write, pre-faulted). Pages are
+shared with every other worker on the host, and nothing is copied. What a worker mapped stays valid after the
+store is gone or republished: the old file is unlinked, and its pages live on while mapped. `key` says which
+checkpoint and which layout. A worker whose key differs (another dtype, another kernel) reads the checkpoint
+instead.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from fabric.errors import FabricError
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor starts on a page: each can be mapped alone
+ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor starts on a page, so each can be mapped alone
 MANIFEST = "manifest.json"
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read faults now, pages stay shared
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class StoreMiss(FabricError):
-    """No usable store here (absent, another model or layout, a broken file): read the checkpoint."""
+    """No usable store here (absent, another model or layout, a broken file), so read the checkpoint."""
 
     recoverable = True
 
@@ -52,7 +53,8 @@ class StoreMiss(FabricError):
 class StoreKey:
     fingerprint: str  # the checkpoint's files (names, sizes, modification times)
     dtype: str  # the serving dtype, e.g. "torch.float32"
-    kernel: str  # the projections' and experts' layout: "skinny" (packed) or "torch"
+    # The projections' and experts' layout: "skinny" (packed) or "torch".
+    kernel: str
 
 
 def fingerprint(model_dir: str | Path) -> str:
@@ -74,6 +76,7 @@ def default_dir(tag: str) -> Path:
 
 def publish(directory: Path, key: StoreKey, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """Writes every tensor, then the manifest naming them (atomically), then unlinks older data files.
+
     Returns the manifest."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     data = f"weights-{os.getpid()}-{time.time_ns()}.bin"
@@ -83,7 +86,7 @@ def publish(directory: Path, key: StoreKey, tensors: Iterable[tuple[str, torch.T
             if name in entries:
                 raise ValueError(f"tensor {name!r} published twice")
             transposed = t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
-            body = (t.t() if transposed else t).contiguous()  # (a transposed view keeps its layout)
+            body = (t.t() if transposed else t).contiguous()  # a transposed view keeps its layout
             f.write(b"\0" * (-f.tell() % ALIGN))
             entries[name] = [f.tell(), str(body.dtype), list(body.shape), transposed]
             if body.numel():
@@ -121,16 +124,17 @@ def read_manifest(directory: Path, key: StoreKey | None = None) -> dict[str, Any
 
 
 class MappedStore:
-    """A worker's view of the store: `get(name)` maps one tensor (no copy, no checkpoint read).
+    """A worker's view of the store: `get(name)` maps one tensor, with no copy and no checkpoint read.
 
-    The data file is mapped once, private and writable (torch wants a writable buffer; nothing
-    writes, so every page stays the store's: shared with every worker of the host), and each tensor
-    is a view of it whose pages are faulted in read-only up front (MADV_POPULATE_READ), so the
-    first step takes no page faults. One file descriptor per store, whatever the tensor count."""
+    The data file is mapped once, private and writable, as torch wants a writable buffer. Nothing writes, so
+    every page stays the store's, shared with every worker of the host. Each tensor is a view of it whose pages
+    are faulted in read-only up front (MADV_POPULATE_READ), so the first step takes no page faults. There is one
+    file descriptor per store, whatever the tensor count."""
 
     def __init__(self, directory: str | Path, key: StoreKey) -> None:
         self.dir = Path(directory)
-        for attempt in range(3):  # (a store republishing between our reads of manifest and data)
+        # A store may republish between our reads of manifest and data.
+        for attempt in range(3):
             manifest = read_manifest(self.dir, key)
             try:
                 fd = os.open(self.dir / manifest["data"], os.O_RDONLY)
@@ -143,15 +147,16 @@ class MappedStore:
             self._region = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                      prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
         finally:
-            os.close(fd)  # (the mapping keeps what it needs)
+            os.close(fd)  # the mapping keeps what it needs
         self._bytes = torch.frombuffer(self._region, dtype=torch.uint8) if self._region is not None else None
         self._tensors: dict[str, list[Any]] = manifest["tensors"]
         self.bytes_mapped = 0
 
     @classmethod
     def wait(cls, directory: str | Path, key: StoreKey, timeout: float) -> MappedStore:
-        """The store once its manifest is there (a store still building at start-up), for at most
-        `timeout` seconds; StoreMiss if it does not come or has another key."""
+        """The store once its manifest is there, waiting at most `timeout` seconds.
+
+        A store may still be building at start-up. Raises StoreMiss if it does not come or has another key."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -179,7 +184,8 @@ class MappedStore:
         assert self._region is not None and self._bytes is not None
         if offset + nbytes > len(self._region):
             raise StoreMiss(f"weight store tensor {name!r} lies outside its data file")
-        with contextlib.suppress(OSError, ValueError):  # (a kernel before 5.14: faulted in on first use)
+        # On a kernel before 5.14, pages are faulted in on first use instead.
+        with contextlib.suppress(OSError, ValueError):
             self._region.madvise(MADV_POPULATE_READ, offset, nbytes)
         t = self._bytes[offset:offset + nbytes].view(dtype).view(shape)
         self.bytes_mapped += nbytes
@@ -192,15 +198,17 @@ class MappedStore:
 
 
 def store_key(model_dir: str | Path, dtype: torch.dtype, gemm: object | None) -> StoreKey:
-    """The key of a store of this checkpoint for workers whose projections use `gemm` (the skinny
-    kernel: packed layout) or torch's matmul (None)."""
+    """The key of a store of this checkpoint for workers whose projections use `gemm`.
+
+    `gemm` is the skinny kernel (packed layout), or None for torch's matmul."""
     return StoreKey(fingerprint(model_dir), str(dtype), "skinny" if gemm is not None else "torch")
 
 
 def open_store(directory: str | None, model_dir: str | Path, dtype: torch.dtype, gemm: object | None,
                wait_s: float) -> MappedStore | None:
-    """A worker's store (None: read the checkpoint, with the reason logged); `gemm`: the kernel its
-    projections use. Blocking: call from a thread."""
+    """A worker's store, or None to read the checkpoint, with the reason logged.
+
+    `gemm` is the kernel its projections use. Blocking: call from a thread."""
     if not directory:
         return None
     try:

@@ -25,9 +25,10 @@ def resolve_transport_name(name: str) -> str:
 
 def make_transport(name: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT,
                    secret: bytes | None = None, tls: Tls | None = None) -> Transport:
-    """A transport whose connections have the send deadline `send_timeout` (seconds), begin with
-    the cluster handshake (fabric/auth.py) on both sides given a `secret`, and run inside TLS
-    given `tls` (tcp only)."""
+    """A transport whose connections have the send deadline `send_timeout` (seconds).
+
+    Given a `secret`, they begin with the cluster handshake (fabric/auth.py) on both sides. Given `tls`, they
+    run inside TLS (tcp only)."""
     resolved = resolve_transport_name(name)
     if resolved == "ucx":
         if tls is not None:

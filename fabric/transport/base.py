@@ -1,15 +1,15 @@
 """The transport interface: listeners and message connections, whatever carries the bytes.
 
-Contract: `send` queues one whole message (prefix, header, frames) and returns once the transport
-owns the bytes; `send_nowait` queues it and returns at once (for main loops, which must never wait
-on one peer); `recv` returns the next whole message or raises `PeerDeadError` (closed, reset) or
-`ProtocolError` (malformed, truncated, oversized; the connection is then unusable and is closed).
-None of them ever raises anything else for a peer's misbehaviour.
+Contract: `send` queues one whole message (prefix, header, frames) and returns once the transport owns the bytes.
+`send_nowait` queues it and returns at once, for main loops, which must never wait on one peer. `recv` returns
+the next whole message, or raises `PeerDeadError` (closed, reset) or `ProtocolError` (malformed, truncated,
+oversized). After a `ProtocolError` the connection is unusable and is closed. None of them ever raises anything
+else for a peer's misbehaviour.
 
-Send deadline: a peer that does not drain what was sent to it for `send_timeout` seconds (no byte
-taken in that long while bytes wait) has its connection closed, and every send and receive on it
-raises `PeerDeadError`: a stuck or stopped reader on a live socket is a dead peer, found as a
-silent one is, and no sender waits on it for longer than that.
+Send deadline: if a peer does not drain what was sent to it for `send_timeout` seconds (no byte taken in that
+long while bytes wait), its connection is closed. Every send and receive on it then raises `PeerDeadError`. A
+stuck or stopped reader on a live socket is a dead peer, found as a silent one is. No sender waits on it for
+longer than that.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ log = logging.getLogger(__name__)
 
 
 DEFAULT_SEND_TIMEOUT = 1.0  # seconds
-DISPLACE_WAIT = 0.3  # seconds: how long a connection an id is bound to may take to end when a second claims it
+# Seconds a connection an id is bound to may take to end when a second connection claims the id.
+DISPLACE_WAIT = 0.3
 
 
 class Connection(abc.ABC):
-    # Where this connection's tensors travel: None, host memory (a device tensor must be moved to
-    # the host before it is sent); a torch device, that device's memory both ways (`land_frames_on`).
+    # Where this connection's tensors travel. None means host memory: a device tensor must be moved to the host
+    # before it is sent. A torch device means that device's memory, both ways (`land_frames_on`).
     frames_device: Any = None
 
     def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
@@ -44,11 +45,12 @@ class Connection(abc.ABC):
         self.closed = False
 
     def land_frames_on(self, device: Any) -> bool:
-        """From now on, carries tensors as `device` memory both ways where this transport can (UCX
-        reporting CUDA support, for a CUDA device): sends device tensors as they are and receives
-        every frame into `device` memory. Returns whether it does; where it does not, tensors cross
-        as host memory. A device tensor given to `send` must be done (`fabric.device.settled`):
-        the transport reads it outside the stream's order."""
+        """From now on, carries tensors as `device` memory both ways, where this transport can.
+
+        It can with UCX reporting CUDA support, for a CUDA device. It then sends device tensors as they are and
+        receives every frame into `device` memory. Returns whether it does; where it does not, tensors cross as
+        host memory. A device tensor given to `send` must be done (`fabric.device.settled`), as the transport
+        reads it outside the stream's order."""
         return False
 
     def _encode(self, msg: Message) -> tuple[dict, Frames]:
@@ -63,8 +65,9 @@ class Connection(abc.ABC):
         await self.send_raw(header, frames)
 
     def send_nowait(self, msg: Message) -> None:
-        """Queues `msg` and returns at once; raises PeerDeadError if the connection is gone. A
-        peer that does not take it within the send deadline loses the connection."""
+        """Queues `msg` and returns at once; raises PeerDeadError if the connection is gone.
+
+        A peer that does not take it within the send deadline loses the connection."""
         header, frames = self._encode(msg)
         self.post_raw(header, frames)
 
@@ -95,8 +98,9 @@ class Connection(abc.ABC):
     async def _write_bytes(self, data: bytes) -> None: ...
 
     async def prove(self, secret: bytes, dialer: bool) -> None:
-        """The mutual handshake over the cluster secret; raises AuthError (and closes this
-        connection) unless both sides hold it."""
+        """The mutual handshake over the cluster secret.
+
+        Raises AuthError, and closes this connection, unless both sides hold it."""
         handshake = auth.dialer_handshake if dialer else auth.listener_handshake
         try:
             await handshake(secret, self._read_exactly, self._write_bytes, self.peer)
@@ -128,16 +132,17 @@ class Listener(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Stops accepting and closes every connection this listener accepted, so that peers
-        learn at once that this process is going away (not when it has exited). Idempotent."""
+        """Stops accepting and closes every connection this listener accepted. Idempotent.
+
+        Peers then learn at once that this process is going away, not when it has exited."""
 
 
 Handler = Callable[[Connection], Awaitable[None]]
 
 # Connections a listener queues before accepting them (the kernel caps it at net.core.somaxconn).
-# asyncio's default of 100 (aiohttp's 128) drops the SYNs of a burst: 256 workers re-registering
-# with a restarted orchestrator, or 128 AWs dialing an EW twice each, and the dropped ones retry
-# only after TCP's 1 s initial timeout.
+# asyncio's default of 100 (aiohttp's 128) drops the SYNs of a burst, such as 256 workers re-registering with a
+# restarted orchestrator, or 128 AWs dialing an EW twice each. The dropped ones retry only after TCP's 1 s
+# initial timeout.
 LISTEN_BACKLOG = 4096
 
 
@@ -153,11 +158,13 @@ class Transport(abc.ABC):
         """Raises PeerDeadError if the peer cannot be reached within `timeout`."""
 
     send_timeout: float = DEFAULT_SEND_TIMEOUT  # the send deadline of every connection it makes
-    secret: bytes | None = None  # the cluster secret: every connection, made or accepted, proves it first
+    # The cluster secret. Every connection, made or accepted, proves it first.
+    secret: bytes | None = None
 
     def abort_all(self) -> None:  # noqa: B027 - optional
-        """Cuts every listener and connection of this transport at once, as the kernel does when a
-        process is killed (a simulation's fault injection, fabric/sim_host.py)."""
+        """Cuts every listener and connection of this transport at once, as the kernel does for a killed process.
+
+        It serves a simulation's fault injection (fabric/sim_host.py)."""
 
     async def _dialed(self, conn: Connection) -> Connection:
         """A connection this transport made, once the listener has proved itself (if a secret is set)."""
@@ -167,7 +174,8 @@ class Transport(abc.ABC):
             except AuthError as exc:
                 log.warning("refusing %s: %s", conn.peer, exc)
                 raise PeerDeadError(conn.peer, f"authentication failed: {exc}") from exc
-            except BaseException:  # (a connect given up on mid-handshake: no socket left behind)
+            except BaseException:
+                # A connect given up on mid-handshake leaves no socket behind.
                 await conn.close()
                 raise
         return conn
@@ -186,10 +194,11 @@ class Transport(abc.ABC):
 
 
 async def bound_elsewhere(held: Connection | None, nudge: Message, wait: float = DISPLACE_WAIT) -> bool:
-    """Whether `held`, the connection a peer's id is bound to, is still up when a second one claims
-    that id: then the second is an impostor, and is refused. A peer that reconnects has closed the
-    first, which may not have ended here yet: waits up to `wait` for its end; `nudge` (a message the
-    peer ignores) is written to it first, so that a peer gone without a word shows as a reset."""
+    """Whether `held`, the connection a peer's id is bound to, is still up when a second one claims that id.
+
+    If so, the second is an impostor, and is refused. A peer that reconnects has closed the first, which may not
+    have ended here yet. So this waits up to `wait` for its end. `nudge`, a message the peer ignores, is written
+    to it first, so that a peer gone without a word shows as a reset."""
     if held is None or held.closed:
         return False
     try:

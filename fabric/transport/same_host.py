@@ -1,13 +1,15 @@
-"""Where a listener's same-host Unix socket lives: one per (host, port) in a directory only this
-user can enter, so that a dialer on this machine finds its peer's socket from the address it
-already has (a file there means the listener runs on this machine), and nobody else on the host
-can reach it. The cluster handshake runs on it as on TCP.
+"""Where a listener's same-host Unix socket lives.
 
-Off unless $MOE_FABRIC_SAME_HOST is 1: side by side on the 2-core VM (2026-11-26, 2 AW + 2 EW, no
-compute, 4 rounds) it was no faster than loopback TCP at one stream (0.98x the time between
-tokens) and slower at 16 (1.11x), though a lone round trip through it takes 465 µs against 788 µs
-over TCP (docs/performance.md). The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in
-the temp directory; a directory that another user owns or can write into disables them (TCP only).
+There is one per (host, port), in a directory only this user can enter. A dialer on this machine finds its
+peer's socket from the address it already has; a file there means the listener runs on this machine. Nobody else
+on the host can reach it. The cluster handshake runs on it as on TCP.
+
+Off unless $MOE_FABRIC_SAME_HOST is 1. Side by side on the 2-core VM (2026-11-26, 2 AW + 2 EW, no compute,
+4 rounds) it was no faster than loopback TCP at one stream (0.98x the time between tokens). It was slower at 16
+(1.11x), though a lone round trip through it takes 465 µs against 788 µs over TCP (docs/performance.md).
+
+The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory. A directory that another
+user owns or can write into disables same-host sockets (TCP only).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ ENABLE = "MOE_FABRIC_SAME_HOST"
 
 
 def enabled() -> bool:
-    """Whether listeners and dialers made now use same-host sockets (the environment says; a
-    process's children inherit it)."""
+    """Whether listeners and dialers made now use same-host sockets.
+
+    The environment says so, and a process's children inherit it."""
     return os.environ.get(ENABLE) == "1" and directory() is not None
 
 
@@ -50,7 +53,7 @@ def directory() -> str | None:
 
 
 def path(host: str, port: int) -> str | None:
-    """The socket of the listener at host:port on this machine (None: no same-host socket)."""
+    """The socket of the listener at host:port on this machine, or None if there is no same-host socket."""
     d = directory()
     if d is None or not port:
         return None

@@ -1,20 +1,21 @@
-"""TCP backend on asyncio (uvloop where installed): TCP_NODELAY, one message = one write, and a
-buffered protocol that receives each message body straight into its own buffer.
+"""TCP backend on asyncio (uvloop where installed).
 
-asyncio's StreamReader grows one bytearray per connection and copies every message out of it,
-twice for a large one; a restored request's KV (tens of MB) then costs more in those copies than
-on the wire. Here the socket fills the body buffer directly; bytes that arrive while nobody is
-reading wait in a small spill buffer (reading pauses when it holds more than SPILL_BYTES).
+It sets TCP_NODELAY, makes one write per message, and uses a buffered protocol that receives each message body
+straight into its own buffer.
 
-Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks
-every `send_timeout` that the peer took some bytes since the last check; a peer that took none is
-cut off (`transport.abort()`), which fails every sender and the reader with PeerDeadError.
+asyncio's StreamReader grows one bytearray per connection and copies every message out of it, twice for a large
+one. A restored request's KV (tens of MB) then costs more in those copies than on the wire. Here the socket
+fills the body buffer directly. Bytes that arrive while nobody is reading wait in a small spill buffer. Reading
+pauses when it holds more than SPILL_BYTES.
 
-Same host (with MOE_FABRIC_SAME_HOST=1; off by default, as it measured no faster in a whole
-fabric): every listener also listens on a Unix socket named after its address
-(fabric/transport/same_host.py), and a dialer whose peer has one on this machine connects there
-instead of to the TCP port, with the same wire, handshake and deadlines. Peers on other hosts, and
-every connection inside TLS, use TCP.
+Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks every
+`send_timeout` that the peer took some bytes since the last check. A peer that took none is cut off
+(`transport.abort()`), which fails every sender and the reader with PeerDeadError.
+
+Same host, with MOE_FABRIC_SAME_HOST=1 (off by default, as it measured no faster in a whole fabric): every
+listener also listens on a Unix socket named after its address (fabric/transport/same_host.py). A dialer whose
+peer has one on this machine connects there instead of to the TCP port, with the same wire, handshake and
+deadlines. Peers on other hosts, and every connection inside TLS, use TCP.
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode
 COALESCE_BYTES = 1 << 20
 SCRATCH_BYTES = 256 << 10
 SPILL_BYTES = 1 << 20
-DIRECT_BYTES = 64 << 10  # reads at least this large fill their buffer straight from the socket
+# Reads at least this large fill their buffer straight from the socket.
+DIRECT_BYTES = 64 << 10
 _scratch = threading.local()
 
 
 def _scratch_buffer() -> bytearray:
-    """This thread's receive scratch, shared by all its connections: the event loop calls
-    `get_buffer` and `buffer_updated` back to back, and the bytes are copied out in between, so one
-    buffer serves every connection of a loop. (One per connection cost 256 KiB of resident memory
-    a link end: 8 GiB for a 128 x 128 AW-EW mesh.)"""
+    """This thread's receive scratch, shared by all its connections.
+
+    The event loop calls `get_buffer` and `buffer_updated` back to back, and the bytes are copied out in between.
+    So one buffer serves every connection of a loop. One per connection cost 256 KiB of resident memory a link
+    end, 8 GiB for a 128 x 128 AW-EW mesh."""
     buf: bytearray | None = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = bytearray(SCRATCH_BYTES)
@@ -78,8 +81,10 @@ class _Pipe(asyncio.BufferedProtocol):
         self._reading_paused = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
-        self.lost: BaseException | None = None  # set once the connection is gone (None inside: clean EOF)
-        self.address = ""  # what the dialer asked for ("" on the listening side: the peer's address)
+        # Set once the connection is gone. None inside it means a clean EOF.
+        self.lost: BaseException | None = None
+        # What the dialer asked for. On the listening side it is "", and the peer's address is used.
+        self.address = ""
         self.closed = asyncio.get_running_loop().create_future()
 
     # -- asyncio callbacks --------------------------------------------------------------------
@@ -90,9 +95,9 @@ class _Pipe(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        # A large read fills its target straight from the socket; a small one (a prefix, a small
-        # body) takes whatever has arrived into the scratch, so a small message's prefix and body
-        # come in one read and one wake-up of the reader, not two of each.
+        # A large read fills its target straight from the socket. A small one (a prefix, a small body) takes
+        # whatever has arrived into the scratch. So a small message's prefix and body come in one read and one
+        # wake-up of the reader, not two of each.
         if self._target is not None and len(self._target) - self._filled >= DIRECT_BYTES:
             self._direct = True
             return self._target[self._filled:]
@@ -185,8 +190,9 @@ class _Pipe(asyncio.BufferedProtocol):
                 waiter.set_exception(exc)
 
     async def read_into(self, buf: bytearray | memoryview) -> None:
-        """Fills `buf` completely; raises asyncio.IncompleteReadError (with the bytes that did
-        arrive) if the connection ends first."""
+        """Fills `buf` completely.
+
+        Raises asyncio.IncompleteReadError, with the bytes that did arrive, if the connection ends first."""
         view = memoryview(buf)
         take = min(len(self._spill), len(view))
         if take:
@@ -212,8 +218,8 @@ class _Pipe(asyncio.BufferedProtocol):
         if self.lost is not None:
             raise ConnectionResetError(str(self.lost))
         if self._write_paused:
-            # One future shared by every sender waiting here (several tasks may send on one
-            # connection); shielded, so a cancelled sender does not cancel the others' wait.
+            # One future is shared by every sender waiting here, as several tasks may send on one connection.
+            # It is shielded, so a cancelled sender does not cancel the others' wait.
             if self._drain_waiter is None or self._drain_waiter.done():
                 self._drain_waiter = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._drain_waiter)
@@ -227,7 +233,7 @@ class TcpConnection(Connection):
             name = pipe.address
         elif isinstance(peer, tuple):
             name = f"tcp://{peer[0]}:{peer[1]}"
-        else:  # (accepted on the same-host socket)
+        else:  # accepted on the same-host socket
             name = f"unix://{pipe.transport.get_extra_info('sockname')}"
         super().__init__(name, limits, pipe.send_timeout)
         self._pipe = pipe
@@ -248,11 +254,11 @@ class TcpConnection(Connection):
         lost = self._lost()
         if lost is not None:
             raise self._error(lost)
-        parts = cast(list[bytes | memoryview], encode(header, frames))  # (host frames: `Connection._encode`)
+        parts = cast(list[bytes | memoryview], encode(header, frames))  # host frames, as `Connection._encode` checks
         size = sum(memoryview(p).nbytes for p in parts)
         try:
-            # One write per message: every write is a syscall (and on loopback, the receiver's
-            # network stack runs inside it), so small messages are joined before sending.
+            # One write per message. Every write is a syscall, and on loopback the receiver's network stack
+            # runs inside it. So small messages are joined before sending.
             if size <= COALESCE_BYTES:
                 self._transport.write(b"".join(parts))
             else:
@@ -334,14 +340,14 @@ class TcpTransport(Transport):
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT,
                  secret: bytes | None = None, tls: Tls | None = None, same_host_sockets: bool = True) -> None:
         self.limits = limits
-        # Unix sockets between processes on one host (never inside TLS: TLS is for crossing hosts).
+        # Unix sockets between processes on one host. Never inside TLS, as TLS is for crossing hosts.
         self.same_host = same_host_sockets and tls is None and same_host.enabled()
         self.send_timeout = send_timeout
         self.secret = secret
         self._server_ssl = tls.server if tls is not None else None
         self._client_ssl = tls.client if tls is not None else None
         self._handlers: set[asyncio.Task[Any]] = set()  # referenced until done
-        self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # every connection's (for abort_all)
+        self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # every connection's, for abort_all
         self._servers: list[asyncio.Server] = []
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
@@ -369,7 +375,7 @@ class TcpTransport(Transport):
         servers, bound = [server], server.sockets[0].getsockname()[1]
         path = same_host.path(host, bound) if self.same_host else None
         if path is not None:
-            same_host.remove(path)  # (a dead process's, on a port the kernel gave again)
+            same_host.remove(path)  # a dead process's, on a port the kernel gave again
             servers.append(await loop.create_unix_server(_ServerPipe, path, backlog=LISTEN_BACKLOG))
             os.chmod(path, 0o600)
             self._servers.append(servers[-1])
@@ -389,7 +395,8 @@ class TcpTransport(Transport):
                 _, pipe = await asyncio.wait_for(asyncio.get_running_loop().create_unix_connection(
                     lambda: _Pipe(self.send_timeout), path), timeout)
             except (TimeoutError, OSError):
-                pass  # (a dead listener's socket file: TCP says whether the peer is there)
+                # A dead listener's socket file. TCP says whether the peer is there.
+                pass
             else:
                 pipe.address = f"tcp://{host}:{port}"
                 self._pipes.add(pipe)

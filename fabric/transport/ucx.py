@@ -2,20 +2,20 @@
 
 One UCX worker per event loop, progressed by that loop itself (`fabric/transport/ucx_progress.py`).
 
-A connection is a UCX endpoint used as a byte stream (the stream API, ordered per endpoint like
-TCP): each message is posted as its prefix, header and frames back to back, frames without a
-copy. The reader takes the 20-byte prefix, checks it against the limits, then receives exactly
-the body. The listener greets every endpoint with 4 bytes, and `connect` waits for them, so a
-peer that is not there fails the connect within its timeout.
+A connection is a UCX endpoint used as a byte stream (the stream API, ordered per endpoint like TCP). Each
+message is posted as its prefix, header and frames back to back, frames without a copy. The reader takes the
+20-byte prefix, checks it against the limits, then receives exactly the body. The listener greets every endpoint
+with 4 bytes, and `connect` waits for them. So a peer that is not there fails the connect within its timeout.
 
-Device memory: a connection told to `land_frames_on` a CUDA device, where UCX reports CUDA support
-(its cuda_copy transport), posts device frames as they are (UCX reads GPU memory itself: no copy
-through torch into host memory) and receives each frame of a message into a buffer of its own on
-that device: the 20-byte prefix and the frame table with the header into host memory, then frame
-by frame. The bytes on the wire are those of a host message; each end picks its own memory. How
-UCX moves them is its choice: streams use its eager protocols, so whether a transfer is GPUDirect
-RDMA or staged through UCX's bounce buffers depends on the NIC and UCX's build (zero-copy
-rendezvous needs the tag or active-message API; not measured, no GPU here).
+Device memory: a connection may be told to `land_frames_on` a CUDA device, where UCX reports CUDA support (its
+cuda_copy transport). It then posts device frames as they are. UCX reads GPU memory itself, with no copy through
+torch into host memory. The connection receives each frame of a message into a buffer of its own on that device.
+The 20-byte prefix and the frame table with the header go into host memory, then the frames follow one by one.
+The bytes on the wire are those of a host message; each end picks its own memory.
+
+How UCX moves them is its choice. Streams use its eager protocols, so whether a transfer is GPUDirect RDMA or
+staged through UCX's bounce buffers depends on the NIC and UCX's build. Zero-copy rendezvous needs the tag or
+active-message API. None of this is measured, as there is no GPU here.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     import torch
 
 GREETING = b"MoFU"
-JOIN_BYTES = 64 << 10  # messages up to this size are posted as one buffer (one UCX request)
-ZEROFILL_BYTES = 256 << 10  # larger receive buffers are not zero-filled: UCX writes every byte
+# Messages up to this size are posted as one buffer, in one UCX request.
+JOIN_BYTES = 64 << 10
+# Larger receive buffers are not zero-filled, as UCX writes every byte.
+ZEROFILL_BYTES = 256 << 10
 
 
 class UcxConnection(Connection):
@@ -47,7 +49,8 @@ class UcxConnection(Connection):
         self._p = progress
         self._waiting: set[asyncio.Future[None]] = set()
         self._lost: str | None = None
-        self._ucx_closed = False  # UCX closed the endpoint itself (peer gone): closing it again crashes ucxx
+        # UCX closed the endpoint itself, as the peer is gone. Closing it again crashes ucxx.
+        self._ucx_closed = False
         self._sends: set[asyncio.Task[None]] = set()  # send_nowait completions, referenced until done
         self._stalled = False  # cut off by the send deadline
         ep.set_close_callback(self._on_ucx_close)
@@ -73,8 +76,10 @@ class UcxConnection(Connection):
             self._waiting.discard(fut)
 
     async def _wait_all(self, reqs: list[tuple[Any, object]]) -> None:
-        """Waits for UCX to complete `reqs`, each tracked at once: a wait cut short leaves every
-        buffer referenced until UCX is done with it (or the endpoint's close cancels it)."""
+        """Waits for UCX to complete `reqs`, each tracked at once.
+
+        A wait cut short leaves every buffer referenced until UCX is done with it, or until the endpoint's close
+        cancels it."""
         futs = [self._p.track(req, keep) for req, keep in reqs]
         self._waiting.update(futs)
         try:
@@ -106,8 +111,9 @@ class UcxConnection(Connection):
         return True
 
     def _post_now(self, parts: Sequence[Frame]) -> list[tuple[Any, object]]:
-        """Posts raw buffers, in order, without an await in between: messages from concurrent
-        senders never interleave. Returns the requests to wait for."""
+        """Posts raw buffers, in order, without an await in between. Returns the requests to wait for.
+
+        So messages from concurrent senders never interleave."""
         self._check_open()
         array = self._p.Array
         if self.frames_device is not None:
@@ -115,8 +121,9 @@ class UcxConnection(Connection):
         return [(self._ep.stream_send(array(p)), p) for p in parts if nbytes(p)]
 
     async def _complete(self, reqs: list[tuple[Any, object]]) -> None:
-        """Waits until UCX is done with `reqs`, at most the send deadline: a peer that takes
-        nothing for that long is dead (its endpoint is closed)."""
+        """Waits until UCX is done with `reqs`, at most the send deadline.
+
+        A peer that takes nothing for that long is dead, and its endpoint is closed."""
         try:
             async with asyncio.timeout(self.send_timeout):
                 await self._wait_all(reqs)
@@ -164,7 +171,8 @@ class UcxConnection(Connection):
         try:
             await self._complete(reqs)
         except PeerDeadError:
-            pass  # the connection is closed: its reader and later senders find out
+            # The connection is closed. Its reader and later senders find out.
+            pass
 
     async def recv_into(self, buf: bytearray | memoryview | np.ndarray | torch.Tensor) -> None:
         self._check_open()
@@ -204,8 +212,8 @@ class UcxConnection(Connection):
             frames = [torch.empty(n, dtype=torch.uint8, device=self.frames_device) for n in lens]  # [n] bytes each
         except torch.OutOfMemoryError as exc:
             raise ProtocolError(f"no {self.frames_device} memory for a message of {body_len} bytes: {exc}") from exc
-        # The allocator may hand out blocks that kernels queued before now still read; UCX writes
-        # outside the stream's order, so it waits for them (without holding up the loop).
+        # The allocator may hand out blocks that kernels queued before now still read. UCX writes outside the
+        # stream's order, so this waits for them, without holding up the loop.
         await settled(self.frames_device)
         for frame in frames:
             if frame.nbytes:
@@ -226,9 +234,11 @@ class UcxConnection(Connection):
 
 
 def _ucx_buffer(part: Any) -> Any:
-    """What UCX is given for a part: a host buffer as it is, a CUDA frame as a CUDA array (UCX reads
-    it outside the stream's order: whoever sends one waits for the kernels that wrote it first,
-    `fabric.device.settled`), a host tensor as an array."""
+    """What UCX is given for a part.
+
+    A host buffer goes as it is, and a host tensor as an array. A CUDA frame goes as a CUDA array. UCX reads it
+    outside the stream's order, so whoever sends one first waits for the kernels that wrote it
+    (`fabric.device.settled`)."""
     if isinstance(part, (bytes, bytearray, memoryview, np.ndarray)) or part.device.type == "cuda":
         return part
     return part.numpy()
@@ -239,11 +249,12 @@ class UcxListener(Listener):
         self.closed = False
         self.accepted: set[UcxConnection] = set()
         self.port = 0
-        self.ucx_listener: Any = None  # held here: once only a callback cycle holds it, gc frees it
+        # Held here. Once only a callback cycle holds it, gc frees it.
+        self.ucx_listener: Any = None
 
     async def close(self) -> None:
-        # ucxx offers no way to stop a listener: an endpoint it accepted keeps it alive. A closed
-        # one refuses what still arrives (the endpoint is closed as it is made).
+        # ucxx offers no way to stop a listener, as an endpoint it accepted keeps it alive. A closed listener
+        # refuses what still arrives: the endpoint is closed as it is made.
         self.closed = True
         await asyncio.gather(*(conn.close() for conn in list(self.accepted)))
         self.accepted.clear()
@@ -271,7 +282,7 @@ class UcxTransport(Transport):
             except Exception:
                 return  # the dialer gave up already
             conn = UcxConnection(ep, progress, f"ucx://{host}:{port}<-peer", self.limits, self.send_timeout)
-            if lst.closed:  # refused: the dialer's connect fails at once
+            if lst.closed:  # refused, so the dialer's connect fails at once
                 task = progress.loop.create_task(conn.close())
             else:
                 lst.accepted.add(conn)

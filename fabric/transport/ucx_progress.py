@@ -1,10 +1,13 @@
-"""One UCX worker per event loop, progressed by that loop itself (`Progress`): the worker's event
-file descriptor is watched with `add_reader`, every posted request is tracked until UCX completes
-it, and the worker is re-armed once it has nothing left to do. There is no progress thread and no
-notifier thread. ucxx's asyncio layer completes each request on its notifier thread, which hands it
-to the loop (`run_coroutine_threadsafe`, then a blocking wait of up to 10 ms for the loop to run
-it); with a loop busy in torch work that cost 1-6 ms per round trip in the fabric, and its
-blocking progress mode kept idle workers at ~20% of a core.
+"""One UCX worker per event loop, progressed by that loop itself (`Progress`).
+
+The worker's event file descriptor is watched with `add_reader`. Every posted request is tracked until UCX
+completes it. The worker is re-armed once it has nothing left to do. There is no progress thread and no notifier
+thread.
+
+ucxx's asyncio layer completes each request on its notifier thread, which hands it to the loop
+(`run_coroutine_threadsafe`, then a blocking wait of up to 10 ms for the loop to run it). With a loop busy in
+torch work, that cost 1-6 ms per round trip in the fabric. The layer's blocking progress mode kept idle workers at
+~20% of a core.
 
 Also here: what UCX can do on this machine (RDMA, CUDA memory), read from its context.
 """
@@ -19,8 +22,8 @@ from typing import Any
 from fabric.errors import ConfigError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# UCX's TCP transport (what streams run on without RDMA) cuts messages into 8 KiB segments by
-# default: an 8 MiB message took 8 ms each way here, 2.3 ms with 256 KiB. RDMA transports ignore these.
+# UCX's TCP transport (what streams run on without RDMA) cuts messages into 8 KiB segments by default.
+# An 8 MiB message took 8 ms each way here, 2.3 ms with 256 KiB. RDMA transports ignore these.
 os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "256k")
 os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "256k")
 
@@ -47,7 +50,8 @@ def rdma_available() -> bool:
     """True when UCX reports an RDMA-capable transport (InfiniBand/RoCE verbs, mlx5, EFA...)."""
     try:
         found = transports(_context(ucx_lib()))
-    except Exception:  # no ucxx, or UCX cannot start here: not RDMA-capable either way
+    except Exception:
+        # No ucxx, or UCX cannot start here. Either way it is not RDMA-capable.
         return False
     return any(t.split("_")[0] in {"rc", "ud", "dc", "ib", "srd"} for t in found)
 
@@ -55,9 +59,9 @@ def rdma_available() -> bool:
 class Progress:
     """Drives one UCX worker from one asyncio loop.
 
-    Contract: `track(request, keep)` returns a future that completes when UCX completes the
-    request (with the request's error, if any); `keep` (the request's buffers) stays referenced
-    until then. UCX callbacks (new endpoints, endpoint errors) run inside `progress`, on the loop.
+    Contract: `track(request, keep)` returns a future that completes when UCX completes the request, with the
+    request's error if any. `keep` (the request's buffers) stays referenced until then. UCX callbacks (new
+    endpoints, endpoint errors) run inside `progress`, on the loop.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -95,7 +99,7 @@ class Progress:
                 elif not fut.done():
                     _settle(req, fut)
             self._pending = still
-        # Armed, the event fd wakes the loop on UCX's next event; busy means events are pending.
+        # Armed, the event fd wakes the loop on UCX's next event. Busy means events are pending.
         if not worker.arm():
             self.kick()
 
