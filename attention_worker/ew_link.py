@@ -136,7 +136,9 @@ class EwLink:
     def _held(self) -> bool:
         """Whether the EW's last answer says it has this AW's outstanding calls, or may have them unread.
 
-        They may be unread if its batch under way began before the oldest went out, plus a round trip."""
+        Its count includes calls that wait unread on its data connection, where the transport can tell
+        (tcp). Failing that, they may be unread if its batch under way began before the oldest went
+        out, plus a round trip."""
         if self.held:
             return True
         return self.busy_since is not None and bool(self.sent_at) and \

@@ -204,9 +204,15 @@ class ExpertWorker(Service):
         """How long the batch under way has run, and how many of AW `peer`'s calls are queued or in it.
 
         Called on the control loop. That AW waits for those calls, however long the batch takes
-        (attention_worker/ew_link.py).
+        (attention_worker/ew_link.py). Calls still unread on its data connection count as one: a
+        batch that began just before they could be read holds them too. On a loaded host this loop
+        may start a batch before reading calls that arrived earlier.
         """
-        held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])  # (lists copied under the GIL)
+        # (lists copied under the GIL)
+        held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])
+        data = self.conns.get(peer, {}).get("data")
+        if data is not None and data.unread() > 0:
+            held += 1
         return self.busy_for(), held
 
     def _premap(self) -> None:

@@ -64,6 +64,9 @@ class Life:
     replaces: str = ""  # REPLACEMENT: the dead worker it stands in for
     standby: bool = False  # a warm spare: serves nothing until woken (AW) or given a slot (EW)
 
+    def __post_init__(self) -> None:
+        _short(self.replaces)
+
     def woken(self, replaces: str) -> None:
         """A standby now serves in place of `replaces`."""
         self.origin, self.replaces, self.standby = Origin.REPLACEMENT, replaces, False
@@ -82,6 +85,17 @@ class Traits:
     block_size: int = 0  # AW
     bucket_mib: int = 0  # checkpoint store
     warmup_ms: float = 0.0  # AW, EW: the warm-up before it served (0: none)
+
+    def __post_init__(self) -> None:
+        _short(self.node, self.transport, self.gather, self.model)
+
+
+MAX_NAME = 256  # characters in a name a worker reports (/cluster shows it, every later view carries some)
+
+
+def _short(*names: str) -> None:
+    if any(len(n) > MAX_NAME for n in names):
+        raise ValueError(f"a name over {MAX_NAME} characters")
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,13 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Idempotent."""
 
+    def unread(self) -> int:
+        """Bytes that arrived for this connection and that its reader has not taken yet (0: none, or unknown).
+
+        Safe to call from another thread. An EW tells an AW that probes it whether the AW's calls wait
+        unread behind a long batch (fabric/control_port.py)."""
+        return 0
+
 
 class Listener(abc.ABC):
     port: int

@@ -21,8 +21,11 @@ deadlines. Peers on other hosts, and every connection inside TLS, use TCP.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import socket
+import sys
+import termios
 import threading
 import weakref
 from typing import Any, cast
@@ -127,6 +130,10 @@ class _Pipe(asyncio.BufferedProtocol):
         if len(self._spill) > SPILL_BYTES and self.transport is not None and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
+
+    def buffered(self) -> int:
+        """Bytes received into this process that no read has taken yet."""
+        return len(self._spill) + (self._filled if self._target is not None else 0)
 
     def eof_received(self) -> bool:
         self._gone(ConnectionResetError("connection closed by the peer"))
@@ -238,6 +245,18 @@ class TcpConnection(Connection):
         super().__init__(name, limits, pipe.send_timeout)
         self._pipe = pipe
         self._transport = pipe.transport
+        sock = pipe.transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+
+    def unread(self) -> int:
+        """What the kernel holds for this socket, plus what was read into this process and not taken."""
+        n = self._pipe.buffered()
+        if self._fd >= 0 and not self.closed and self._pipe.lost is None:
+            try:
+                n += int.from_bytes(fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder, signed=True)
+            except OSError:  # (closed meanwhile)
+                pass
+        return n
 
     def _error(self, reason: str) -> PeerDeadError:
         cls = PeerStalledError if self._pipe.stalled else PeerDeadError

@@ -255,3 +255,33 @@ def test_ucx_transports_read_from_the_context() -> None:
 
     found = transports(_context(ucx_lib()))
     assert "tcp" in found and found == set(ucxx.get_active_transports())
+
+
+def test_a_tcp_connection_counts_what_waits_unread_from_another_thread() -> None:
+    """What an EW tells a probing AW: bytes that arrived on the data connection and wait unread
+    (in the kernel, or read into the process and not yet taken) while its loop runs a batch."""
+
+    async def main() -> None:
+        transport = make_transport("tcp")
+        accepted: asyncio.Queue[Connection] = asyncio.Queue()
+
+        async def handler(conn: Connection) -> None:
+            await accepted.put(conn)
+            await asyncio.Event().wait()  # held open until the test closes it
+
+        listener = await transport.listen("127.0.0.1", 0, handler)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        server_side = await asyncio.wait_for(accepted.get(), 10)
+        assert await asyncio.to_thread(server_side.unread) == 0
+        await conn.send(Ping(7))
+        for _ in range(200):  # (until the bytes have crossed loopback)
+            if await asyncio.to_thread(server_side.unread) > 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(server_side.unread) > 0
+        msg = await asyncio.wait_for(server_side.recv(), 10)
+        assert isinstance(msg, Ping) and msg.nonce == 7
+        assert await asyncio.to_thread(server_side.unread) == 0
+        await finish(conn, listener)
+
+    asyncio.run(main())

@@ -26,7 +26,7 @@ from fabric.control_link import pack, unpack, ws_channel
 from fabric.errors import PeerDeadError
 from fabric.messages.base import Message, encode_message
 from fabric.messages.checkpoint import KvFetch, KvPut, KvRestore, KvSync, KvSynced, StoreHello
-from fabric.messages.control import Fenced, Register, Registered, Role
+from fabric.messages.control import Fenced, Register, Registered, Role, Traits
 from fabric.messages.expert import ExpertCall
 from fabric.messages.liveness import Hello, Ping, Pong
 from fabric.model.config import ModelConfig
@@ -163,8 +163,10 @@ async def control_plane(fabric: Fabric, secret: bytes) -> None:
 
         # Another worker's id, while its link is up and answering: refused, and the AW stays.
         assert await register(Register(Role.ATTENTION, 4242, "127.0.0.1", 1, worker_id=aw["id"])) is None
-        # ~700 KB of info: refused (it would have gone into /cluster and every later update).
-        assert await register(Register(Role.EXPERT, 4243, "127.0.0.1", 1, info={"x": "y" * 700_000})) is None
+        # A ~700 KB node name: refused (it would have gone into /cluster and every later update).
+        huge = Traits()
+        huge.node = "y" * 700_000  # (past the check a sender's own constructor makes)
+        assert await register(Register(Role.EXPERT, 4243, "127.0.0.1", 1, traits=huge)) is None
         # An insider registering an AW at an address that does not resolve: the gateways try
         # it, fail, and keep serving.
         async with session.ws_connect(url) as ws:
