@@ -29,18 +29,20 @@ import torch
 
 from attention_worker.checkpointer import Checkpointer
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.grammar_masks import GrammarMasks
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import Chunk, ModelRunner
-from attention_worker.request import Sequence
+from attention_worker.request import Sequence, check_submit
 from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
-from fabric import faults
+from fabric import faults, grammar
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import (
     Abort,
     Attach,
+    Constraint,
     Detach,
     PromptLogprobs,
     RequestFailed,
@@ -55,7 +57,7 @@ from fabric.transport.base import Connection
 log = logging.getLogger("attention_worker")
 
 
-MAX_RESUME_GRACE_S = 3600.0  # a detached stream is kept at most this long
+COMPILE_TIMEOUT_S = grammar.COMPILE_TIMEOUT_S
 
 
 class AttentionWorker:
@@ -76,6 +78,7 @@ class AttentionWorker:
         # Request -> its restore, under way.
         self.restoring: dict[str, tuple[asyncio.Task[None], Sequence]] = {}
         self.sessions = Sessions(self._find, self._remove, self._requests)
+        self.masks = GrammarMasks(model.vocab_size)
         self.crash_seed = faults.crash_seed()
         self.steps = 0
         self.tokens_out = 0
@@ -122,18 +125,7 @@ class AttentionWorker:
 
     def _submit(self, msg: Submit, conn: Connection) -> None:
         try:
-            if not msg.prompt_ids and not msg.output_ids:
-                raise RequestError("empty prompt")
-            if any(not 0 <= t < self.model.vocab_size for t in msg.prompt_ids + msg.output_ids):
-                raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
-            if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > self.model.max_position:
-                raise RequestError(f"prompt plus max_tokens exceeds the context of {self.model.max_position}")
-            if not 0 <= msg.resume_grace_s <= MAX_RESUME_GRACE_S or msg.deaths < 0 or msg.replay_chunk < 0:
-                raise RequestError(f"resume_grace_s must be in [0, {MAX_RESUME_GRACE_S}], deaths and replay_chunk >= 0")
-            if not (0.0 <= msg.temperature <= 2.0 and 0.0 < msg.top_p <= 1.0 and -1 <= msg.top_k <= self.model.vocab_size
-                    and -1 <= msg.logprobs <= 20 and -1 <= msg.prompt_logprobs <= 20 and len(msg.stop_token_ids) <= 64):
-                raise RequestError("sampling parameters out of range (temperature 0..2, top_p (0, 1], top_k -1..vocab, "
-                                   "logprobs and prompt_logprobs -1..20, at most 64 stop token ids)")
+            check_submit(msg, self.model.vocab_size, self.model.max_position)
             old = self._find(msg.request_id)
             if old is not None or msg.request_id in self.sessions.parked:
                 if self._take_over(msg, conn):
@@ -151,6 +143,10 @@ class AttentionWorker:
             if msg.restore_from and not seq.scores(0, seq.num_tokens):
                 # Each restore waits for the store. They run side by side, not one after another.
                 task = asyncio.create_task(self._restore_and_add(seq, msg.restore_from))
+                self.restoring[msg.request_id] = (task, seq)
+            elif msg.constraint is not None:
+                # Its grammar compiles off this loop (a costly one would stall every stream).
+                task = asyncio.create_task(self._restore_and_add(seq, ""))
                 self.restoring[msg.request_id] = (task, seq)
             else:
                 self._add(seq)
@@ -183,8 +179,17 @@ class AttentionWorker:
             raise
 
     async def _restore_and_add(self, seq: Sequence, owner: str) -> None:
+        """Restores `seq` from `owner`'s checkpoint (if `owner`) and builds its grammar's matcher (if
+        it has one), then schedules it."""
         try:
-            await self._restore(seq, owner)
+            if seq.submit is not None and seq.submit.constraint is not None:
+                await self._build_matcher(seq, seq.submit.constraint)
+            if owner:
+                await self._restore(seq, owner)
+        except RequestError as exc:
+            self.restoring.pop(seq.request_id, None)
+            self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
+            return
         finally:
             self.restoring.pop(seq.request_id, None)  # an abort has popped it already
         try:
@@ -193,6 +198,19 @@ class AttentionWorker:
             self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
             return
         self.work.set()
+
+    async def _build_matcher(self, seq: Sequence, c: Constraint) -> None:
+        """The request's grammar matcher, advanced over the tokens it has (a resumed request's), so
+        its next masks are those of the run it continues. Compiled off this loop."""
+        try:
+            grammars = await asyncio.to_thread(grammar.grammars_for, self.cfg.model, self.model.vocab_size,
+                                               tuple(sorted(seq.stop_token_ids)))
+            seq.matcher = await asyncio.wait_for(asyncio.to_thread(grammars.matcher, c, list(seq.output_ids)),
+                                                 COMPILE_TIMEOUT_S)
+        except grammar.ConstraintError as exc:
+            raise RequestError(str(exc)) from None
+        except TimeoutError:
+            raise RequestError(f"the {c.kind} took over {COMPILE_TIMEOUT_S:.0f} s to compile") from None
 
     async def _restore(self, seq: Sequence, owner: str) -> None:
         """Per-request restoration (Tarragon §6.2).
@@ -240,13 +258,14 @@ class AttentionWorker:
             assert chunks, "scheduler returned no work although requests are pending"
             if self.crash_seed is not None:
                 faults.maybe_crash(self.crash_seed, [c.seq.seed for c in chunks])
+            masks = self.masks.start(chunks)  # (filled while the experts compute)
             try:
                 logits, scored = await self.runner.forward(chunks)
             except FabricError as exc:
                 self._fail_all(chunks, f"expert datapath failed: {exc}")
                 continue
             self._score(chunks, scored)
-            self._emit(chunks, logits)
+            self._emit(chunks, logits, masks.result() if masks is not None else None)
             self.ckpt.step_done(self.scheduler.running)
             await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 
@@ -279,7 +298,9 @@ class AttentionWorker:
             seq.add_scores(c.start, score_tokens(scored[row : row + n], targets, seq.prompt_logprobs))
             row += n
 
-    def _emit(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+    def _emit(self, chunks: list[Chunk], logits: torch.Tensor, masks: torch.Tensor | None = None) -> None:
+        """Samples each sampling chunk's token (masked by its grammar: `masks` [rows, ceil(V / 32)])
+        and sends it to its gateway."""
         per_client: dict[Connection, list[TokenOut]] = defaultdict(list)
         done: list[Sequence] = []
         row = 0
@@ -294,8 +315,10 @@ class AttentionWorker:
             row_logits = logits[row]  # [V]
             row += 1
             try:
+                if seq.matcher is not None and masks is not None:
+                    grammar.apply(row_logits, masks[row - 1])  # (logprobs report the masked distribution)
                 token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed, len(seq.output_ids),
-                               greedy[row - 1] if greedy else None)
+                               greedy[row - 1] if greedy and seq.matcher is None else None)
                 logprob, top = token_logprobs(row_logits, token, seq.logprobs)
             except Exception as exc:  # this request's own fault: it fails; the worker serves on
                 log.exception("%s: sampling failed; failing this request", seq.request_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fabric.errors import RequestError
 from fabric.messages.client import PromptScores, Submit, TokenOut
 
 
@@ -49,6 +50,8 @@ class Sequence:
     prompt_logprobs: int = -1
     score_parts: list[PromptScores] = field(default_factory=list)  # the prefill's chunks so far, in order
     prompt_scores: PromptScores | None = None  # all of them, once the prefill is done
+    # Its grammar's place (fabric/grammar.py `Matcher`), if its output is constrained.
+    matcher: Any = None
 
     @classmethod
     def from_submit(cls, msg: Submit, client: Any) -> Sequence:
@@ -114,8 +117,31 @@ class Sequence:
     def append(self, token: int) -> str | None:
         """Records a sampled token and returns the finish reason if the request is done."""
         self.output_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.advance(token)
+            if self.matcher.done:  # (the grammar takes no more: the output is complete)
+                return "stop"
         if not self.ignore_eos and token in self.stop_token_ids:
             return "stop"
         if len(self.output_ids) >= self.max_tokens:
             return "length"
         return None
+
+
+MAX_RESUME_GRACE_S = 3600.0  # a detached stream is kept at most this long
+
+
+def check_submit(msg: Submit, vocab_size: int, context: int) -> None:
+    """Raises RequestError for a `Submit` no gateway of this fabric sends: the AW trusts no peer's input."""
+    if not msg.prompt_ids and not msg.output_ids:
+        raise RequestError("empty prompt")
+    if any(not 0 <= t < vocab_size for t in msg.prompt_ids + msg.output_ids):
+        raise RequestError(f"token ids must be in [0, {vocab_size})")
+    if msg.max_tokens < 1 or len(msg.prompt_ids) + msg.max_tokens > context:
+        raise RequestError(f"prompt plus max_tokens exceeds the context of {context}")
+    if not 0 <= msg.resume_grace_s <= MAX_RESUME_GRACE_S or msg.deaths < 0 or msg.replay_chunk < 0:
+        raise RequestError(f"resume_grace_s must be in [0, {MAX_RESUME_GRACE_S}], deaths and replay_chunk >= 0")
+    if not (0.0 <= msg.temperature <= 2.0 and 0.0 < msg.top_p <= 1.0 and -1 <= msg.top_k <= vocab_size
+            and -1 <= msg.logprobs <= 20 and -1 <= msg.prompt_logprobs <= 20 and len(msg.stop_token_ids) <= 64):
+        raise RequestError("sampling parameters out of range (temperature 0..2, top_p (0, 1], top_k -1..vocab, "
+                           "logprobs and prompt_logprobs -1..20, at most 64 stop token ids)")

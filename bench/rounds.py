@@ -35,10 +35,12 @@ def summarize(n_tokens: int, wall: float, gaps: list[float], ttfts: list[float] 
             "tokens": n_tokens, "wall_s": wall}
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> tuple[list[float], list[int]]:
-    """One streaming completion; returns the arrival time of every token chunk and the token ids."""
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int,
+                     extra: dict | None = None) -> tuple[list[float], list[int]]:
+    """One streaming completion (`extra`: more body fields); returns the arrival time of every
+    token chunk and the token ids."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
+            "return_token_ids": True, **(extra or {})}
     times: list[float] = []
     out: list[int] = []
     async with session.post(url, json=body) as resp:
@@ -61,12 +63,13 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return times, out
 
 
-async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None) -> Stats:
+async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls | None = None,
+                       extra: dict | None = None) -> Stats:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0, ssl=tls.client if tls is not None else True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(stream_one(session, url, p, tokens) for p in prompts))
+        results = await asyncio.gather(*(stream_one(session, url, p, tokens, extra) for p in prompts))
     n = sum(len(ids) for _, ids in results)
     if n != len(prompts) * tokens:
         raise RuntimeError(f"expected {len(prompts) * tokens} tokens, got {n}")

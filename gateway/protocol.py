@@ -9,6 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
+from fabric.messages.client import Constraint
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -95,6 +97,11 @@ class GenParams:
     echo: bool = False
     # vLLM's `prompt_logprobs`. -1 is none. k is each prompt token's, and the top k.
     prompt_logprobs: int = -1
+    # What the output must match (gateway/structured.py), and the request field it came from.
+    constraint: Constraint | None = None
+    constraint_param: str = ""
+    # Chat: the output is tool calls. "" is a list of calls (tool_choice required); a name, that one function's.
+    tools_named: str | None = None
 
     @property
     def choices(self) -> int:

@@ -6,6 +6,7 @@ from typing import Any
 
 from fabric.logprobs import finite
 from fabric.messages.client import PromptScores
+from gateway import structured
 from gateway.generation import Choice, Delta, Entry
 from gateway.protocol import GenParams
 
@@ -27,6 +28,7 @@ class Formatter:
         self.tok = tokenizer
         self.prompts = prompts
         self._texts: dict[int, str] = {}
+        self._tool_text: dict[int, str] = {}  # choice -> its text so far, streamed as tool calls at its end
 
     def _token_text(self, token: int) -> str:
         text = self._texts.get(token)
@@ -141,8 +143,13 @@ class Formatter:
         out = []
         for c, text, lps in zip(choices, texts, logprobs):
             if self.chat:
-                item: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": text},
-                                        "logprobs": self.logprobs(lps), "finish_reason": c.finish_reason}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                calls = self._tool_calls(c.index, text, finish)
+                if calls is not None:
+                    message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                item: dict[str, Any] = {"index": c.index, "message": message,
+                                        "logprobs": self.logprobs(lps), "finish_reason": finish}
             else:
                 item = self._completion_item(c.index, text, lps, c.prompt, True, True)
                 item["finish_reason"] = c.finish_reason
@@ -163,8 +170,18 @@ class Formatter:
 
         `delta` None with `first` is the chat role announcement.
         """
+        calls = None
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": delta.text if delta else ""}
+            if self.params.tools_named is not None and delta is not None:
+                # Tool calls go out whole, once the choice is complete (its arguments must parse).
+                self._tool_text[index] = text = self._tool_text.get(index, "") + delta.text
+                d = {}
+                calls = self._tool_calls(index, text, delta.finish_reason) if delta.finish_reason else None
+                if calls is not None:
+                    d = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                elif delta.finish_reason:
+                    d = {"content": text}  # (cut short: the text as it is)
             item: dict[str, Any] = {"index": index, "delta": d, "logprobs": None, "finish_reason": None}
         elif delta is not None:
             item = self._completion_item(index, delta.text, delta.logprobs, delta.prompt, delta.index == 0, False)
@@ -172,12 +189,18 @@ class Formatter:
             item = {"index": index, "text": "", "logprobs": None}
         item["finish_reason"] = None
         if delta is not None:
-            item["finish_reason"] = delta.finish_reason
+            item["finish_reason"] = "tool_calls" if calls is not None else delta.finish_reason
             if self.chat and delta.logprobs:
                 item["logprobs"] = self.logprobs(delta.logprobs)
             if self.params.return_token_ids:
                 item["token_ids"] = delta.token_ids
         return self._envelope([item])
+
+    def _tool_calls(self, index: int, text: str, finish: str | None) -> list[dict[str, Any]] | None:
+        """The choice's tool calls, where the request asked for them and its output is complete."""
+        if not self.chat or self.params.tools_named is None or finish != "stop":
+            return None
+        return structured.tool_calls(structured.Tools(self.params.tools_named), text, f"{self.rid}-{index}")
 
     def usage_chunk(self, prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
         body = self._envelope([])

@@ -11,13 +11,13 @@ SIGTERM drains. New requests get 503, and running ones finish, bounded by the dr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,7 @@ from fabric.config import GatewayConfig
 from fabric.messages.client import Submit
 from fabric.messages.control import ClusterView, Role
 from fabric.model.config import ModelConfig
+from gateway import structured
 from gateway.aw_pool import AwPool
 from gateway.chat_template import ChatTemplate, validate_messages
 from gateway.generation import Choice, GenerationError, attach_choice, run_choice, start_choice
@@ -43,40 +44,11 @@ from gateway.protocol import (
 )
 from gateway.responses import Formatter
 from gateway.streaming import Position, stream
+from gateway.tokens import MAX_CHARS_PER_TOKEN, load_tokenizer, off_loop
 
 log = logging.getLogger("gateway")
 
-T = TypeVar("T")
 GATEWAY_HEADER = "X-Moe-Fabric-Gateway"  # which gateway process answered (several share the port)
-
-
-def load_tokenizer(model_dir: str) -> Any:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-# Longer prompts are tokenized, and chats rendered, in a thread.
-OFF_LOOP_CHARS = 16 << 10
-# A prompt longer than this many characters per token of the context cannot fit it. It is refused
-# before it is tokenized. A token spans a few characters; 64 leaves room for runs of whitespace.
-# A 6 MiB prompt took the tokenizer 8 s. Turning its 1.2M ids into Python held the GIL long enough
-# to silence the gateway's control thread past its lease.
-MAX_CHARS_PER_TOKEN = 64
-
-
-async def _off_loop(fn: Callable[[], T], size: int) -> T:
-    """Runs `fn` on the event loop when `size` is small, else in a thread.
-
-    A multi-MiB prompt takes seconds to tokenize. Meanwhile the loop must keep serving every other
-    stream and pinging its supervisor's watchdog.
-    """
-    if size <= OFF_LOOP_CHARS:
-        return fn()
-    return await asyncio.to_thread(fn)
 
 
 class Gateway:
@@ -212,7 +184,7 @@ class Gateway:
             raise ApiError(415, f"the body must be application/json, not {request.content_type or 'untyped'}",
                            code="unsupported_media_type")
         raw = await request.read()
-        return await _off_loop(lambda: parse_json(raw), len(raw))
+        return await off_loop(lambda: parse_json(raw), len(raw))
 
     def _check_model(self, body: Any) -> None:
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
@@ -222,7 +194,12 @@ class Gateway:
         body = await self._body(request)
         self._check_model(body)
         params = parse_completion(body, self.model.vocab_size, self.model.max_position)
+        params = dataclasses.replace(params, **await self._structured(body, chat=False))
         return await self._generate(request, params, chat=False)
+
+    async def _structured(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        return await structured.fields(body, chat, self.cfg.model, self.model.vocab_size,
+                                       list(self.model.eos_token_ids))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -232,8 +209,8 @@ class Gateway:
         if self.chat_template is None or self.tokenizer is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         template = self.chat_template
-        text = await _off_loop(lambda: template.render(messages), sum(len(str(m)) for m in messages))
-        params = GenParams(prompts=((None, text),), **fields)
+        text = await off_loop(lambda: template.render(messages), sum(len(str(m)) for m in messages))
+        params = GenParams(prompts=((None, text),), **fields, **await self._structured(body, chat=True))
         return await self._generate(request, params, chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -247,10 +224,10 @@ class Gateway:
             if self.chat_template is None:
                 raise ApiError(400, "this model has no chat template", "messages")
             template = self.chat_template
-            text = await _off_loop(lambda: template.render(checked), sum(len(str(m)) for m in checked))
+            text = await off_loop(lambda: template.render(checked), sum(len(str(m)) for m in checked))
         prompt = text
         self._fits([prompt], "prompt")
-        ids = await _off_loop(lambda: list(tok.encode_batch([prompt], add_special_tokens=special)[0].ids), len(prompt))
+        ids = await off_loop(lambda: list(tok.encode_batch([prompt], add_special_tokens=special)[0].ids), len(prompt))
         return web.json_response({"count": len(ids), "max_model_len": self.model.max_position, "tokens": ids,
                                   "token_strs": None})
 
@@ -260,7 +237,7 @@ class Gateway:
         self._check_model(body)
         ids = parse_detokenize(body, self.model.vocab_size)
         tok = self._tokenizer()
-        text = await _off_loop(lambda: tok.decode(ids, skip_special_tokens=False), len(ids))
+        text = await off_loop(lambda: tok.decode(ids, skip_special_tokens=False), len(ids))
         return web.json_response({"prompt": text})
 
     def _fits(self, texts: list[str], param: str) -> None:
@@ -290,7 +267,7 @@ class Gateway:
             tok = self.tokenizer
             # encode_batch, not encode. Only the batch call lets go of the GIL while it works. A 6 MiB
             # prompt held the event loop for 5 s through `encode`, even from another thread.
-            encoded = await _off_loop(lambda: [list(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)],
+            encoded = await off_loop(lambda: [list(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)],
                                       sum(len(t) for t in texts))
         it = iter(encoded)
         out = [ids if ids is not None else next(it) for ids, _ in params.prompts]
@@ -340,7 +317,8 @@ class Gateway:
             request_id=f"{pos.rid}-{i}", prompt_ids=prompts[i // params.n], max_tokens=max_tokens,
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=(pos.seed + i) % (1 << 64),
             stop_token_ids=list(self.model.eos_token_ids), ignore_eos=params.ignore_eos, output_ids=[],
-            logprobs=params.logprobs, resume_grace_s=grace, prompt_logprobs=params.scores),
+            logprobs=params.logprobs, resume_grace_s=grace, prompt_logprobs=params.scores,
+            constraint=params.constraint),
             resumable=grace > 0, origin=origin) for i in range(total)]
         skips = [max(0, c - (1 if chat else 0)) for c in pos.counts]
         resumed = any(pos.counts)

@@ -66,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("experiment", help="failure-injection experiments against a local fabric")
     xs = x.add_subparsers(dest="experiment", required=True)
-    from launch.experiments import chaos, failover, scale
+    from launch.experiments import chaos, failover_args, scale
 
     scale.add_arguments(xs.add_parser("scale", help="a simulated fabric of 8 to 128 AWs x EWs: control traffic, "
                                                     "failover decisions, routing updates, orchestrator restarts"))
-    failover.add_arguments(xs.add_parser("failover", help="kill one process under load; stall, recovery, lost requests"))
+    failover_args.add_arguments(xs.add_parser("failover", help="kill one process under load; stall, recovery, lost requests"))
     chaos.add_arguments(xs.add_parser("chaos", help="kill random processes of every role under load, for a while"))
     return parser
 

@@ -3,22 +3,17 @@
 The driver (this module, in the `serve` process) is the Ray counterpart of the local supervisor.
 Every fabric process runs as the child of a `RoleHost` actor (launch/ray_host.py) on a Ray node,
 with the role's Ray resources (`--aw-resources '{"GPU": 1}'`, ...). The driver owns every actor,
-so they all end with it.
+so they all end with it. Placement (launch/ray_placement.py) keeps attention workers apart and the
+checkpoint store away from them, and spreads expert workers and gateways; `serve` says which does
+not hold on a cluster too small.
 
-Placement (launch/ray_placement.py) keeps attention workers apart and the checkpoint store away
-from them, and spreads expert workers and gateways. `serve` says which does not hold on a cluster
-too small.
-
-The main loop runs in one thread. It does `ray.wait` on every host's exit, readiness and the
-orchestrator's requests for replacement workers. A worker whose process exits, or whose actor dies,
-is reported to the orchestrator, which asks for a replacement. The driver starts it on a healthy
-node with free resources. That is never one that lost a process, and if possible none that holds a
-copy of the dead EW's experts. An actor only unavailable for a while (Ray's transient error) is
-watched again.
-
-The orchestrator and the gateways are restarted by their host when their process dies, and by Ray
-on another node when their node dies. The driver starts them there and tells every host where the
-orchestrator is now.
+The main loop (one thread) does `ray.wait` on every host's exit, readiness and the orchestrator's
+requests for replacement workers. A worker whose process exits, or whose actor dies, is reported
+to the orchestrator, which asks for a replacement; the driver starts it on a healthy node with free
+resources: never one that lost a process, and if possible none that holds a copy of the dead EW's
+experts. An actor only unavailable for a while (Ray's transient error) is watched again. The
+orchestrator and the gateways are restarted by their host when their process dies, and by Ray on
+another node when their node dies; the driver tells every host where the orchestrator is now.
 """
 
 from __future__ import annotations

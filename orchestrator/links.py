@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from fabric.control_link import pack
 from fabric.messages.base import Message
+from fabric.messages.control import LinkProbe
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +76,35 @@ class WorkerLink:
                 await asyncio.wait_for(self._queue.join(), self.send_timeout)
             self._writer.cancel()
         await self._abort()
+
+
+class Probes:
+    """The orchestrator's probes over workers' links: `LinkProbe` nonces, and the answers awaited."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s  # how long `answers` waits (half a lease)
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._nonce = itertools.count(1)
+
+    def send(self, link: WorkerLink) -> int:
+        nonce = next(self._nonce)
+        link.send(LinkProbe(nonce))
+        return nonce
+
+    def answered(self, nonce: int) -> None:
+        fut = self._waiting.pop(nonce, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def answers(self, link: WorkerLink) -> bool:
+        """Whether the worker at the end of `link` answers a probe within `wait_s`."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        nonce = self.send(link)
+        self._waiting[nonce] = fut
+        try:
+            await asyncio.wait_for(fut, self.wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiting.pop(nonce, None)
+        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout

@@ -1,8 +1,5 @@
-"""The orchestrator: the workers' websocket links and the authority over the cluster.
-
-orchestrator/server.py serves the links (`/ws`) with the admin endpoints.
-
-Per worker link:
+"""The orchestrator: the workers' websocket links (`/ws`, served by orchestrator/server.py) and the
+authority over the cluster. Per worker link:
 1. register: new workers get an id, and workers that registered before keep theirs;
 2. for EWs, place experts once enough have registered, or fill a vacant slot;
 3. collect worker_ready;
@@ -26,7 +23,6 @@ dead when a peer reports it, when it said it was leaving, or after `--rejoin-gra
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import Any
@@ -42,7 +38,6 @@ from fabric.messages.control import (
     AssignExperts,
     Fenced,
     Leaving,
-    LinkProbe,
     LinkProbeReply,
     Origin,
     PeerAlive,
@@ -60,10 +55,11 @@ from fabric.messages.control import (
 from fabric.model.config import ModelConfig
 from fabric.process import mark_failed
 from orchestrator.broadcast import Broadcaster
-from orchestrator.cluster import Cluster, WorkerRecord
+from orchestrator.cluster import Cluster
 from orchestrator.effects import Effect, Publish, Send
-from orchestrator.links import WorkerLink
+from orchestrator.links import Probes, WorkerLink
 from orchestrator.placement import BalancedPlanner, Unit
+from orchestrator.records import WorkerRecord
 from orchestrator.recovery import Recovery
 from orchestrator.replacements import Replacements
 from orchestrator.scaling import Scaler
@@ -89,8 +85,7 @@ class Orchestrator:
         self.recovered = asyncio.Event()
         self.verdicts = Verdicts(cfg.lease_ms / 1000)
         # LinkProbe nonce -> its answer, for an identity check.
-        self._probes: dict[int, asyncio.Future[None]] = {}
-        self._nonce = itertools.count(1)
+        self.probes = Probes(cfg.lease_ms / 2000)  # LinkProbe nonces and the answers awaited
         self._rejoin: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.scaler = Scaler(self.cluster, self.replacements, self.apply, lambda wid: wid in self.links,
@@ -160,7 +155,7 @@ class Orchestrator:
                 return ws
             if reg.worker_id:
                 old = self.links.get(reg.worker_id)
-                if old is not None and not old.closed and await self._answers(old):
+                if old is not None and not old.closed and await self.probes.answers(old):
                     # Identity is bound to the link. A worker re-registers only once its link
                     # is gone, so a claim on a link that answers is another peer's.
                     raise AuthError(f"{request.remote} claims {reg.worker_id}, whose link is up and answering")
@@ -192,7 +187,7 @@ class Orchestrator:
             # It sends its view itself only if that may be the newest (recovery/Recovery).
             send_view = self.recovery.registered(rec.id, reg, not self.recovered.is_set())
             link.send(Registered(rec.id, self.generation, send_view, self.cfg.heartbeat_ms))
-            self.verdicts.watch(rec.id, time.monotonic(), self._serving(rec))
+            self.verdicts.watch(rec.id, time.monotonic(), rec.short_lease)
             if self.recovered.is_set():
                 await self._joined(rec, link)
             async for msg in ws:
@@ -324,7 +319,7 @@ class Orchestrator:
             c.ready_ops[worker_id] = max(c.ready_ops.get(worker_id, 0), msg.op)
             c.woken.pop(worker_id, None)
             table_changed = self.cluster.mark_ready(worker_id)
-            self.verdicts.serving(worker_id, self._serving(self.cluster.workers[worker_id]))
+            self.verdicts.serving(worker_id, self.cluster.workers[worker_id].short_lease)
             log.info("%s ready%s", worker_id, " -> routing table published" if table_changed else "")
             self._broadcast(soon=not table_changed)
         elif isinstance(msg, ViewRequest):
@@ -334,18 +329,11 @@ class Orchestrator:
         elif isinstance(msg, WorkerStats):
             self.cluster.workers[worker_id].stats = msg
         elif isinstance(msg, LinkProbeReply):
-            fut = self._probes.pop(msg.nonce, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self.probes.answered(msg.nonce)
         elif isinstance(msg, PeerFailed) and msg.worker_id != worker_id:
             self._suspected(worker_id, msg)
 
     # -- liveness (orchestrator/verdicts.py) ----------------------------------------------------
-    @staticmethod
-    def _serving(rec: WorkerRecord) -> bool:
-        """Whether a worker holds the short lease, i.e. it serves. A standby or one still starting does not."""
-        return rec.state is WorkerState.ALIVE and not rec.life.standby
-
     def heard(self, worker_id: str) -> None:
         """Notes that something arrived on `worker_id`'s link, so it answers."""
         for reporter in self.verdicts.heard(worker_id, time.monotonic()):
@@ -369,7 +357,7 @@ class Orchestrator:
         if msg.closed:  # its link may end in a moment: the same death seen from here
             self.verdicts.connection_ended(msg.worker_id, time.monotonic(), f"{reporter}'s connection to it ended")
         if self.verdicts.reported(reporter, msg.worker_id):
-            link.send(LinkProbe(next(self._nonce)))
+            self.probes.send(link)
 
     async def watch_leases(self) -> None:
         """Ticks every lease (orchestrator/verdicts.py). It probes the quiet and declares the silent dead."""
@@ -379,24 +367,10 @@ class Orchestrator:
             probe, expired = self.verdicts.tick(time.monotonic())
             for wid in probe:
                 if (link := self.links.get(wid)) is not None:
-                    link.send(LinkProbe(next(self._nonce)))
+                    self.probes.send(link)
             for wid, silent in expired:
                 self._declare(wid, f"silent on its link for {silent * 1e3:.0f} ms, its probe unanswered "
                                    f"(a lease of {self.cfg.lease_ms:.0f} ms)")
-
-    async def _answers(self, link: WorkerLink) -> bool:
-        """Whether the worker at the end of `link` answers a probe within half a lease."""
-        nonce = next(self._nonce)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._probes[nonce] = fut
-        link.send(LinkProbe(nonce))
-        try:
-            await asyncio.wait_for(fut, self.cfg.lease_ms / 2000)
-        except TimeoutError:
-            pass
-        finally:
-            self._probes.pop(nonce, None)
-        return fut.done() and not fut.cancelled()  # wait_for cancels it on a timeout
 
     def apply(self, effect: Effect) -> bool:
         """Carries out what a helper decided (orchestrator/effects.py).

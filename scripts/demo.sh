@@ -3,7 +3,7 @@
 # completion, and keeps serving on http://127.0.0.1:${PORT:-8000}/v1 until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/_venv.sh "${MOE_FABRIC_VENV:-.venv}" "ucx,experiments"
+. scripts/_venv.sh "${MOE_FABRIC_VENV:-.venv}" "ucx,experiments,structured"
 venv="${MOE_FABRIC_VENV:-.venv}"
 port="${PORT:-8000}"
 "$venv/bin/moe-fabric" serve --port "$port" "$@" &

@@ -19,16 +19,16 @@ BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True
 
 
 def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: threading.Event | None = None,
-                times: list[list[float]] | None = None) -> list[list[int]]:
+                times: list[list[float]] | None = None, body: dict[str, object] | None = None) -> list[list[int]]:
     """One concurrent stream per prompt, seeded sampling; returns each stream's token ids.
     `received[0]` counts tokens as they arrive; `decoding` is set once streams are a few tokens in;
-    `times[i]` gets the wall-clock arrival time of each of stream i's tokens."""
+    `times[i]` gets the wall-clock arrival time of each of stream i's tokens; `body` replaces BODY."""
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     count = received if received is not None else [0]
     out: list[list[int]] = [[] for _ in PROMPTS]
 
     def one(i: int) -> None:
-        for ev in iter_stream(base, {**BODY, "prompt": PROMPTS[i]}):
+        for ev in iter_stream(base, {**(body or BODY), "prompt": PROMPTS[i]}):
             assert "error" not in ev, ev
             out[i].extend(ev["choices"][0]["token_ids"])
             if times is not None:
@@ -46,19 +46,19 @@ def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: thr
 
 
 def kill_mid_decode(fabric: Fabric, victim: str | int, sig: signal.Signals = signal.SIGINT,
-                    reference: list[list[int]] | None = None,
-                    times: list[list[float]] | None = None) -> tuple[list[list[int]], list[list[int]], int]:
+                    reference: list[list[int]] | None = None, times: list[list[float]] | None = None,
+                    body: dict[str, object] | None = None) -> tuple[list[list[int]], list[list[int]], int]:
     """Runs the streams once without failure (unless `reference` is given), then again while
     sending `sig` (SIGINT by default) to `victim` (a supervised process's name, or any pid) once
-    tokens flow. Returns (reference, outputs under failure, victim pid)."""
+    tokens flow. Returns (reference, outputs under failure, victim pid). `body` replaces BODY."""
     if reference is None:
-        reference = run_streams(fabric)
-    assert all(len(r) == TOKENS for r in reference)
+        reference = run_streams(fabric, body=body)
+    assert all(len(r) == TOKENS for r in reference) if body is None else all(reference)
     pid = next(p.pid for name, p in fabric.procs if name == victim) if isinstance(victim, str) else victim
     received = [0]
     started = threading.Event()
     result: list[list[list[int]]] = []
-    runner = threading.Thread(target=lambda: result.append(run_streams(fabric, received, started, times)))
+    runner = threading.Thread(target=lambda: result.append(run_streams(fabric, received, started, times, body)))
     runner.start()
     assert started.wait(60)
     os.kill(pid, sig)

@@ -26,6 +26,16 @@ class TokenOut(NamedTuple):
     top: list[list[Any]] | None  # [[token, logprob], ...]: the `logprobs` most likely
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (fabric/grammar.py): `kind` is json_schema, json_object,
+    regex, choice or grammar; `spec` the schema as JSON text, the regex, the choices as a JSON list,
+    or the EBNF grammar ("" for json_object)."""
+
+    kind: str
+    spec: str = ""
+
+
 @register
 @dataclass(kw_only=True)
 class Submit(Message):
@@ -50,13 +60,14 @@ class Submit(Message):
     resume_grace_s: float = 0.0  # >0: kept this long for an Attach if its gateway or client goes away
     deaths: int = 0  # workers that died under it before it produced a token (see gateway/generation.py)
     prompt_logprobs: int = -1  # -1: none; k >= 0: each prompt token's logprob and rank, and the k most likely
+    constraint: Constraint | None = None  # the grammar its output must match (None: free text)
 
     def same_request(self, other: Submit) -> bool:
         """Whether `other` asks for the same generation (a resumed stream must match what runs)."""
         return (self.prompt_ids, self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
-                sorted(self.stop_token_ids), self.ignore_eos, self.logprobs, self.prompt_logprobs) == (
+                sorted(self.stop_token_ids), self.ignore_eos, self.logprobs, self.prompt_logprobs, self.constraint) == (
             other.prompt_ids, other.max_tokens, other.temperature, other.top_p, other.top_k, other.seed,
-            sorted(other.stop_token_ids), other.ignore_eos, other.logprobs, other.prompt_logprobs)
+            sorted(other.stop_token_ids), other.ignore_eos, other.logprobs, other.prompt_logprobs, other.constraint)
 
 
 @dataclass

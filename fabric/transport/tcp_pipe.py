@@ -1,0 +1,201 @@
+"""One TCP connection's protocol: buffer-filling reads and the send deadline.
+
+asyncio's StreamReader grows one bytearray per connection and copies every message out of it, twice for a large
+one. A restored request's KV (tens of MB) then costs more in those copies than on the wire. Here the socket
+fills the body buffer directly. Bytes that arrive while nobody is reading wait in a small spill buffer. Reading
+pauses when it holds more than SPILL_BYTES.
+
+Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks every
+`send_timeout` that the peer took some bytes since the last check. A peer that took none is cut off
+(`transport.abort()`), which fails every sender and the reader with PeerDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+SCRATCH_BYTES = 256 << 10
+SPILL_BYTES = 1 << 20
+# Reads at least this large fill their buffer straight from the socket.
+DIRECT_BYTES = 64 << 10
+_scratch = threading.local()
+
+
+def _scratch_buffer() -> bytearray:
+    """This thread's receive scratch, shared by all its connections.
+
+    The event loop calls `get_buffer` and `buffer_updated` back to back, and the bytes are copied out in between.
+    So one buffer serves every connection of a loop. One per connection cost 256 KiB of resident memory a link
+    end, 8 GiB for a 128 x 128 AW-EW mesh."""
+    buf: bytearray | None = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = bytearray(SCRATCH_BYTES)
+    return buf
+
+
+class Pipe(asyncio.BufferedProtocol):
+    """One TCP connection's receive side (fill-a-buffer reads) and send-side flow control."""
+
+    def __init__(self, send_timeout: float) -> None:
+        self.send_timeout = send_timeout
+        self.written = 0  # bytes handed to the transport, for the stall check
+        self.stalled = False  # cut off by the send deadline
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.Transport | None = None
+        self._scratch = _scratch_buffer()
+        self._spill = bytearray()  # received while no read was waiting
+        self._target: memoryview | None = None  # the buffer a pending read fills
+        self._filled = 0
+        self._direct = False  # the last buffer handed out was the target itself
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        # Set once the connection is gone. None inside it means a clean EOF.
+        self.lost: BaseException | None = None
+        # What the dialer asked for. On the listening side it is "", and the peer's address is used.
+        self.address = ""
+        self.closed = asyncio.get_running_loop().create_future()
+
+    # -- asyncio callbacks --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # A large read fills its target straight from the socket. A small one (a prefix, a small body) takes
+        # whatever has arrived into the scratch. So a small message's prefix and body come in one read and one
+        # wake-up of the reader, not two of each.
+        if self._target is not None and len(self._target) - self._filled >= DIRECT_BYTES:
+            self._direct = True
+            return self._target[self._filled:]
+        self._direct = False
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        target = self._target
+        if self._direct and target is not None:
+            self._filled += nbytes
+            if self._filled == len(target):
+                self._target = None
+                self._wake_reader(None)
+            return
+        if target is not None:
+            take = min(nbytes, len(target) - self._filled)
+            target[self._filled:self._filled + take] = self._scratch[:take]
+            self._filled += take
+            if self._filled == len(target):
+                self._target = None
+                self._wake_reader(None)
+            if take == nbytes:
+                return
+        else:
+            take = 0
+        self._spill += self._scratch[take:nbytes]
+        if len(self._spill) > SPILL_BYTES and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def buffered(self) -> int:
+        """Bytes received into this process that no read has taken yet."""
+        return len(self._spill) + (self._filled if self._target is not None else 0)
+
+    def eof_received(self) -> bool:
+        self._gone(ConnectionResetError("connection closed by the peer"))
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self._gone(exc or ConnectionResetError("connection closed"))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._arm_stall_check()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    def _drained(self) -> int:
+        assert self.transport is not None
+        return self.written - self.transport.get_write_buffer_size()
+
+    def _arm_stall_check(self) -> None:
+        if self._stall_timer is None and self.transport is not None:
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self.send_timeout, self._stall_check, self._drained())
+
+    def _stall_check(self, drained_then: int) -> None:
+        self._stall_timer = None
+        if not self._write_paused or self.transport is None or self.lost is not None:
+            return
+        if self._drained() > drained_then:  # slow, but taking bytes: check again later
+            self._arm_stall_check()
+            return
+        self.stalled = True
+        self._gone(ConnectionResetError(f"the peer took no data for {self.send_timeout * 1e3:.0f} ms "
+                                        f"({self.transport.get_write_buffer_size()} bytes waiting)"))
+        self.transport.abort()
+
+    # -- the connection's side ----------------------------------------------------------------
+    def _gone(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        self._wake_reader(exc)
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(exc)
+
+    def _wake_reader(self, exc: BaseException | None) -> None:
+        waiter, self._read_waiter = self._read_waiter, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    async def read_into(self, buf: bytearray | memoryview) -> None:
+        """Fills `buf` completely.
+
+        Raises asyncio.IncompleteReadError, with the bytes that did arrive, if the connection ends first."""
+        view = memoryview(buf)
+        take = min(len(self._spill), len(view))
+        if take:
+            view[:take] = self._spill[:take]
+            del self._spill[:take]  # bytearray drops a prefix without moving the rest
+        if self._reading_paused and len(self._spill) <= SPILL_BYTES // 2 and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if take == len(view):
+            return
+        if self.lost is not None:
+            raise asyncio.IncompleteReadError(bytes(view[:take]), len(view))
+        self._target, self._filled = view, take
+        self._read_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._read_waiter
+        except (ConnectionError, OSError) as exc:
+            raise asyncio.IncompleteReadError(bytes(view[: self._filled]), len(view)) from exc
+        finally:
+            self._target = None
+
+    async def drain(self) -> None:
+        if self.lost is not None:
+            raise ConnectionResetError(str(self.lost))
+        if self._write_paused:
+            # One future is shared by every sender waiting here, as several tasks may send on one connection.
+            # It is shielded, so a cancelled sender does not cancel the others' wait.
+            if self._drain_waiter is None or self._drain_waiter.done():
+                self._drain_waiter = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drain_waiter)
