@@ -13,7 +13,7 @@ bytes, which JSON forbids: JSON kinds also mask every token with a byte below 0x
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -41,11 +41,8 @@ class ConstraintError(FabricError):
 
 
 def available() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the grammar engine is installed (not imported: that takes seconds, see `grammars_for`)."""
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -189,6 +186,17 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-@functools.cache
+_built: dict[tuple[str, int, tuple[int, ...]], Grammars] = {}
+_building = threading.Lock()
+
+
 def grammars_for(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Grammars:
-    return Grammars(model_dir, vocab_size, list(stop_token_ids))
+    """The model's `Grammars`, built once. Call it in a thread, never on an event loop: the first
+    call imports the engine (1.7 s here, most of it transformers, which xgrammar imports), and a
+    loop that waits that long misses its watchdog. Concurrent first calls wait for one build."""
+    key = (model_dir, vocab_size, stop_token_ids)
+    with _building:
+        g = _built.get(key)
+        if g is None:
+            g = _built[key] = Grammars(model_dir, vocab_size, list(stop_token_ids))
+    return g
