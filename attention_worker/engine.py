@@ -187,7 +187,6 @@ class AttentionWorker:
             if owner:
                 await self._restore(seq, owner)
         except RequestError as exc:
-            self.restoring.pop(seq.request_id, None)
             self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
             return
         finally:

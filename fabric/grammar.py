@@ -69,8 +69,10 @@ class Grammars:
         if not path.exists():
             raise ConstraintError("this model has no tokenizer.json: structured outputs need one")
         backend = path.read_text()
-        vocab: dict[str, int] = json.loads(backend)["model"]["vocab"]
-        for tok in json.loads(backend).get("added_tokens", []):
+        parsed = json.loads(backend)
+        vocab: dict[str, int] = parsed["model"]["vocab"]
+        added = parsed.get("added_tokens", [])
+        for tok in added:
             vocab[tok["content"]] = tok["id"]
         encoded = [""] * vocab_size
         for text, i in vocab.items():
@@ -85,7 +87,7 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._lock = threading.Lock()
         # [ceil(V / 32)] int32: bit t set where token t holds no byte below 0x20 (specials: kept)
-        special = {t["id"] for t in json.loads(backend).get("added_tokens", [])}
+        special = {t["id"] for t in added}
         dec = _byte_decoder() if vocab_type == xgr.VocabType.BYTE_LEVEL else {}
         allowed = torch.ones(vocab_size, dtype=torch.bool)
         for i, text in enumerate(encoded):

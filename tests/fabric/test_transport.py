@@ -19,7 +19,19 @@ from fabric.messages.checkpoint import KvPut
 from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
-from fabric.transport.base import Connection, Listener
+from fabric.transport.base import Connection, Listener, Transport
+
+
+async def listening(transport: Transport) -> tuple[Listener, asyncio.Queue[Connection]]:
+    """A listener on loopback whose accepted connections arrive on the queue, each held open until
+    the test closes it."""
+    accepted: asyncio.Queue[Connection] = asyncio.Queue()
+
+    async def handler(conn: Connection) -> None:
+        await accepted.put(conn)
+        await asyncio.Event().wait()
+
+    return await transport.listen("127.0.0.1", 0, handler), accepted
 
 
 async def finish(conn: Connection, listener: Listener, *waits: Awaitable[Any]) -> None:
@@ -120,13 +132,7 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
 
     async def main() -> None:
         transport = make_transport(name)
-        accepted: asyncio.Queue[Connection] = asyncio.Queue()
-
-        async def handler(conn: Connection) -> None:
-            await accepted.put(conn)
-            await asyncio.Event().wait()  # held open until the test closes it
-
-        listener = await transport.listen("127.0.0.1", 0, handler)
+        listener, accepted = await listening(transport)
         conn = await transport.connect("127.0.0.1", listener.port)
         server_side = await asyncio.wait_for(accepted.get(), 10)
         reader = asyncio.create_task(conn.recv())
@@ -263,13 +269,7 @@ def test_a_tcp_connection_counts_what_waits_unread_from_another_thread() -> None
 
     async def main() -> None:
         transport = make_transport("tcp")
-        accepted: asyncio.Queue[Connection] = asyncio.Queue()
-
-        async def handler(conn: Connection) -> None:
-            await accepted.put(conn)
-            await asyncio.Event().wait()  # held open until the test closes it
-
-        listener = await transport.listen("127.0.0.1", 0, handler)
+        listener, accepted = await listening(transport)
         conn = await transport.connect("127.0.0.1", listener.port)
         server_side = await asyncio.wait_for(accepted.get(), 10)
         assert await asyncio.to_thread(server_side.unread) == 0
