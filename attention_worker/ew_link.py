@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fabric.errors import FabricError, PeerDeadError, PeerSilentError, PeerStalledError, ProtocolError
+from fabric.messages.base import Message
 from fabric.messages.expert import ExpertError, ExpertResult
 from fabric.messages.liveness import Ping, Pong
 from fabric.routing import EwAddress
@@ -51,33 +52,28 @@ class EwLink:
     closing: bool = False
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
 
-    async def read_loop(self) -> None:
-        """Reads the data channel and routes results to the futures of their calls.
+    def start_reading(self) -> None:
+        """Routes the data channel's results to the futures of their calls, as they arrive (no reader task).
 
-        Traffic is the implicit heartbeat."""
-        error: FabricError = PeerDeadError(self.addr.worker_id)
-        try:
-            while True:
-                msg = await self.data.recv()
-                # A nudge: someone claimed this AW's id there (`bound_elsewhere`).
-                if isinstance(msg, Pong):
-                    continue
-                self.last_heard = self.last_data = now = time.monotonic()
-                call_id = getattr(msg, "call_id", -1)
-                sent = self.sent_at.pop(call_id, None)
-                if sent is not None:
-                    self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
-                fut = self.pending.pop(call_id, None)
-                if fut is None or fut.done():
-                    continue
-                if isinstance(msg, ExpertResult):
-                    fut.set_result(msg.y)
-                elif isinstance(msg, ExpertError):
-                    fut.set_exception(ExpertCallError(msg.message))
-        except (PeerDeadError, ProtocolError) as exc:
-            error = exc
-        finally:
-            self.fail(error)
+        Traffic is the implicit heartbeat. The channel's end fails the link."""
+        self.data.deliver(self._on_data, self.fail)
+
+    def _on_data(self, msg: Message) -> None:
+        # A nudge: someone claimed this AW's id there (`bound_elsewhere`).
+        if isinstance(msg, Pong):
+            return
+        self.last_heard = self.last_data = now = time.monotonic()
+        call_id = getattr(msg, "call_id", -1)
+        sent = self.sent_at.pop(call_id, None)
+        if sent is not None:
+            self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
+        fut = self.pending.pop(call_id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(msg, ExpertResult):
+            fut.set_result(msg.y)
+        elif isinstance(msg, ExpertError):
+            fut.set_exception(ExpertCallError(msg.message))
 
     async def control_loop(self) -> None:
         """Reads the control channel; the answers to this AW's probes refresh `last_heard` and `held`."""

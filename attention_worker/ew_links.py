@@ -209,7 +209,8 @@ class EwLinks:
         link = EwLink(addr, control, data, on_dead=self._link_died)
         # What the EW's last link measured. A loaded EW's slow answers are not news on a new link.
         link.latency, link.rtt = self._yardsticks.get(addr.worker_id, (0.0, 0.0))
-        link.tasks = [asyncio.create_task(link.read_loop()), asyncio.create_task(link.control_loop())]
+        link.start_reading()
+        link.tasks = [asyncio.create_task(link.control_loop())]
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
         if self._active:

@@ -24,7 +24,7 @@ from expert_worker.gather import PendingCall, make_policy
 from expert_worker.sim_executor import SimExecutor
 from fabric import device, faults
 from fabric.config import ExpertWorkerConfig
-from fabric.errors import AuthError, PeerDeadError, ProtocolError
+from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
@@ -286,25 +286,34 @@ class ExpertWorker(Service):
             self.wakeup.set()
 
     async def _data_loop(self, aw_id: str, conn: Connection) -> None:
-        while True:
-            msg = await conn.recv()
-            if isinstance(msg, Ping):
-                # An AW checking that this data path works again (a relink).
-                conn.send_nowait(Pong(msg.nonce))
-                continue
-            if not isinstance(msg, ExpertCall):
-                raise ProtocolError(f"unexpected {msg.kind} on the data channel")
-            self._validate(msg)
-            if msg.epoch < self.epoch:
-                self.stale_calls += 1  # routed by an older table: served all the same if hosted here
-            self.epoch = max(self.epoch, msg.epoch)
-            missing = self.executor.missing(msg.layer, msg.experts)
-            if missing:
-                await conn.send(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
-                continue
-            self.active_aws.add(aw_id)
-            self.pending.append(PendingCall(aw_id, conn, msg))
-            self.wakeup.set()
+        """Takes the AW's calls as they arrive (in the transport's read callback) until its connection ends."""
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def end(_: FabricError) -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        conn.deliver(partial(self._on_data, aw_id, conn), end)
+        await ended
+
+    def _on_data(self, aw_id: str, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Ping):
+            # An AW checking that this data path works again (a relink).
+            conn.send_nowait(Pong(msg.nonce))
+            return
+        if not isinstance(msg, ExpertCall):
+            raise ProtocolError(f"unexpected {msg.kind} on the data channel")
+        self._validate(msg)
+        if msg.epoch < self.epoch:
+            self.stale_calls += 1  # routed by an older table: served all the same if hosted here
+        self.epoch = max(self.epoch, msg.epoch)
+        missing = self.executor.missing(msg.layer, msg.experts)
+        if missing:
+            conn.send_nowait(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
+            return
+        self.active_aws.add(aw_id)
+        self.pending.append(PendingCall(aw_id, conn, msg))
+        self.wakeup.set()
 
     def _validate(self, call: ExpertCall) -> None:
         x = call.x
@@ -334,9 +343,9 @@ class ExpertWorker(Service):
                     timer.cancel()
                 continue
             chosen = {id(p) for p in batch}
+            self.computing = batch  # before it leaves `pending`: the control loop counts it held throughout (`load`)
             self.pending = [p for p in self.pending if id(p) not in chosen]
             t0 = time.perf_counter()
-            self.computing = batch
             try:
                 outputs = self.clock.run(self._run, batch)
             finally:

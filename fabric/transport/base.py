@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fabric import auth
-from fabric.errors import AuthError, PeerDeadError, ProtocolError
+from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.base import Frames, Message, decode_message, encode_message
 from fabric.wire import DEFAULT_LIMITS, Frame, WireLimits, parse_body, parse_prefix
 
@@ -132,6 +132,38 @@ class Connection(abc.ABC):
         Safe to call from another thread. An EW tells an AW that probes it whether the AW's calls wait
         unread behind a long batch (fabric/control_port.py)."""
         return 0
+
+    def deliver(self, on_message: Callable[[Message], None], on_end: Callable[[FabricError], None]) -> None:
+        """Hands every message from now on to `on_message`, and the connection's end to `on_end` (once).
+
+        It replaces a reader task that loops on `recv`; do not call `recv` after it. `on_message` runs on the
+        loop and must not block. A `ProtocolError` it raises closes the connection, as a malformed message does.
+        `on_end` gets PeerDeadError (closed, reset, stalled) or ProtocolError.
+
+        This default runs a reader task. tcp calls `on_message` from its read callback (tcp.py), which spares
+        each message the reader's wake-up."""
+
+        async def pump() -> None:
+            try:
+                while True:
+                    msg = await self.recv()
+                    try:
+                        on_message(msg)
+                    except ProtocolError as exc:
+                        log.error("closing connection from %s: %s", self.peer, exc)
+                        await self.close()
+                        raise
+                    except Exception as exc:
+                        log.exception("message handler for %s failed", self.peer)
+                        await self.close()
+                        raise PeerDeadError(self.peer, f"message handler failed: {exc}") from exc
+            except (PeerDeadError, ProtocolError) as exc:
+                on_end(exc)
+            except asyncio.CancelledError:
+                on_end(PeerDeadError(self.peer, "reader cancelled"))
+                raise
+
+        self._reader = asyncio.get_running_loop().create_task(pump())  # referenced until it ends
 
 
 class Listener(abc.ABC):

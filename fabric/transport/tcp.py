@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import sys
 import termios
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 
-from fabric.errors import PeerDeadError, PeerStalledError, ProtocolError
+from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.messages.base import Message, decode_message
 from fabric.tls import Tls
 from fabric.transport import same_host
 from fabric.transport.base import (
@@ -35,10 +38,14 @@ from fabric.transport.base import (
     Transport,
     guarded,
 )
-from fabric.transport.tcp_pipe import SCRATCH_BYTES, Pipe
-from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode
+from fabric.transport.tcp_pipe import DIRECT_BYTES, SCRATCH_BYTES, Pipe
+from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode, parse_body, parse_prefix
+
+log = logging.getLogger(__name__)
 
 COALESCE_BYTES = 1 << 20
+
+
 class TcpConnection(Connection):
     def __init__(self, pipe: Pipe, limits: WireLimits) -> None:
         assert pipe.transport is not None
@@ -54,6 +61,67 @@ class TcpConnection(Connection):
         self._transport = pipe.transport
         sock = pipe.transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
+        # Push mode (`deliver`): the receivers, the prefix of the message under way, its direct-fill buffer.
+        self._on_message: Callable[[Message], None] | None = None
+        self._on_end: Callable[[FabricError], None] | None = None
+        self._want: tuple[int, int, int] | None = None
+        self._body: memoryview | None = None
+
+    def deliver(self, on_message: Callable[[Message], None], on_end: Callable[[FabricError], None]) -> None:
+        """Parses and hands on whole messages in the read callback (see `Connection.deliver`)."""
+        self._on_message, self._on_end = on_message, on_end
+        self._pipe.push_to(self._pump)
+        self._pump()  # what arrived before
+
+    def _pump(self) -> None:
+        pipe = self._pipe
+        try:
+            while self._on_message is not None:
+                if self._want is None:
+                    prefix = pipe.take(PREFIX_SIZE)
+                    if prefix is None:
+                        break
+                    self._want = parse_prefix(prefix, self.limits)
+                header_len, n_frames, body_len = self._want
+                body: bytearray | memoryview | None
+                if self._body is not None:
+                    if pipe.filling:
+                        break
+                    body, self._body = self._body, None
+                else:
+                    body = pipe.take(body_len)
+                    if body is None:
+                        if body_len >= DIRECT_BYTES:  # a large body lands straight in its own buffer
+                            self._body = pipe.fill(body_len)
+                        break
+                self._want = None
+                header, frames = parse_body(body, header_len, n_frames, self.limits)
+                self._on_message(decode_message(header, frames))
+        except ProtocolError as exc:
+            log.error("closing connection from %s: %s", self.peer, exc)
+            self._end(exc)
+            return
+        except PeerDeadError as exc:  # the handler's answer found this connection gone
+            self._end(exc)
+            return
+        except Exception as exc:
+            log.exception("message handler for %s failed", self.peer)
+            self._end(PeerDeadError(self.peer, f"message handler failed: {exc}"))
+            return
+        if pipe.lost is not None and self._on_end is not None:
+            if (self._want is not None or pipe.buffered()) and not pipe.stalled:
+                self._end(ProtocolError(f"truncated frame from {self.peer}"))
+            else:
+                self._end(self._error(str(pipe.lost) or "connection closed"))
+
+    def _end(self, exc: FabricError) -> None:
+        on_end, self._on_end, self._on_message = self._on_end, None, None
+        self._pipe.push_to(None)
+        if not self.closed:
+            self.closed = True
+            self._transport.close()
+        if on_end is not None:
+            on_end(exc)
 
     def unread(self) -> int:
         """What the kernel holds for this socket, plus what was read into this process and not taken."""

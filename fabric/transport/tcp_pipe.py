@@ -5,6 +5,9 @@ one. A restored request's KV (tens of MB) then costs more in those copies than o
 fills the body buffer directly. Bytes that arrive while nobody is reading wait in a small spill buffer. Reading
 pauses when it holds more than SPILL_BYTES.
 
+Push mode (`TcpConnection.deliver`): the connection parses whole messages in the read callback itself, and hands
+them on there. A message then costs no wake-up of a reader task.
+
 Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks every
 `send_timeout` that the peer took some bytes since the last check. A peer that took none is cut off
 (`transport.abort()`), which fails every sender and the reader with PeerDeadError.
@@ -15,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from collections.abc import Callable
+
+import numpy as np
 
 SCRATCH_BYTES = 256 << 10
 SPILL_BYTES = 1 << 20
@@ -58,6 +64,8 @@ class Pipe(asyncio.BufferedProtocol):
         # What the dialer asked for. On the listening side it is "", and the peer's address is used.
         self.address = ""
         self.closed = asyncio.get_running_loop().create_future()
+        # Push mode: called after bytes arrive, a direct fill completes, or the connection ends.
+        self._sink: Callable[[], None] | None = None
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -77,6 +85,11 @@ class Pipe(asyncio.BufferedProtocol):
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._place(nbytes)
+        if self._sink is not None:
+            self._sink()
+
+    def _place(self, nbytes: int) -> None:
         target = self._target
         if self._direct and target is not None:
             self._filled += nbytes
@@ -156,6 +169,43 @@ class Pipe(asyncio.BufferedProtocol):
         self._wake_reader(exc)
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(exc)
+        if self._sink is not None:
+            self._sink()
+
+    # -- push mode ----------------------------------------------------------------------------
+    def push_to(self, sink: Callable[[], None] | None) -> None:
+        """From now on, calls `sink()` whenever bytes arrive or the connection ends (None: no more)."""
+        self._sink = sink
+
+    def take(self, n: int) -> bytearray | None:
+        """The next `n` bytes received, or None while they have not all arrived (push mode)."""
+        if len(self._spill) < n:
+            return None
+        out = self._spill[:n]
+        del self._spill[:n]
+        self._resume_if_drained()
+        return out
+
+    def fill(self, n: int) -> memoryview:
+        """A buffer that the next `n` bytes fill straight from the socket, once `filling` is False (push mode).
+
+        It starts with what has arrived of them."""
+        buf = memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]  # (ndarray is a buffer)
+        take = len(self._spill)
+        buf[:take] = self._spill
+        self._spill.clear()
+        self._resume_if_drained()
+        self._target, self._filled = buf, take
+        return buf
+
+    @property
+    def filling(self) -> bool:
+        return self._target is not None
+
+    def _resume_if_drained(self) -> None:
+        if self._reading_paused and len(self._spill) <= SPILL_BYTES // 2 and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
 
     def _wake_reader(self, exc: BaseException | None) -> None:
         waiter, self._read_waiter = self._read_waiter, None
@@ -174,9 +224,7 @@ class Pipe(asyncio.BufferedProtocol):
         if take:
             view[:take] = self._spill[:take]
             del self._spill[:take]  # bytearray drops a prefix without moving the rest
-        if self._reading_paused and len(self._spill) <= SPILL_BYTES // 2 and self.transport is not None:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        self._resume_if_drained()
         if take == len(view):
             return
         if self.lost is not None:

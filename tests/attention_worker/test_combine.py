@@ -45,3 +45,20 @@ def test_combine_equals_scattering_every_piece() -> None:
         kinds.add(kind)
         assert torch.equal(combine(plan, parts, x), scattered(plan, parts, x)), kind
     assert kinds == {"runs", "empty call", "index piece", "gap"}
+
+
+def test_the_host_plan_is_the_torch_plan_bit_for_bit() -> None:
+    """`plan_layer` plans host float tensors with numpy: the same rows, order, spans and weights as torch's plan."""
+    from attention_worker.forwarding import _plan_on_host, _plan_with_torch
+
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    for _ in range(200):
+        t, k, e = rng.randint(1, 64), rng.randint(1, 4), 8
+        x = torch.randn(t, 32)
+        experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        weights = torch.rand(t, k)
+        a, b = _plan_with_torch(3, x, experts, weights, e), _plan_on_host(3, x, experts, weights, e)
+        assert torch.equal(a.xs, b.xs) and torch.equal(a.host, b.host) and a.spans == b.spans
+        assert torch.equal(a.token_of_row, b.token_of_row) and torch.equal(a.weights, b.weights)
+        assert (a.layer, a.tokens) == (b.layer, b.tokens)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fabric.errors import PeerDeadError
-from fabric.messages.base import encode_message
+from fabric.messages.base import Message, encode_message
 from fabric.messages.checkpoint import KvPut
 from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.messages.liveness import Ping
@@ -85,10 +85,12 @@ def test_concurrent_senders_all_finish_under_back_pressure() -> None:
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 
 
+@pytest.mark.parametrize("pushed", [False, True], ids=["recv", "deliver"])
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_messages_arrive_whole_and_in_order(name: str) -> None:
+def test_messages_arrive_whole_and_in_order(name: str, pushed: bool) -> None:
     """Both backends carry the same messages intact: empty, small and 8 MiB tensors, from three
-    tasks sending on one connection at once (no message interleaves with another)."""
+    tasks sending on one connection at once (no message interleaves with another), read with `recv`
+    or handed on by `deliver` (tcp: parsed in its read callback, large bodies filled in place)."""
 
     async def main() -> list[KvPut]:
         transport = make_transport(name)
@@ -97,6 +99,14 @@ def test_messages_arrive_whole_and_in_order(name: str) -> None:
         sizes = [0, 1, 3, 4096]  # tokens; 4096 is 8 MiB per tensor
 
         async def handler(conn: Connection) -> None:
+            if pushed:
+                def take(msg: Message) -> None:
+                    assert isinstance(msg, KvPut)
+                    got.append(msg)
+                    if len(got) == 3 * len(sizes):
+                        done.set()
+                conn.deliver(take, lambda exc: None)
+                await asyncio.Event().wait()
             for _ in range(3 * len(sizes)):
                 msg = await conn.recv()
                 assert isinstance(msg, KvPut)

@@ -1,0 +1,119 @@
+"""`Connection.deliver`: messages handed on as they arrive (tcp: in its read callback), and the connection's end
+told once, whatever ended it."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+from fabric.errors import FabricError, PeerDeadError, ProtocolError
+from fabric.messages.base import Message
+from fabric.messages.expert import ExpertCall, ExpertResult
+from fabric.transport import make_transport
+from fabric.transport.base import Connection
+from fabric.wire import MAGIC, PREFIX
+from tests.fabric.test_transport import finish, listening
+
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+
+
+async def pushed(conn: Connection, on_message=None) -> tuple[list[Message], list[FabricError], asyncio.Event]:  # type: ignore[no-untyped-def]
+    """Starts `deliver` on `conn`; returns what it got, the ends it was told of, and an event set at the end."""
+    got: list[Message] = []
+    ends: list[FabricError] = []
+    ended = asyncio.Event()
+
+    def end(exc: FabricError) -> None:
+        ends.append(exc)
+        ended.set()
+
+    conn.deliver(on_message or got.append, end)
+    return got, ends, ended
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_peer_that_closes_ends_delivery_once_after_its_last_message(name: str) -> None:
+    """Messages sent before the peer closed all arrive, in order; then one PeerDeadError."""
+
+    async def main() -> tuple[list[Message], list[FabricError]]:
+        transport = make_transport(name)
+        listener, accepted = await listening(transport)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        served = await asyncio.wait_for(accepted.get(), 30)
+        got, ends, ended = await pushed(served)
+        for i in range(20):
+            conn.send_nowait(ExpertResult(i, torch.full((i % 3, 8), float(i))))  # [R, D], some empty
+        await conn.send(ExpertResult(99, torch.zeros(0, 8)))
+        await asyncio.sleep(0.2)
+        await finish(conn, listener, asyncio.sleep(0))
+        await asyncio.wait_for(ended.wait(), 30)
+        await asyncio.sleep(0.1)  # (a second end would show here)
+        return got, ends
+
+    got, ends = asyncio.run(main())
+    assert [m.call_id for m in got if isinstance(m, ExpertResult)] == [*range(20), 99]
+    assert all(torch.equal(m.y, torch.full((m.call_id % 3, 8), float(m.call_id))) for m in got[:20])  # type: ignore[attr-defined]
+    assert len(ends) == 1 and isinstance(ends[0], PeerDeadError)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_handler_that_refuses_a_message_closes_its_connection(name: str) -> None:
+    """A ProtocolError raised by the receiver closes the connection (the sender sees it) and ends delivery with
+    that error; nothing after it is handed on."""
+
+    async def main() -> tuple[list[int], list[FabricError], bool]:
+        transport = make_transport(name)
+        listener, accepted = await listening(transport)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        served = await asyncio.wait_for(accepted.get(), 30)
+        seen: list[int] = []
+
+        def strict(msg: Message) -> None:
+            assert isinstance(msg, ExpertCall)
+            seen.append(msg.call_id)
+            if msg.layer < 0:
+                raise ProtocolError("negative layer")
+
+        _, ends, ended = await pushed(served, strict)
+        x = torch.zeros(1, 4)
+        for i, layer in enumerate([0, 1, -1, 2, 3]):
+            conn.send_nowait(ExpertCall(i, 1, layer, [0], [1], x))
+        await asyncio.wait_for(ended.wait(), 30)
+        try:
+            await asyncio.wait_for(conn.recv(), 30)
+            peer_saw_it = False
+        except PeerDeadError:
+            peer_saw_it = True
+        await finish(conn, listener, asyncio.sleep(0))
+        return seen, ends, peer_saw_it
+
+    seen, ends, peer_saw_it = asyncio.run(main())
+    assert seen == [0, 1, 2]
+    assert len(ends) == 1 and isinstance(ends[0], ProtocolError)
+    assert peer_saw_it
+
+
+def test_a_truncated_or_malformed_frame_ends_delivery_with_a_protocol_error() -> None:
+    """tcp, bytes written straight to the socket: a bad prefix, and a message cut off by the peer's close."""
+
+    async def one(raw: bytes) -> list[FabricError]:
+        transport = make_transport("tcp")
+        listener, accepted = await listening(transport)
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        served = await asyncio.wait_for(accepted.get(), 30)
+        _, ends, ended = await pushed(served)
+        writer.write(raw)
+        await writer.drain()
+        writer.close()
+        await asyncio.wait_for(ended.wait(), 30)
+        await listener.close()
+        return ends
+
+    bad_magic = PREFIX.pack(b"XXXX", 10, 0, 10) + b"\0" * 10
+    cut = PREFIX.pack(MAGIC, 10, 0, 100) + b"\0" * 30  # 100 bytes promised, 30 sent
+    for raw in (bad_magic, cut):
+        ends = asyncio.run(one(raw))
+        assert len(ends) == 1 and isinstance(ends[0], ProtocolError), ends
