@@ -149,15 +149,17 @@ class Connection(abc.ABC):
                     msg = await self.recv()
                     try:
                         on_message(msg)
-                    except ProtocolError as exc:
-                        log.error("closing connection from %s: %s", self.peer, exc)
+                    except (ProtocolError, PeerDeadError):
                         await self.close()
                         raise
                     except Exception as exc:
                         log.exception("message handler for %s failed", self.peer)
                         await self.close()
                         raise PeerDeadError(self.peer, f"message handler failed: {exc}") from exc
-            except (PeerDeadError, ProtocolError) as exc:
+            except ProtocolError as exc:  # malformed, or refused by `on_message`
+                log.error("closing connection from %s: %s", self.peer, exc)
+                on_end(exc)
+            except PeerDeadError as exc:
                 on_end(exc)
             except asyncio.CancelledError:
                 on_end(PeerDeadError(self.peer, "reader cancelled"))
