@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from attention_worker.forwarding import ForwardingEngine, LayerPlan, Part, combine, plan_layer
+from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
+from attention_worker.layer_plan import LayerPlan, Part, combine, plan_layer
 from attention_worker.request import Sequence
 from fabric.device import to_host
 from fabric.kernels.choose import DecodeAttention

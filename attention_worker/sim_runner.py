@@ -27,8 +27,9 @@ from typing import cast
 
 import torch
 
-from attention_worker.forwarding import ForwardingEngine, plan_layer
+from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
+from attention_worker.layer_plan import plan_layer
 from attention_worker.model_runner import Chunk, ModelRunner, StepState
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from attention_worker.forwarding import Part, combine, plan_layer
+from attention_worker.layer_plan import Part, combine, plan_layer
 
 
 def scattered(plan, parts: list[Part], like: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -49,7 +49,7 @@ def test_combine_equals_scattering_every_piece() -> None:
 
 def test_the_host_plan_is_the_torch_plan_bit_for_bit() -> None:
     """`plan_layer` plans host float tensors with numpy: the same rows, order, spans and weights as torch's plan."""
-    from attention_worker.forwarding import _plan_on_host, _plan_with_torch
+    from attention_worker.layer_plan import _plan_on_host, _plan_with_torch
 
     rng = random.Random(1)
     torch.manual_seed(1)
