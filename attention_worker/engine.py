@@ -57,7 +57,6 @@ from fabric.transport.base import Connection
 log = logging.getLogger("attention_worker")
 
 
-COMPILE_TIMEOUT_S = grammar.COMPILE_TIMEOUT_S
 
 
 class AttentionWorker:
@@ -205,11 +204,11 @@ class AttentionWorker:
             grammars = await asyncio.to_thread(grammar.grammars_for, self.cfg.model, self.model.vocab_size,
                                                tuple(sorted(seq.stop_token_ids)))
             seq.matcher = await asyncio.wait_for(asyncio.to_thread(grammars.matcher, c, list(seq.output_ids)),
-                                                 COMPILE_TIMEOUT_S)
+                                                 grammar.COMPILE_TIMEOUT_S)
         except grammar.ConstraintError as exc:
             raise RequestError(str(exc)) from None
         except TimeoutError:
-            raise RequestError(f"the {c.kind} took over {COMPILE_TIMEOUT_S:.0f} s to compile") from None
+            raise RequestError(f"the {c.kind} took over {grammar.COMPILE_TIMEOUT_S:.0f} s to compile") from None
 
     async def _restore(self, seq: Sequence, owner: str) -> None:
         """Per-request restoration (Tarragon §6.2).

@@ -62,18 +62,15 @@ async def _settled(futs: list[asyncio.Future[torch.Tensor]]) -> list[torch.Tenso
 
     Awaited one by one: a future already done costs no wake-up, where gather costs two hops of the loop."""
     out: list[torch.Tensor | BaseException] = []
-    try:
-        for fut in futs:
-            try:
-                out.append(await fut)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - returned, as gather does
-                out.append(exc)
-    except asyncio.CancelledError:
-        for fut in futs:
-            fut.cancel()
-        raise
+    for i, fut in enumerate(futs):
+        try:
+            out.append(await fut)
+        except asyncio.CancelledError:
+            for rest in futs[i:]:
+                rest.cancel()
+            raise
+        except Exception as exc:
+            out.append(exc)
     return out
 
 

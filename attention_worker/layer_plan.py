@@ -19,6 +19,8 @@ from fabric.device import to_device, to_host
 Rows = slice | torch.Tensor
 Part = tuple[Rows, torch.Tensor]  # some rows and their results [R', D]
 
+# Where numpy computes exactly what torch does (a gather is a copy), a host plan takes a few µs an op.
+_NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass
@@ -59,10 +61,6 @@ def _plan_with_torch(layer: int, x: torch.Tensor, experts: torch.Tensor, weights
     host = to_host(xs)  # on a GPU, a copy made before this returns
     spans = _spans(torch.bincount(flat, minlength=num_experts).tolist())
     return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1).index_select(0, order).to(x.dtype), t)
-
-
-# Where numpy computes exactly what torch does (a gather is a copy), it plans on the host in a few µs an op.
-_NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
 def _plan_on_host(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

@@ -37,6 +37,7 @@ class Connection(abc.ABC):
     # Where this connection's tensors travel. None means host memory: a device tensor must be moved to the host
     # before it is sent. A torch device means that device's memory, both ways (`land_frames_on`).
     frames_device: Any = None
+    _reader: asyncio.Task[None] | None = None  # the reader task of `deliver`'s default
 
     def __init__(self, peer: str, limits: WireLimits = DEFAULT_LIMITS, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
         self.peer = peer
@@ -146,26 +147,30 @@ class Connection(abc.ABC):
         async def pump() -> None:
             try:
                 while True:
-                    msg = await self.recv()
-                    try:
-                        on_message(msg)
-                    except (ProtocolError, PeerDeadError):
-                        await self.close()
-                        raise
-                    except Exception as exc:
-                        log.exception("message handler for %s failed", self.peer)
-                        await self.close()
-                        raise PeerDeadError(self.peer, f"message handler failed: {exc}") from exc
+                    self._hand_on(on_message, await self.recv())
             except ProtocolError as exc:  # malformed, or refused by `on_message`
                 log.error("closing connection from %s: %s", self.peer, exc)
+                await self.close()
                 on_end(exc)
             except PeerDeadError as exc:
+                await self.close()
                 on_end(exc)
             except asyncio.CancelledError:
                 on_end(PeerDeadError(self.peer, "reader cancelled"))
                 raise
 
         self._reader = asyncio.get_running_loop().create_task(pump())  # referenced until it ends
+
+    def _hand_on(self, on_message: Callable[[Message], None], msg: Message) -> None:
+        """`on_message(msg)` for `deliver`; a failure other than ProtocolError or PeerDeadError is a bug,
+        logged, and ends the connection as PeerDeadError."""
+        try:
+            on_message(msg)
+        except (ProtocolError, PeerDeadError):
+            raise
+        except Exception as exc:
+            log.exception("message handler for %s failed", self.peer)
+            raise PeerDeadError(self.peer, f"message handler failed: {exc}") from exc
 
 
 class Listener(abc.ABC):

@@ -96,17 +96,13 @@ class TcpConnection(Connection):
                         break
                 self._want = None
                 header, frames = parse_body(body, header_len, n_frames, self.limits)
-                self._on_message(decode_message(header, frames))
-        except ProtocolError as exc:
+                self._hand_on(self._on_message, decode_message(header, frames))
+        except ProtocolError as exc:  # malformed, or refused by the handler
             log.error("closing connection from %s: %s", self.peer, exc)
             self._end(exc)
             return
-        except PeerDeadError as exc:  # the handler's answer found this connection gone
+        except PeerDeadError as exc:  # the handler's answer found this connection gone, or the handler failed
             self._end(exc)
-            return
-        except Exception as exc:
-            log.exception("message handler for %s failed", self.peer)
-            self._end(PeerDeadError(self.peer, f"message handler failed: {exc}"))
             return
         if pipe.lost is not None and self._on_end is not None:
             if (self._want is not None or pipe.buffered()) and not pipe.stalled:

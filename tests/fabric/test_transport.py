@@ -98,20 +98,19 @@ def test_messages_arrive_whole_and_in_order(name: str, pushed: bool) -> None:
         done = asyncio.Event()
         sizes = [0, 1, 3, 4096]  # tokens; 4096 is 8 MiB per tensor
 
+        def take(msg: Message) -> None:
+            assert isinstance(msg, KvPut)
+            got.append(msg)
+            if len(got) == 3 * len(sizes):
+                done.set()
+
         async def handler(conn: Connection) -> None:
             if pushed:
-                def take(msg: Message) -> None:
-                    assert isinstance(msg, KvPut)
-                    got.append(msg)
-                    if len(got) == 3 * len(sizes):
-                        done.set()
                 conn.deliver(take, lambda exc: None)
-                await asyncio.Event().wait()
-            for _ in range(3 * len(sizes)):
-                msg = await conn.recv()
-                assert isinstance(msg, KvPut)
-                got.append(msg)
-            done.set()
+                await asyncio.Event().wait()  # (delivery goes on; the listener's close ends this)
+            else:
+                for _ in range(3 * len(sizes)):
+                    take(await conn.recv())
 
         listener = await transport.listen("127.0.0.1", 0, handler)
         gc.collect()  # the listener object alone keeps listening (nothing only a gc cycle holds)

@@ -26,9 +26,9 @@ class Recorder(NoProvisioner):
         return True
 
 
-def _orchestrator(model: Path, delay_ms: float, max_replacements: int = 16) -> tuple[Orchestrator, Recorder]:
-    orch = Orchestrator(OrchestratorConfig(model=str(model), expert_workers=1, replacement_delay_ms=delay_ms,
-                                           max_replacements=max_replacements))
+def _orchestrator(model: Path, delay_ms: float, **flags: int) -> tuple[Orchestrator, Recorder]:
+    """An orchestrator with the default flags but `delay_ms` and `flags` (only the test of that flag sets one)."""
+    orch = Orchestrator(OrchestratorConfig(model=str(model), expert_workers=1, replacement_delay_ms=delay_ms, **flags))
     rec = Recorder()
     orch.replacements.provisioner = rec
     return orch, rec
