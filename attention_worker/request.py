@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from fabric.errors import RequestError
 from fabric.messages.client import PromptScores, Submit, TokenOut
@@ -84,9 +84,9 @@ class Sequence:
         if self.prompt_logprobs < 0 or self.prompt_scores is not None or self.output_ids:
             return None
         k = self.prompt_logprobs  # a one-token prompt has nothing to score
-        parts = self.score_parts or [PromptScores(torch.zeros(0), torch.zeros(0, dtype=torch.long),
-                                                  torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))]
-        self.prompt_scores = PromptScores(*(torch.cat([getattr(p, f) for p in parts])
+        parts = self.score_parts or [PromptScores(np.zeros(0, np.float32), np.zeros(0, np.int64),
+                                                  np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))]
+        self.prompt_scores = PromptScores(*(np.concatenate([getattr(p, f) for p in parts])
                                             for f in ("logprobs", "ranks", "top_ids", "top_logprobs")))
         self.score_parts = []
         return self.prompt_scores

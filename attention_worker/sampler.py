@@ -90,5 +90,5 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptS
     lp = logp.gather(1, targets[:, None])  # [R, 1]
     ranks = (logp > lp).sum(dim=1) + 1  # [R]
     values, ids = torch.topk(logp, min(k, logp.shape[1]), dim=1)  # [R, k]
-    return PromptScores(lp[:, 0].contiguous(), ranks.long(), ids.long(), values.contiguous())
+    return PromptScores(lp[:, 0].cpu().numpy(), ranks.long().cpu().numpy(), ids.long().cpu().numpy(), values.cpu().numpy())
 

@@ -17,12 +17,13 @@ import importlib.util
 import json
 import threading
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fabric.errors import FabricError
 from fabric.messages.client import Constraint
+
+if TYPE_CHECKING:
+    import torch  # (imported where used: a gateway that is asked for no grammar never loads it)
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")
@@ -63,6 +64,7 @@ class Grammars:
     mask of tokens that hold a control byte. Thread-safe: compiles run in worker threads."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import torch
         import xgrammar as xgr
 
         path = Path(model_dir) / "tokenizer.json"
@@ -168,6 +170,8 @@ class Matcher:
 
 def bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(V / 32)] int32, every token allowed."""
+    import torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
@@ -180,6 +184,8 @@ def apply(logits: torch.Tensor, bits: torch.Tensor) -> None:
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
     """[V] bool -> [ceil(V / 32)] int32, bit t % 32 of word t // 32 (the engine's bitmask layout)."""
+    import torch
+
     v = allowed.shape[0]
     padded = torch.zeros((v + 31) // 32 * 32, dtype=torch.int64)
     padded[:v] = allowed.to(torch.int64)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
+import numpy as np
 
 from fabric.messages.base import Message, register
 
@@ -75,14 +75,14 @@ class PromptScores:
     """How likely the model found each prompt token given the ones before it: positions 1..P-1 of a
     P-token prompt (the first token has no context), computed in the request's own prefill."""
 
-    logprobs: torch.Tensor  # [P-1] float32
-    ranks: torch.Tensor  # [P-1] int64: 1 + how many tokens were more likely
-    top_ids: torch.Tensor  # [P-1, k] int64, most likely first
-    top_logprobs: torch.Tensor  # [P-1, k] float32
+    logprobs: np.ndarray  # [P-1] float32
+    ranks: np.ndarray  # [P-1] int64: 1 + how many tokens were more likely
+    top_ids: np.ndarray  # [P-1, k] int64, most likely first
+    top_logprobs: np.ndarray  # [P-1, k] float32
 
     def __post_init__(self) -> None:
         n = self.logprobs.shape[0]
-        if self.logprobs.dim() != 1 or tuple(self.ranks.shape) != (n,) or self.top_ids.dim() != 2 or \
+        if self.logprobs.ndim != 1 or tuple(self.ranks.shape) != (n,) or self.top_ids.ndim != 2 or \
                 self.top_ids.shape[0] != n or self.top_logprobs.shape != self.top_ids.shape or self.top_ids.shape[1] > 20:
             raise ValueError("prompt scores: logprobs [P], ranks [P], top ids and logprobs [P, k <= 20]")
 

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,8 +125,8 @@ def test_prompt_logprobs_equal_transformers(arch: str, hf_models: dict[str, Path
 
 
 def scores(n: int, k: int = 2) -> PromptScores:
-    return PromptScores(torch.full((n,), -1.5), torch.ones(n, dtype=torch.long), torch.zeros(n, k, dtype=torch.long),
-                        torch.zeros(n, k))
+    return PromptScores(np.full((n,), -1.5, np.float32), np.ones(n, np.int64), np.zeros((n, k), np.int64),
+                        np.zeros((n, k), np.float32))
 
 
 def test_only_a_fresh_requests_first_prefill_scores_its_prompt() -> None:
@@ -152,7 +153,7 @@ def test_prompt_scores_on_the_wire() -> None:
     msg = PromptLogprobs("r", scores(6, 3))
     header, frames = encode_message(msg)
     out = decode_message(*decode_bytes(encode_bytes(header, frames)))
-    assert isinstance(out, PromptLogprobs) and torch.equal(out.scores.top_ids, msg.scores.top_ids)
+    assert isinstance(out, PromptLogprobs) and np.array_equal(out.scores.top_ids, msg.scores.top_ids)
     header["scores"]["top_logprobs"] = header["scores"]["logprobs"]  # well-formed tensors, wrong shapes: refused
     with pytest.raises(ProtocolError, match="prompt scores"):
         decode_message(*decode_bytes(encode_bytes(header, frames)))

@@ -1,6 +1,8 @@
 """The orchestrator is restarted on the critical path of its own death: what it imports is its
 restart time. torch alone takes seconds to import (10 s on a loaded 2-core host), so neither the
-orchestrator nor what `moe-fabric orchestrator` loads on the way may import it."""
+orchestrator nor what `moe-fabric orchestrator` loads on the way may import it. Nor may a gateway,
+restarted on the critical path of its own death too (its clients reconnect to it), unless a request
+asks for a grammar (xgrammar imports torch, in a thread, on first use)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_orchestrator_imports_no_torch() -> None:
-    code = "import sys, launch.cli, orchestrator.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+@pytest.mark.parametrize("role", ["orchestrator", "gateway"])
+def test_the_orchestrator_and_the_gateway_import_no_torch(role: str) -> None:
+    code = f"import sys, launch.cli, {role}.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
