@@ -85,6 +85,9 @@ class ServeConfig:
                                    "where a step's attention and expert halves take turns on few cores, two AWs or "
                                    "two EWs then never wait for one core: on 2 cores 1.07x tok/s at 16 streams, but "
                                    "0.91x at 64, where a worker kept off the other core waits behind the gateways)")
+    fork_server: bool = opt(True, "start the role processes forked from one that has imported torch (--cluster local, "
+                                  "Linux): a process starts in a fraction of a second instead of importing torch "
+                                  "itself (seconds of CPU each); off: each is a fresh `python -m launch.cli`")
     sched: str = opt("auto", "CPU scheduling policy of the serving processes (batch: a woken peer does not preempt "
                              "the sender; auto: batch over tcp)", choices=SCHED_POLICIES)
     restart_delay_s: float = opt(0.5, "a dead orchestrator or gateway is started again after this (doubling while it "

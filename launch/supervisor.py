@@ -43,9 +43,11 @@ from fabric.process import die_with_parent
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig
 from launch.flags import to_argv
+from launch.forked import START_WAIT_S, ForkServer
 from launch.launcher import COMMAND, MAX_BACKOFF, STOP_ORDER, YOUNG, Launcher, Proc, say
 
 log = logging.getLogger("moe-fabric")
+CHECK_LAG_S = 0.5  # a supervisor pass this much later than its 50 ms period does not count against a child
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Child:
     # A warm standby serves, and says READY, only once the orchestrator wakes it.
     standby: bool = False
     boot_nice: int = 0  # a replacement boots this much nicer (20: in the idle class)
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None  # (a subprocess.Popen, or a launch.forked.ForkedProc)
     notify: socket.socket | None = None
     provision: socket.socket | None = None  # the orchestrator's provisioning channel (our end)
     ready: bool = False
@@ -84,6 +86,8 @@ class Supervisor(Launcher):
         self._free_devices: dict[Role, list[str]] = {}  # --device cuda: their GPUs
         # --device cuda: workers handed a GPU so far. Worker i gets GPU i mod the GPUs.
         self._devices_given = 0
+        self.fork_server = ForkServer() if cfg.fork_server else None
+        self._checked = 0.0  # when `_check` last ran
 
     # -- the processes ------------------------------------------------------------------------
     def plan(self) -> list[Child]:
@@ -168,9 +172,11 @@ class Supervisor(Launcher):
         try:
             # A session of its own. A terminal's Ctrl-C reaches only the supervisor, which then
             # stops the roles in order.
-            child.proc = subprocess.Popen(argv, preexec_fn=die_with_parent, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None, env=env, pass_fds=pass_fds,
-                                          start_new_session=True)
+            child.proc = self.fork_server.spawn(argv, env, out, pass_fds) if self.fork_server else None
+            if child.proc is None:
+                child.proc = subprocess.Popen(argv, preexec_fn=die_with_parent, stdout=out,
+                                              stderr=subprocess.STDOUT if out else None, env=env, pass_fds=pass_fds,
+                                              start_new_session=True)
         finally:
             if out is not None:
                 out.close()
@@ -192,6 +198,8 @@ class Supervisor(Launcher):
         try:
             with self.lock:
                 self.children = self.plan()
+            if self.fork_server is not None:
+                self.fork_server.start(START_WAIT_S)  # (the imports, once, before the first process)
             for child in self.children:
                 self._spawn(child)
             while not self.stop_requested.is_set() and self.failure is None:
@@ -278,7 +286,13 @@ class Supervisor(Launcher):
 
     def _check(self) -> None:
         now = time.monotonic()
+        # A pass this late means this loop did not run (a long spawn, a starved host): the children's
+        # silence meanwhile is its own, not theirs.
+        lag = now - self._checked - CHECK_LAG_S if self._checked else 0.0
+        self._checked = now
         for child in list(self.children):
+            if lag > 0:
+                child.pinged += lag
             proc = child.proc
             if proc is None or child.due is not None:
                 continue
@@ -290,7 +304,7 @@ class Supervisor(Launcher):
                          "killing it")
                     child.killed = True
                     with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
+                        proc.send_signal(signal.SIGKILL)
                 continue
             self._exited(child, code, now)
         if not self.was_ready and all(c.ready for c in self.children
@@ -340,6 +354,8 @@ class Supervisor(Launcher):
             _stop_group([c.proc for c in group if c.proc is not None], grace)
         for child in self.children:
             self._close_sockets(child)
+        if self.fork_server is not None:
+            self.fork_server.close()
         shutil.rmtree(self._sockdir, ignore_errors=True)
         # Its process removes it. This covers one that was killed.
         if self.configs.weight_store is not None:
@@ -354,7 +370,7 @@ class Supervisor(Launcher):
             return [(c.name, c.proc) for c in self.children if c.proc is not None]
 
 
-def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+def _stop_group(procs: list[Proc], grace: float) -> None:
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -365,5 +381,5 @@ def _stop_group(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            proc.send_signal(signal.SIGKILL)
             proc.wait()

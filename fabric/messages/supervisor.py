@@ -42,3 +42,37 @@ class WorkerExited(Message):
     kind = "worker_exited"
     pid: int
     code: int
+
+
+@register
+@dataclass
+class Fork(Message):
+    """Supervisor -> its fork server (launch/zygote.py): start `argv` (`python -m launch.cli ...`) in a
+    process forked from it, with `env`. The message carries file descriptors: the log file first when
+    `log` is set (the process's stdout and stderr), then one for each of `fds`, which it gets at that
+    number."""
+
+    kind = "fork"
+    argv: list[str]
+    env: dict[str, str]
+    log: bool
+    fds: list[int]
+
+
+@register
+@dataclass
+class ForkReady(Message):
+    """The fork server's first message: its imports are done, it takes `Fork` requests."""
+
+    kind = "fork_ready"
+    pid: int
+
+
+@register
+@dataclass
+class Forked(Message):
+    """The fork server's answer: the pid of the process it started (0 when it could not, and why)."""
+
+    kind = "forked"
+    pid: int
+    error: str = ""
