@@ -34,6 +34,7 @@ PR_SET_CHILD_SUBREAPER = 36
 # A server that takes longer to fork is given up on (a fork takes milliseconds). The process it may
 # still fork then ends at once (zygote.py: it waits for the server's go, which never comes).
 ANSWER_TIMEOUT_S = 2.0
+MAX_FAILURES = 3  # servers in a row that fail before they are ready: no more are started
 # How long a fabric's first processes wait for the server's imports (seconds; more on a loaded host).
 START_WAIT_S = 120.0
 
@@ -96,7 +97,9 @@ class ForkServer:
     ready, and while it is down, processes are started the usual way, and a dead one is started again."""
 
     def __init__(self) -> None:
-        self.usable = become_subreaper()
+        self.usable = True  # until the platform or repeated failures say otherwise
+        self._subreaper = False
+        self._failures = 0  # servers in a row that died or failed before they were ready
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._env: dict[str, str] = {}
@@ -106,6 +109,8 @@ class ForkServer:
 
     def start(self, wait_s: float = 0.0) -> bool:
         """Starts the server if it is not up, and waits up to `wait_s` for it to be ready. Returns whether it is."""
+        if self.usable and not self._subreaper:
+            self._subreaper = self.usable = become_subreaper()
         if not self.usable:
             return False
         if not self._up():
@@ -158,10 +163,15 @@ class ForkServer:
             self._ready = isinstance(decode_message(*decode_bytes(data)), ForkReady) if data else False
         except ValueError:
             self._ready = False
-        if not self._ready:
-            log.warning("the fork server did not start; starting processes the usual way")
-            self.close(kill=True)
-        return self._ready
+        if self._ready:
+            self._failures = 0
+            return True
+        self._failures += 1
+        self.usable = self._failures < MAX_FAILURES
+        log.warning("the fork server did not start; starting processes the usual way%s",
+                    "" if self.usable else f" from now on ({MAX_FAILURES} servers in a row failed)")
+        self.close(kill=True)
+        return False
 
     def _start(self) -> None:
         self.close()

@@ -43,7 +43,6 @@ MAX_MESSAGE = 1 << 20
 # The server's command line is padded to this many bytes, so that a forked process can write its own
 # argv over it, where `ps` and /proc/PID/cmdline read it.
 CMDLINE_BYTES = 4096
-_HIGH_FD = 256  # received descriptors are moved above the numbers they are handed on at
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
@@ -157,7 +156,8 @@ def _fork(sock: socket.socket, msg: Fork, fds: list[int]) -> tuple[int, int]:
 def _become(sock: socket.socket, msg: Fork, fds: list[int]) -> None:
     """Turns this fresh fork into the role process: its descriptors, its environment, its argv."""
     sock.close()
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HIGH_FD) for fd in fds]
+    above = max([*msg.fds, *fds, 2]) + 1  # received descriptors move above every number they go to
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
     for fd in fds:
         os.close(fd)
     if msg.log:
