@@ -58,6 +58,10 @@ def main() -> int:
             importlib.import_module(name)
         except ImportError:
             pass  # (an optional one: the process imports what it needs)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
+        print("fork server: CUDA was initialised on import; not forking", file=sys.stderr)
+        return 1
     try:
         sock.send(encode_bytes(*encode_message(ForkReady(os.getpid()))))
     except OSError:
