@@ -152,8 +152,11 @@ class ForkServer:
         """Reads the server's `ForkReady`, waiting up to `wait_s` for it."""
         if self._ready or self._sock is None:
             return self._ready
+        if wait_s > 0:
+            self._sock.settimeout(wait_s)
+        else:
+            self._sock.setblocking(False)
         try:
-            self._sock.settimeout(wait_s) if wait_s > 0 else self._sock.setblocking(False)
             data = self._sock.recv(1 << 16)
         except (BlockingIOError, TimeoutError):
             return False
