@@ -272,6 +272,11 @@ class EwLinks:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def leaving(self) -> None:
+        """This AW is leaving: a link that ends from now on is no news (no warning, no suspicion)."""
+        for link in self.links.values():
+            link.closing = True
+
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()

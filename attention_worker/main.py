@@ -262,6 +262,11 @@ class AttentionService(Service):
                 "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}},
                            outstanding_work=self.aw.scheduler.outstanding_work())
 
+    def leaving(self) -> None:
+        # Once the orchestrator hears it, EWs close this AW's connections: expected, not a suspicion.
+        if self.aw is not None:
+            self.aw.refe.links.leaving()
+
     def abort(self) -> None:
         self.transport.abort_all()
         if self.control_transport is not None:

@@ -130,6 +130,9 @@ class Service(abc.ABC):
     async def close(self) -> None:
         """Stops serving: listeners and links closed, in the role's order. Called once."""
 
+    def leaving(self) -> None:  # noqa: B027 - optional hook
+        """The worker starts to leave, before it says so: peers that drop it from now on are no news."""
+
     def abort(self) -> None:  # noqa: B027 - optional hook
         """Killed by a simulation's SIGKILL: cuts every listener and connection at once."""
 
@@ -363,6 +366,7 @@ class Runtime:
             await stop.wait()
         finally:
             self.link.leaving = True
+            self.service.leaving()
             if self.link.connected.is_set() and not self.crashed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._send_quietly(Leaving("shutting down")), 1.0)
