@@ -45,6 +45,9 @@ MAX_MESSAGE = 1 << 20
 CMDLINE_BYTES = 4096
 
 
+_server_pid = os.getpid()  # (a forked process tells itself apart by its pid)
+
+
 def import_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of `env` a preloaded library may read on import."""
     return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV)}
@@ -109,9 +112,6 @@ def serve(sock: socket.socket) -> list[str] | None:
         finally:
             if go >= 0:
                 os.close(go)
-
-
-_server_pid = os.getpid()
 
 
 def _fork(sock: socket.socket, msg: Fork, fds: list[int]) -> tuple[int, int]:
