@@ -80,7 +80,8 @@ def test_lm_eval_local_completions_scores_as_transformers_does(demo: tuple[Fabri
     from lm_eval.tasks import TaskManager
 
     f, model = demo
-    tasks = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")))
+    # (only this test's tasks: indexing lm-eval's thousands of bundled ones takes ~14 s here)
+    tasks = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")), include_defaults=False)
     served = lm_eval.simple_evaluate(
         model="local-completions", tasks=["fabric_choice", "fabric_gen"], task_manager=tasks, log_samples=True,
         model_args={"model": "demo", "base_url": f"http://127.0.0.1:{f.port}/v1/completions",

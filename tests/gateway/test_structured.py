@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import pytest
 import requests
@@ -36,6 +37,7 @@ class Weather(BaseModel):
 
 
 TOOLS = {"get_weather": Weather, "adopt": Pet}
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +57,24 @@ def client(f: Fabric):  # type: ignore[no-untyped-def]
 SAMPLING = [{"temperature": 0.0}, *({"temperature": 1.0, "seed": s} for s in (11, 12, 13))]
 
 
+def concurrently(fn: Callable[..., T], *args_list: tuple[Any, ...]) -> list[T]:
+    """`fn` over every argument tuple, the requests in flight together (the fabric batches them)."""
+    with ThreadPoolExecutor(max_workers=len(args_list)) as pool:
+        return list(pool.map(lambda a: fn(*a), args_list))
+
+
 def test_a_pydantic_response_format_parses_every_time(demo: Fabric) -> None:
     c = client(demo)
-    for i in range(4):
-        for kw in SAMPLING:
-            r = c.chat.completions.parse(model="demo", messages=[{"role": "user", "content": f"Describe pet {i}."}],
-                                         response_format=Pet, max_tokens=200, **kw)
-            choice = r.choices[0]
-            assert choice.finish_reason == "stop", choice
-            assert isinstance(choice.message.parsed, Pet)
-            Pet.model_validate_json(choice.message.content or "")
+
+    def parse(i: int, kw: dict[str, Any]) -> None:
+        r = c.chat.completions.parse(model="demo", messages=[{"role": "user", "content": f"Describe pet {i}."}],
+                                     response_format=Pet, max_tokens=200, **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Pet)
+        Pet.model_validate_json(choice.message.content or "")
+
+    concurrently(parse, *((i, kw) for i in range(4) for kw in SAMPLING))
 
 
 def test_tool_choice_required_and_named_return_valid_tool_calls(demo: Fabric) -> None:
@@ -72,15 +82,17 @@ def test_tool_choice_required_and_named_return_valid_tool_calls(demo: Fabric) ->
 
     c = client(demo)
     tools = [openai.pydantic_function_tool(m, name=n) for n, m in TOOLS.items()]
-    for i in range(3):
-        for kw in SAMPLING:
-            r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": f"Help me, {i}."}],
-                                          tools=tools, tool_choice="required", max_tokens=800, **kw)
-            choice = r.choices[0]
-            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-            assert len(choice.message.tool_calls) <= 8  # (MAX_PARALLEL_CALLS)
-            for call in choice.message.tool_calls:
-                TOOLS[call.function.name].model_validate_json(call.function.arguments)
+
+    def required(i: int, kw: dict[str, Any]) -> None:
+        r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": f"Help me, {i}."}],
+                                      tools=tools, tool_choice="required", max_tokens=800, **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        assert len(choice.message.tool_calls) <= 8  # (MAX_PARALLEL_CALLS)
+        for call in choice.message.tool_calls:
+            TOOLS[call.function.name].model_validate_json(call.function.arguments)
+
+    concurrently(required, *((i, kw) for i in range(3) for kw in SAMPLING))
     r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "One call."}], tools=tools,
                                   tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls or []) == 1
