@@ -38,7 +38,7 @@ from typing import IO, Any
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
-from fabric.model.weight_store import default_dir
+from fabric.model.store_dir import default_dir
 from fabric.process import die_with_parent
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig

@@ -23,7 +23,6 @@ import json
 import logging
 import mmap
 import os
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -66,12 +65,6 @@ def fingerprint(model_dir: str | Path) -> str:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:32]
-
-
-def default_dir(tag: str) -> Path:
-    """Where a store lives: /dev/shm (memory) where the host has it."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"moe-fabric-weights-{os.getuid()}-{tag}"
 
 
 def publish(directory: Path, key: StoreKey, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:

@@ -21,11 +21,11 @@ from fabric.kernels import skinny
 from fabric.model.attention_weights import AttentionWeights, serving_tensors
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
+from fabric.model.store_dir import default_dir
 from fabric.model.weight_store import (
     MappedStore,
     StoreKey,
     StoreMiss,
-    default_dir,
     fingerprint,
     publish,
     read_manifest,
