@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.load import run_streams, wait_gone
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
 
 CLI = [sys.executable, "-m", "launch.cli"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_forked_process_runs_its_command_with_its_env_and_output_and_is_waited_for(tmp_path: Path) -> None:
@@ -42,6 +44,18 @@ def test_a_forked_process_runs_its_command_with_its_env_and_output_and_is_waited
         assert server.spawn([sys.executable, "-c", "pass"], dict(os.environ), None) is None  # only launch.cli
     finally:
         server.close()
+
+
+def test_the_roles_modules_read_no_environment_and_start_nothing_on_import() -> None:
+    """What the fork server imports ahead (launch/zygote.py ROLE_MODULES) must leave no state a
+    forked process would inherit wrongly: no variable set, no thread, no transport or grammar engine
+    loaded (those read the environment of the process that uses them)."""
+    code = ("import os, sys, threading; from launch import zygote; env = dict(os.environ); "
+            "[__import__(m) for m in (*zygote.PRELOAD, *zygote.ROLE_MODULES)]; "
+            "print(os.environ == env, threading.active_count(), "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('ucxx', 'ucp', 'xgrammar', 'ray', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split("\n")[-2] == "True 1 []", out.stdout
 
 
 def test_the_fabric_forks_its_processes_and_outlives_the_fork_server(hf_models: dict[str, Path], tmp_path: Path) -> None:
