@@ -13,7 +13,7 @@ its exit code and signals it as it would a child it started itself. So this serv
 role process, and the supervisor starts the next ones the usual way (`python -m launch.cli`).
 
 Nothing here reads the fabric's configuration or its environment variables: libraries are imported
-ahead (PRELOAD), then the roles' modules (ROLE_MODULES), which read neither on import. A process whose
+ahead (PRELOAD), then the roles' modules (`role_modules`), which read neither on import. A process whose
 environment differs from this server's in a variable that a library may read on import (IMPORT_ENV) is
 started the usual way instead. A process forked from a server runs the role code that server imported
 when it started, even where the tree has changed since.
@@ -37,10 +37,6 @@ from fabric.process import die_with_parent
 from fabric.wire import decode_bytes, encode_bytes
 
 PRELOAD = ("numpy", "torch", "msgpack", "aiohttp", "uvloop", "safetensors")
-# Then the roles' own modules (0.15-0.25 s each, 0.6 s together): they read no environment and start no
-# thread on import (a test keeps it), so a forked process finds its role imported.
-ROLE_MODULES = ("launch.cli", "attention_worker.main", "expert_worker.main", "gateway.main", "orchestrator.main",
-                "checkpoint_store.main", "weight_store.main")
 # Variables a preloaded library may read on import: a process that needs others than the server's is not forked.
 IMPORT_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS", "CUDA", "NVIDIA", "LD_", "PYTHON", "TRITON", "AIOHTTP",
               "KMP_", "GOMP")
@@ -52,6 +48,15 @@ CMDLINE_BYTES = 4096
 
 
 _server_pid = os.getpid()  # (a forked process tells itself apart by its pid)
+
+
+def role_modules() -> list[str]:
+    """What `python -m launch.cli ROLE` imports, imported ahead after PRELOAD: the CLI and each role's module
+    (launch/cli.py ROLES; 0.15-0.25 s each). They read no environment and start no thread on import (a test
+    keeps it), so a forked process finds its role imported."""
+    from launch.cli import ROLES
+
+    return ["launch.cli", *(module for _, module, _ in ROLES.values())]
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
@@ -67,11 +72,9 @@ def main() -> int:
             importlib.import_module(name)
         except ImportError:
             pass  # (an optional one: the process imports what it needs)
-    for name in ROLE_MODULES:
-        try:
+    with contextlib.suppress(Exception):  # (a broken tree: the role process imports it again and says what is wrong)
+        for name in role_modules():
             importlib.import_module(name)
-        except Exception:  # (a broken tree: the role process imports it again and reports what is wrong)
-            pass
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
         print("fork server: CUDA was initialised on import; not forking", file=sys.stderr)

@@ -47,11 +47,11 @@ def test_a_forked_process_runs_its_command_with_its_env_and_output_and_is_waited
 
 
 def test_the_roles_modules_read_no_environment_and_start_nothing_on_import() -> None:
-    """What the fork server imports ahead (launch/zygote.py ROLE_MODULES) must leave no state a
+    """What the fork server imports ahead (launch/zygote.py `role_modules`) must leave no state a
     forked process would inherit wrongly: no variable set, no thread, no transport or grammar engine
     loaded (those read the environment of the process that uses them)."""
     code = ("import os, sys, threading; from launch import zygote; env = dict(os.environ); "
-            "[__import__(m) for m in (*zygote.PRELOAD, *zygote.ROLE_MODULES)]; "
+            "[__import__(m) for m in (*zygote.PRELOAD, *zygote.role_modules())]; "
             "print(os.environ == env, threading.active_count(), "
             "sorted(m for m in sys.modules if m.split('.')[0] in ('ucxx', 'ucp', 'xgrammar', 'ray', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
