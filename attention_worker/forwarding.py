@@ -189,7 +189,7 @@ class ForwardingEngine:
         if link is None:
             return
         try:
-            link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.host[:0]))
+            link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.xs[:0]))
         except PeerDeadError:
             pass  # its read loop finds the link's end
 

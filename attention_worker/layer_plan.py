@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fabric.device import to_device, to_host
+from fabric.device import to_device, to_host_all
 
 # Rows of a layer's expert-sorted rows: a run, or indices [R'].
 Rows = slice | torch.Tensor
 Part = tuple[Rows, torch.Tensor]  # some rows and their results [R', D]
 
-# Where numpy computes exactly what torch does (a gather is a copy), a host plan takes a few µs an op.
-_NUMPY_DTYPES = (torch.float32, torch.float64)
+# numpy has no bfloat16: such tensors are gathered as integers of their size (a gather is a copy).
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -28,53 +28,41 @@ class LayerPlan:
     """One MoE layer's rows, sorted by expert. `plan_layer` makes it."""
 
     layer: int
-    xs: torch.Tensor  # [R, D] rows in expert order, on the AW's device
-    host: torch.Tensor  # [R, D] the same in host memory (xs itself on the CPU)
+    xs: torch.Tensor  # [R, D] rows in expert order, in host memory
     spans: dict[int, tuple[int, int]]  # expert -> (first row, rows)
-    token_of_row: torch.Tensor  # [R] the token each row belongs to
-    weights: torch.Tensor  # [R] router weights, in row order
+    token_of_row: torch.Tensor  # [R] the token each row belongs to (host)
+    weights: torch.Tensor  # [R] router weights, in row order (host)
     tokens: int  # T
 
     def rows(self, rows: Rows, conn_device: torch.device | None) -> torch.Tensor:
-        """Those rows as a connection carries them, in device memory where it can, else in host memory."""
-        src = self.xs if conn_device is not None and self.xs.device == conn_device else self.host
-        return src[rows] if isinstance(rows, slice) else src.index_select(0, rows.to(src.device))
+        """Those rows as a connection carries them: in its device's memory where it carries one, else in host memory."""
+        x = self.xs[rows] if isinstance(rows, slice) else self.xs.index_select(0, rows)
+        return x if conn_device is None else to_device(x, conn_device)
 
 
 def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                num_experts: int) -> LayerPlan:
-    """x [T, D], experts [T, k] int64, weights [T, k] -> the layer's rows in expert order.
+    """x [T, D], experts [T, k], weights [T, k] -> the layer's rows in expert order; pure.
 
-    It is pure. On a GPU it waits for its kernels, so the transport may read the rows."""
-    if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES and experts.dtype == torch.int64 and weights.dtype == x.dtype:
-        return _plan_on_host(layer, x, experts, weights, num_experts)
-    return _plan_with_torch(layer, x, experts, weights, num_experts)
-
-
-def _plan_with_torch(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     num_experts: int) -> LayerPlan:
+    The plan is made in host memory, where its rows go on the wire and a decode step's few rows sort in a few µs
+    an op. On a GPU, x and its routing come to the host first, in one wait."""
+    x, experts, weights = to_host_all(x, experts, weights)
     t, k = experts.shape
-    flat = experts.reshape(-1)  # [R]
-    order = torch.argsort(flat, stable=True)  # rows sorted by expert, tokens ascending within
+    flat = experts.numpy().reshape(-1).astype(np.int64, copy=False)  # [R]
+    order = np.argsort(flat, kind="stable")  # rows sorted by expert, tokens ascending within
     token_of_row = order // k  # [R]
-    xs = x.index_select(0, token_of_row)  # [R, D]
-    host = to_host(xs)  # on a GPU, a copy made before this returns
-    spans = _spans(torch.bincount(flat, minlength=num_experts).tolist())
-    return LayerPlan(layer, xs, host, spans, token_of_row, weights.reshape(-1).index_select(0, order).to(x.dtype), t)
-
-
-def _plan_on_host(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                  num_experts: int) -> LayerPlan:
-    """`plan_layer` for host tensors with numpy: the same rows, order and weights, bit for bit, at a
-    third of the per-op cost of torch on a decode step's few rows."""
-    t, k = experts.shape
-    flat = experts.numpy().reshape(-1)  # [R]
-    order = np.argsort(flat, kind="stable")
-    token_of_row = order // k  # [R]
-    xs = torch.from_numpy(x.numpy()[token_of_row])  # [R, D]
+    xs = _gathered(x, token_of_row)  # [R, D]
     spans = _spans(np.bincount(flat, minlength=num_experts).tolist())
-    w = torch.from_numpy(weights.numpy().reshape(-1)[order])  # [R]
-    return LayerPlan(layer, xs, xs, spans, torch.from_numpy(token_of_row), w, t)
+    w = _gathered(weights.reshape(-1), order).to(x.dtype)  # [R]
+    return LayerPlan(layer, xs, spans, torch.from_numpy(token_of_row), w, t)
+
+
+def _gathered(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    """t[idx] along the first dimension, for a host tensor of any dtype, with numpy."""
+    if t.dtype == torch.bfloat16 or t.dtype.is_complex:
+        as_int = _SAME_SIZE_INT[t.element_size()]
+        return torch.from_numpy(t.view(as_int).numpy()[idx]).view(t.dtype)
+    return torch.from_numpy(t.numpy()[idx])
 
 
 def _spans(counts: list[int]) -> dict[int, tuple[int, int]]:
@@ -89,15 +77,18 @@ def _spans(counts: list[int]) -> dict[int, tuple[int, int]]:
 
 
 def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Tensor:
-    """The weighted sum of each token's expert results [T, D]; pure.
+    """The weighted sum of each token's expert results [T, D], on `like`'s device; pure.
 
-    `like` [T, D] gives its dtype and device."""
+    It is summed in host memory, where the results come off the wire, in row order (experts ascending, as
+    transformers adds them); on a GPU the sum then goes to the device in one copy. `like` [T, D] gives its dtype
+    and device."""
     y = _joined(parts, plan.xs)  # [R, D]
-    return torch.zeros_like(like).index_add_(0, plan.token_of_row, y * plan.weights[:, None])
+    out = torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+    return to_device(out.index_add_(0, plan.token_of_row, y * plan.weights[:, None]), like.device)
 
 
 def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
-    """The results in row order [R, D].
+    """The results in row order [R, D], in host memory.
 
     Where they are runs that tile the rows, they are joined as they are. That is the usual case,
     with every EW's rows one run. Otherwise they are scattered into place."""
@@ -116,9 +107,9 @@ def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
         end = rows.stop
     if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
                                                          and rows.stop > rows.start):
-        ys = [to_device(res, xs.device) for _, res in runs]
+        ys = to_host_all(*(res for _, res in runs))
         return ys[0] if len(ys) == 1 else torch.cat(ys)
     y = torch.zeros_like(xs)
-    for rows_, res in parts:
-        y[rows_] = to_device(res, y.device)
+    for (rows_, _), res in zip(parts, to_host_all(*(res for _, res in parts))):
+        y[rows_] = res
     return y

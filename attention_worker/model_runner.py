@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.kv_cache import KVCache
 from attention_worker.layer_plan import LayerPlan, Part, combine, plan_layer
 from attention_worker.request import Sequence
-from fabric.device import to_host
+from fabric.device import to_device_all, to_host
 from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
@@ -78,10 +79,13 @@ class StepMeta:
         """Its tensors on `device`. They are built on the host, so on the host it returns itself."""
         if device.type == "cpu":
             return self
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
-        prefills = [(row, n, slots.to(device), mask.to(device)) for row, n, slots, mask in self.prefills]
-        return dataclasses.replace(self, **moved, prefills=prefills)
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        flat = [getattr(self, n) for n in names] + [t for _, _, slots, mask in self.prefills for t in (slots, mask)]
+        moved = to_device_all(flat, device)  # a copy per dtype, not per tensor
+        rest = iter(moved[len(names):])
+        prefills = [(row, n, next(rest), next(rest)) for row, n, _, _ in self.prefills]
+        fields: dict[str, Any] = dict(zip(names, moved))
+        return dataclasses.replace(self, **fields, prefills=prefills)
 
 
 KvSink = Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None]

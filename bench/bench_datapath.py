@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--torch-matmul", action="store_true",
                     help="add a fabric whose workers use torch's matmul (--kernel torch) beside the default (the "
                          "skinny GEMM kernel where it runs)")
+    ap.add_argument("--triton", action="store_true",
+                    help="add a fabric whose workers run the Triton kernels (--kernel triton; a GPU, or "
+                         "TRITON_INTERPRET=1) beside the default")
     ap.add_argument("--step-budgets", default="",
                     help="comma-separated step token budgets (serve --max-batch-tokens): a fabric over the first "
                          f"transport per budget beside the default ({ServeConfig().max_batch_tokens}); the trade "
@@ -217,6 +220,8 @@ def main() -> None:
         fabrics[f"fabric {t0}, {'no auth' if sec == 'none' else 'TLS'}"] = FabricSpec(t0, g0, security=sec, **dev)
     if args.torch_matmul:
         fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch", **dev)
+    if args.triton:
+        fabrics[f"fabric {t0}, --kernel triton"] = FabricSpec(t0, g0, kernel="triton", **dev)
     if args.unpinned:
         fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False, **dev)
     for budget in [int(b) for b in args.step_budgets.split(",") if b.strip()]:

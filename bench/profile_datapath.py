@@ -53,10 +53,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--transport", default="tcp")
-    ap.add_argument("--py-spy", action="store_true", help="also sample attention-worker-0 and expert-worker-0")
+    ap.add_argument("--py-spy", action="store_true", help="also sample every attention and expert worker and gateway-0")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer): the fabric's own cost")
     ap.add_argument("--unpinned", action="store_true", help="workers float over the CPUs (default: serve --pin-workers)")
+    ap.add_argument("--native", action="store_true", help="py-spy also samples native frames (torch's, CUDA's)")
+    ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
     args = ap.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_demo_model(args.model_dir, arch="mixtral", size="bench")
@@ -64,7 +66,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model_dir).vocab_size
     prompts = make_prompts(args.concurrency, 16, vocab, 0)
     cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned,
+                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned, device=args.device,
                       **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
@@ -73,10 +75,10 @@ def main() -> None:
         spies = []
         if args.py_spy:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            for name in ("attention-worker-0", "expert-worker-0", "gateway-0"):
+            for name in sorted(n for n in procs if n.startswith(("attention-worker", "expert-worker", "gateway-0"))):
                 out = args.out / f"{name}.txt"
                 spies.append((name, out, subprocess.Popen(
-                    [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),
+                    [spy, "record", "--format", "raw", "--nonblocking", *(["--native"] if args.native else []), "--rate", "200", "-d", str(int(args.seconds)),
                      "-o", str(out), "-p", str(procs[name].pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         before = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
         tokens = [0]

@@ -65,6 +65,40 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def to_host_all(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `ts` in host memory, as `to_host` makes it, with one wait for all the copies instead of one each."""
+    hosts = []
+    for t in ts:
+        if t.device.type == "cpu":
+            hosts.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        hosts.append(host.copy_(t, non_blocking=True))
+    for device in {t.device for t in ts if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+    return hosts
+
+
+def to_device_all(ts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device`, as `to_device` puts them, in one copy per dtype instead of one each.
+
+    Each dtype's tensors are packed into one pinned buffer. Its copy is queued on the device's stream, so nothing
+    waits for it. The results are views of one device buffer per dtype. On the CPU they are `ts` themselves."""
+    if device.type == "cpu":
+        return ts
+    out: list[torch.Tensor] = list(ts)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        sizes = [ts[i].numel() for i in idx]
+        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+        torch.cat([ts[i].reshape(-1) for i in idx], out=host)
+        for i, part in zip(idx, host.to(device, non_blocking=True).split(sizes)):
+            out[i] = part.view(ts[i].shape)
+    return out
+
+
 def for_wire(t: torch.Tensor, conn_device: torch.device | None) -> torch.Tensor:
     """`t` as a connection carries it.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from attention_worker.layer_plan import Part, combine, plan_layer
@@ -47,18 +48,36 @@ def test_combine_equals_scattering_every_piece() -> None:
     assert kinds == {"runs", "empty call", "index piece", "gap"}
 
 
-def test_the_host_plan_is_the_torch_plan_bit_for_bit() -> None:
-    """`plan_layer` plans host float tensors with numpy: the same rows, order, spans and weights as torch's plan."""
-    from attention_worker.layer_plan import _plan_on_host, _plan_with_torch
+def torch_plan(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, e: int):  # type: ignore[no-untyped-def]
+    """The plan as torch's ops make it: rows [R, D], spans, token of each row [R], weights [R]."""
+    k = experts.shape[1]
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    token_of_row = order // k
+    counts = torch.bincount(experts.reshape(-1), minlength=e).tolist()
+    spans, row = {}, 0
+    for ex, n in enumerate(counts):
+        if n:
+            spans[ex] = (row, n)
+        row += n
+    return x.index_select(0, token_of_row), spans, token_of_row, weights.reshape(-1).index_select(0, order).to(x.dtype)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_plan_is_torchs_plan_bit_for_bit(dtype: torch.dtype) -> None:
+    """`plan_layer` sorts with numpy in host memory (bfloat16 as integers of its size): the same rows, order,
+    spans and weights, bit for bit, as torch's own ops."""
     rng = random.Random(1)
     torch.manual_seed(1)
     for _ in range(200):
         t, k, e = rng.randint(1, 64), rng.randint(1, 4), 8
-        x = torch.randn(t, 32)
+        x = torch.randn(t, 32).to(dtype)
         experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-        weights = torch.rand(t, k)
-        a, b = _plan_with_torch(3, x, experts, weights, e), _plan_on_host(3, x, experts, weights, e)
-        assert torch.equal(a.xs, b.xs) and torch.equal(a.host, b.host) and a.spans == b.spans
-        assert torch.equal(a.token_of_row, b.token_of_row) and torch.equal(a.weights, b.weights)
-        assert (a.layer, a.tokens) == (b.layer, b.tokens)
+        weights = torch.rand(t, k).to(dtype)
+        plan = plan_layer(3, x, experts, weights, e)
+        xs, spans, token_of_row, w = torch_plan(x, experts, weights, e)
+        assert plan.xs.dtype == dtype and torch.equal(plan.xs, xs) and plan.spans == spans
+        assert torch.equal(plan.token_of_row, token_of_row) and torch.equal(plan.weights, w)
+        assert (plan.layer, plan.tokens) == (3, t)
+        y = torch.randn(xs.shape).to(dtype)
+        want = torch.zeros_like(x).index_add_(0, token_of_row, y * w[:, None])
+        assert torch.equal(combine(plan, [(slice(0, xs.shape[0]), y)], x), want)
