@@ -57,7 +57,6 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer): the fabric's own cost")
     ap.add_argument("--unpinned", action="store_true", help="workers float over the CPUs (default: serve --pin-workers)")
-    ap.add_argument("--native", action="store_true", help="py-spy also samples native frames (torch's, CUDA's)")
     ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
     args = ap.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -78,7 +77,7 @@ def main() -> None:
             for name in sorted(n for n in procs if n.startswith(("attention-worker", "expert-worker", "gateway-0"))):
                 out = args.out / f"{name}.txt"
                 spies.append((name, out, subprocess.Popen(
-                    [spy, "record", "--format", "raw", "--nonblocking", *(["--native"] if args.native else []), "--rate", "200", "-d", str(int(args.seconds)),
+                    [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),
                      "-o", str(out), "-p", str(procs[name].pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         before = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
         tokens = [0]
