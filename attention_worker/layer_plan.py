@@ -46,14 +46,17 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
 
     The plan is made in host memory, where its rows go on the wire and a decode step's few rows sort in a few µs
     an op. On a GPU, x and its routing come to the host first, in one wait."""
-    x, experts, weights = to_host_all(x, experts, weights)
+    if x.device.type != "cpu":
+        x, experts, weights = to_host_all(x, experts, weights)
     t, k = experts.shape
-    flat = experts.numpy().reshape(-1).astype(np.int64, copy=False)  # [R]
+    flat = experts.numpy().reshape(-1)  # [R]
     order = np.argsort(flat, kind="stable")  # rows sorted by expert, tokens ascending within
     token_of_row = order // k  # [R]
     xs = _gathered(x, token_of_row)  # [R, D]
     spans = _spans(np.bincount(flat, minlength=num_experts).tolist())
-    w = _gathered(weights.reshape(-1), order).to(x.dtype)  # [R]
+    w = _gathered(weights.reshape(-1), order)  # [R]
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
     return LayerPlan(layer, xs, spans, torch.from_numpy(token_of_row), w, t)
 
 
@@ -82,9 +85,11 @@ def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Ten
     It is summed in host memory, where the results come off the wire, in row order (experts ascending, as
     transformers adds them); on a GPU the sum then goes to the device in one copy. `like` [T, D] gives its dtype
     and device."""
-    y = _joined(parts, plan.xs)  # [R, D]
-    out = torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
-    return to_device(out.index_add_(0, plan.token_of_row, y * plan.weights[:, None]), like.device)
+    yw = _joined(parts, plan.xs) * plan.weights[:, None]  # [R, D]
+    if like.device.type == "cpu":
+        return torch.zeros_like(like).index_add_(0, plan.token_of_row, yw)
+    out = torch.zeros(like.shape, dtype=like.dtype, pin_memory=True)
+    return to_device(out.index_add_(0, plan.token_of_row, yw), like.device)
 
 
 def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
@@ -107,9 +112,14 @@ def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
         end = rows.stop
     if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
                                                          and rows.stop > rows.start):
-        ys = to_host_all(*(res for _, res in runs))
+        ys = _on_host([res for _, res in runs])
         return ys[0] if len(ys) == 1 else torch.cat(ys)
     y = torch.zeros_like(xs)
-    for (rows_, _), res in zip(parts, to_host_all(*(res for _, res in parts))):
+    for (rows_, _), res in zip(parts, _on_host([res for _, res in parts])):
         y[rows_] = res
     return y
+
+
+def _on_host(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Results in host memory: those that came in device memory (a connection that carries it) are copied."""
+    return ts if all(t.device.type == "cpu" for t in ts) else to_host_all(*ts)

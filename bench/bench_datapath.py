@@ -91,6 +91,22 @@ def hf_round(hf: Any, prompts: list[list[int]], tokens: int, threads: int = 0) -
                         [clock.times[0] - t0] if clock.times else None), "ids": out[:, ids.shape[1]:].tolist()}
 
 
+def tie_gaps(hf: Any, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]) -> list[float]:
+    """For each stream that differs from transformers' (`want`): the gap between transformers' top two logits where
+    it first differs, from the prompt and the tokens both agree on, run alone. Under ~1e-3 the two picks are a tie
+    that a product's rounding decides (on a GPU its kernel, so its result, depends on the batch's row count)."""
+    gaps = []
+    for p, a, b in zip(prompts, got, want):
+        if a == b:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        with torch.inference_mode():
+            logits = hf(input_ids=torch.tensor([p + b[:i]], device=hf.device)).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return gaps
+
+
 def median_stats(runs: list[Stats]) -> Stats:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
 
@@ -323,14 +339,19 @@ def main() -> None:
     for c in concs:
         print(f"  [{c}, 512] x [512, 4096] matmul: best {max(r[f'{c}x512x4096'] for r in rates):.1f} GFLOP/s")
     identical: dict[str, dict[str, list[int]]] = {}  # reference -> system -> [streams equal, streams]
+    tie_gaps_of: dict[str, dict[str, list[float]]] = {}  # reference -> system -> top-two gaps where streams differ
     for ref in (HF, VLLM):
         for s in systems:
             if s != ref and streams.get(ref) and streams[s]:
                 same = [sum(a == b for a, b in zip(streams[s][c], streams[ref][c])) for c in concs if c in streams[s]
                         and c in streams[ref]]
                 identical.setdefault(ref, {})[s] = [sum(same), sum(c for c in concs if c in streams[s])]
+                gaps = [] if ref != HF else [g for c in concs if c in streams[s] and c in streams[ref]
+                                             for g in tie_gaps(hf, prompts[:c], streams[s][c], streams[ref][c])]
                 print(f"token-identical to {ref}: {s}: {sum(same)} of {sum(c for c in concs if c in streams[s])} "
-                      "greedy streams")
+                      "greedy streams" + (f"; the others first differ where transformers' top two logits are "
+                                          f"{', '.join(f'{g:.2g}' for g in gaps)} apart" if gaps else ""))
+                tie_gaps_of.setdefault(ref, {})[s] = gaps
     notes = scan_logs(log_root)
     for line in errors + notes:
         print(f"note: {line}")
@@ -339,7 +360,7 @@ def main() -> None:
               "active_params_per_token": active, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
               "matmul_gflops": rates, "rows": rows, "per_round_ratios": {s: {str(c): v for c, v in d.items()} for s, d in ratios.items()},
               "vs_vllm_ratios": {s: {str(c): v for c, v in d.items()} for s, d in vs_vllm.items()}, "raw": {s: {str(c): v for c, v in d.items()} for s, d in raw.items()},
-              "identical": identical, "device": args.device, "errors": errors, "log_notes": notes, "log_dir": log_root}
+              "identical": identical, "tie_gaps": tie_gaps_of, "device": args.device, "errors": errors, "log_notes": notes, "log_dir": log_root}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     try:
         plot(rows, concs, args.out / "datapath_tok_s.png")
