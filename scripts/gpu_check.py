@@ -5,7 +5,8 @@ tree on PYTHONPATH). On a machine without a GPU it runs its CPU part (`--device 
 what needs a GPU.
 
     1. kernels    the Triton kernels against torch (tests/fabric/test_triton_kernels.py: compiled on a
-                  GPU, under Triton's interpreter on the CPU)
+                  GPU, under Triton's interpreter on the CPU), and the moves between host and device
+                  memory (tests/fabric/test_device_moves.py)
     2. parity     greedy output against transformers on the same device, both test architectures,
                   the torch and the Triton kernels (on the CPU: torch only; the interpreter's whole
                   fabric is a CI test)
@@ -62,10 +63,10 @@ def kernels(device: str, out: Path) -> list[Row]:
         import triton  # noqa: F401
     except ImportError:
         return [{"check": "Triton kernels", "result": "skipped", "detail": "no triton here"}]
-    code, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fabric/test_triton_kernels.py"],
-                     300, out / "kernels.log", env)
+    code, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fabric/test_triton_kernels.py",
+                      "tests/fabric/test_device_moves.py"], 300, out / "kernels.log", env)
     where = "compiled for the GPU" if device != "cpu" else "under the interpreter"
-    return [{"check": f"Triton kernels {where} = torch", "result": "pass" if code == 0 else "FAIL",
+    return [{"check": f"Triton kernels {where} = torch; the host-device moves", "result": "pass" if code == 0 else "FAIL",
              "detail": f"{secs:.0f} s, log {out / 'kernels.log'}"}]
 
 
