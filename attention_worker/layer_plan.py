@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fabric.device import to_device, to_host_all
+from fabric.device import to_device, to_host, to_host_all
 
 # Rows of a layer's expert-sorted rows: a run, or indices [R'].
 Rows = slice | torch.Tensor
@@ -46,7 +46,7 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
 
     The plan is made in host memory, where its rows go on the wire and a decode step's few rows sort in a few µs
     an op. On a GPU, x and its routing come to the host first, in one wait."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu":  # (the check alone: on the host a call costs a few µs of a layer's plan)
         x, experts, weights = to_host_all(x, experts, weights)
     t, k = experts.shape
     flat = experts.numpy().reshape(-1)  # [R]
@@ -54,18 +54,19 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
     token_of_row = order // k  # [R]
     xs = _gathered(x, token_of_row)  # [R, D]
     spans = _spans(np.bincount(flat, minlength=num_experts).tolist())
-    w = _gathered(weights.reshape(-1), order)  # [R]
+    w = _gathered(weights, order, flat=True)  # [R]
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     return LayerPlan(layer, xs, spans, torch.from_numpy(token_of_row), w, t)
 
 
-def _gathered(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-    """t[idx] along the first dimension, for a host tensor of any dtype, with numpy."""
+def _gathered(t: torch.Tensor, idx: np.ndarray, flat: bool = False) -> torch.Tensor:
+    """t[idx] along the first dimension (of t flattened, with `flat`), for a host tensor of any dtype, with numpy."""
     if t.dtype == torch.bfloat16 or t.dtype.is_complex:
-        as_int = _SAME_SIZE_INT[t.element_size()]
-        return torch.from_numpy(t.view(as_int).numpy()[idx]).view(t.dtype)
-    return torch.from_numpy(t.numpy()[idx])
+        a = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+        return torch.from_numpy((a.reshape(-1) if flat else a)[idx]).view(t.dtype)
+    a = t.numpy()
+    return torch.from_numpy((a.reshape(-1) if flat else a)[idx])
 
 
 def _spans(counts: list[int]) -> dict[int, tuple[int, int]]:
@@ -112,14 +113,9 @@ def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
         end = rows.stop
     if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
                                                          and rows.stop > rows.start):
-        ys = _on_host([res for _, res in runs])
+        ys = [to_host(res) for _, res in runs]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
     y = torch.zeros_like(xs)
-    for (rows_, _), res in zip(parts, _on_host([res for _, res in parts])):
-        y[rows_] = res
+    for rows_, res in parts:
+        y[rows_] = to_host(res)
     return y
-
-
-def _on_host(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Results in host memory: those that came in device memory (a connection that carries it) are copied."""
-    return ts if all(t.device.type == "cpu" for t in ts) else to_host_all(*ts)

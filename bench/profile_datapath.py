@@ -1,7 +1,7 @@
 """Where the data path's time goes: a fabric (2 AWs + 2 EWs) under a closed loop of C streams;
 CPU seconds per 1000 output tokens of every process (from /proc), and, with `--py-spy`, the
-functions that take an attention worker's and an expert worker's CPU (py-spy samples, by own
-time and by total time).
+functions that take each attention and expert worker's CPU and gateway-0's (py-spy samples, by
+own time and by total time). `--device cuda` runs the workers on a GPU.
 
     python bench/profile_datapath.py --concurrency 16 --seconds 20 --py-spy
 """

@@ -205,7 +205,7 @@ class ExpertExecutor:
         # Whether the calls came as host memory. Over UCX with CUDA, they come as the GPU's.
         on_host = not outs or outs[0].device.type == "cpu"
         if on_host:
-            ys = [dev.to_host(y) for y in ys]
+            ys = dev.to_host_all(*ys)  # (on a GPU one wait for every expert's result, not one each)
         for unit, y in zip(units, ys):  # y [N, D]
             offset = 0
             for ci, s, n in groups[unit]:

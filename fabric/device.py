@@ -58,15 +58,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
     It is `t` itself where it is there already. Else it is a copy in pinned memory, made before this returns. The
     copy is a DMA at the bus's speed, not staged through a pageable buffer. torch caches the pinned blocks."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host
+    return t if t.device.type == "cpu" else to_host_all(t)[0]
 
 
 def to_host_all(*ts: torch.Tensor) -> list[torch.Tensor]:
     """Each of `ts` in host memory, as `to_host` makes it, with one wait for all the copies instead of one each."""
+    if all(t.device.type == "cpu" for t in ts):
+        return list(ts)
     hosts = []
     for t in ts:
         if t.device.type == "cpu":
