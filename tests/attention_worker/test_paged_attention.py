@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attention_worker.kv_cache import KVCache
+from attention_worker.layer_plan import LayerPlan, Part
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence
 from fabric.kernels import skinny
@@ -65,8 +66,8 @@ def test_bad_tables_are_refused() -> None:
 class NoExperts:
     """A REFE whose experts add nothing: the steps compared differ only in their attention."""
 
-    async def dispatch_layer(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(x)
+    async def run_plan(self, plan: LayerPlan) -> list[Part]:
+        return []  # no rows answered: `combine` adds zeros
 
 
 @pytest.mark.parametrize(("arch", "window"), [("mixtral", None), ("qwen3_moe", None), ("mixtral", 6)])
