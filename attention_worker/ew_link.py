@@ -48,6 +48,11 @@ class EwLink:
     held: int = 0
     busy_since: float | None = None
     pinged_at: dict[int, float] = field(default_factory=dict)  # probe nonce -> when it was sent
+    # Whether this AW sends the EW an empty call at a layer that has no rows for it: while another AW has a
+    # batch running there, as the EW's last result said (`ExpertResult.others`). `said_pads` is what this AW's
+    # last message to it said; the EW waits for it only while that is true.
+    pads: bool = True
+    said_pads: bool = True
     # Closed by this AW, by a table without it. Its end is no news.
     closing: bool = False
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
@@ -71,6 +76,7 @@ class EwLink:
         if fut is None or fut.done():
             return
         if isinstance(msg, ExpertResult):
+            self.pads = msg.others
             fut.set_result(msg.y)
         elif isinstance(msg, ExpertError):
             fut.set_exception(ExpertCallError(msg.message))

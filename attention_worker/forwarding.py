@@ -175,7 +175,8 @@ class ForwardingEngine:
             link.probes = 0
             self.links.calls_out()
         x = plan.rows(rows, link.data.frames_device)  # [R', D]
-        link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay))
+        link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay, link.pads))
+        link.said_pads = link.pads
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         return fut
@@ -183,13 +184,16 @@ class ForwardingEngine:
     def _pad(self, ew_id: str, plan: LayerPlan) -> None:
         """Sends an empty call, so that the EW's gather does not wait for this AW at this layer.
 
-        The EW answers it with nothing. A reply would cost both sides a wake-up and a message a layer."""
+        The EW answers it with nothing. A reply would cost both sides a wake-up and a message a layer. None
+        goes while no other AW has a batch running there (`EwLink.pads`) once a message said so."""
         assert self.table is not None
         link = self.links.live(ew_id)
-        if link is None:
+        if link is None or not (link.pads or link.said_pads):
             return
         try:
-            link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.xs[:0]))
+            link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.xs[:0],
+                                             pads=link.pads))
+            link.said_pads = link.pads
         except PeerDeadError:
             pass  # its read loop finds the link's end
 

@@ -171,8 +171,8 @@ SIM_FLAGS = ["--compute", "sim", "--sim-attention-ms", "0", "--sim-expert-ms", "
 
 
 @contextlib.contextmanager
-def this_fabric(model: Path, log_root: str) -> Iterator[str]:
-    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, compute="sim",
+def this_fabric(model: Path, log_root: str, expert_workers: int = 2) -> Iterator[str]:
+    cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=expert_workers, compute="sim",
                       sim_attention_ms=0.0, sim_expert_ms=0.0, port=free_port(), ready_timeout=300)
     with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)):
         yield f"http://{cfg.host}:{cfg.port}/v1/completions"
@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--floor-iters", type=int, default=500)
+    ap.add_argument("--expert-workers", type=int, default=2,
+                    help="EWs of both fabrics (the floor stays two echo processes)")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run another checkout's fabric (a `git worktree` of an earlier commit), rounds alternating")
     args = ap.parse_args()
@@ -223,10 +225,11 @@ def main() -> None:
 
     print("the fabric, zero compute", flush=True)
     with contextlib.ExitStack() as stack:
-        urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root))}
+        urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers))}
         if args.baseline_tree:
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
-                                                                   flags=SIM_FLAGS))
+                                                                   flags=[*SIM_FLAGS, "--expert-workers",
+                                                                          str(args.expert_workers)]))
         runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab)
     rounds = runs["this"]
 

@@ -68,6 +68,8 @@ class ExpertWorker(Service):
         self.pending: list[PendingCall] = []
         self.computing: list[PendingCall] = []  # the batch under way
         self.active_aws: set[str] = set()
+        self.pads: dict[str, bool] = {}  # AW -> whether its last call said it pads (`ExpertCall.pads`)
+        self.empty_calls = 0
         self.wakeup = asyncio.Event()
         self.batches = 0
         self.compute_s = 0.0  # cumulative time running experts (for stats)
@@ -100,6 +102,7 @@ class ExpertWorker(Service):
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
         if hello.channel == "data":
+            self.pads.pop(hello.aw_id, None)  # a new link pads until it says otherwise
             # Calls and results land as the GPU's memory where UCX can.
             conn.land_frames_on(self.executor.device)
         try:
@@ -250,7 +253,7 @@ class ExpertWorker(Service):
     def stats(self) -> WorkerStats:
         rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
         return WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
-                            "stale_calls": self.stale_calls,
+                            "stale_calls": self.stale_calls, "empty_calls": self.empty_calls,
                             "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
                             "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
                             "kernel": self.executor.kernel,
@@ -312,6 +315,8 @@ class ExpertWorker(Service):
             conn.send_nowait(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
             return
         self.active_aws.add(aw_id)
+        self.pads[aw_id] = msg.pads
+        self.empty_calls += not msg.counts
         self.pending.append(PendingCall(aw_id, conn, msg))
         self.wakeup.set()
 
@@ -332,7 +337,7 @@ class ExpertWorker(Service):
             if replays:
                 batch, wait = replays, None
             else:
-                batch, wait = self.policy.select(self.pending, self.active_aws, time.monotonic())
+                batch, wait = self.policy.select(self.pending, self._awaited(), time.monotonic())
             if not batch:
                 self.wakeup.clear()
                 # A timer, not wait_for, which would wrap the wait in a task of its own every layer.
@@ -357,9 +362,18 @@ class ExpertWorker(Service):
                     # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
                     continue
                 try:
-                    p.conn.send_nowait(ExpertResult(p.call.call_id, y))  # never wait on one slow AW
+                    # Never wait on one slow AW.
+                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws)))
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
+
+    def _awaited(self) -> set[str]:
+        """The AWs a sync gather waits for: those with a batch running whose last call said they pad.
+
+        An AW that does not pad sends nothing at a layer it has no rows for here, so waiting for it could
+        last until `max_wait`. One stops padding only when this EW's results tell it that no other AW has a
+        batch running, and only through a message that says so, which lands before any layer it skips."""
+        return {a for a in self.active_aws if self.pads.get(a, True)}
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         """Runs one batch on this loop.

@@ -25,6 +25,9 @@ class ExpertCall(Message):
     counts: list[int]
     x: torch.Tensor  # [R, D]
     replay: bool = False  # replayed after another EW died: served before anything else
+    # Whether this AW sends the EW an empty call at each layer it has no rows for, so that its sync gather may
+    # wait for this AW. It says so in every message, and stops only after one that says it stops.
+    pads: bool = True
 
 
 @register
@@ -33,6 +36,9 @@ class ExpertResult(Message):
     kind = "expert_result"
     call_id: int
     y: torch.Tensor  # [R, D], same row order as the call
+    # Whether another AW has a batch running too, so that this AW's empty calls can let the gather batch them:
+    # with none, they would only cost both sides a message and a wake-up a layer.
+    others: bool = True
 
 
 @register

@@ -8,6 +8,7 @@ import json
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,8 +24,8 @@ from fabric.model.config import ModelConfig
 from launch.experiments.sim_cluster import SimCluster
 from launch.local import Fabric
 from tests.conftest import running_fabric
-from tests.helpers import wait_for
-from tests.load import kill_mid_decode, run_streams
+from tests.helpers import iter_stream, wait_for
+from tests.load import BODY, PROMPTS, TOKENS, kill_mid_decode, run_streams
 
 
 def config_only(src: Path, dst: Path, **over: object) -> Path:
@@ -63,10 +64,35 @@ def test_a_sim_fabric_survives_ew_and_aw_deaths_token_for_token(hf_models: dict[
         assert sum(sum(w["stats"]["tokens_by_expert"].values()) for w in ews) > 0
         assert run_streams(fabric) == reference  # deterministic
         assert len({tuple(r) for r in reference}) > 1  # and not one stream for every prompt
+        # Empty calls (the sync gather's padding) only while another AW has a batch running there.
+        together = _ew_counts(fabric)
+        alone = [t for ev in iter_stream(f"http://127.0.0.1:{fabric.port}/v1/completions",
+                                         {**BODY, "prompt": PROMPTS[0]}) for t in ev["choices"][0]["token_ids"]]
+        assert alone == reference[0]
+        after = _ew_counts(fabric)
+        assert sum(n for _, n in together.values()) > 0  # 8 streams over both AWs: padded
+        # One stream: its AW stops after each EW's first result. Padding every layer, it would send at least
+        # one a layer a token (3 EWs, each token's rows on at most 2 of them).
+        assert sum(after[w][1] - together[w][1] for w in after) < TOKENS
+        assert sum(after[w][0] - together[w][0] for w in after) > 0
         _, outputs, _ = kill_mid_decode(fabric, "expert-worker-1", signal.SIGINT, reference=reference)
         assert outputs == reference
         _, outputs, _ = kill_mid_decode(fabric, "attention-worker-0", signal.SIGINT, reference=reference)
         assert outputs == reference
+
+
+def _ew_counts(fabric: Fabric) -> dict[str, tuple[int, int]]:
+    """Each EW's (batches, empty calls) once its stats stop changing (they are reported every second)."""
+    deadline, last = time.monotonic() + 60, None
+    while True:
+        c = fabric.cluster()
+        now = {w["id"]: (w["stats"]["batches"], w["stats"]["empty_calls"]) for w in c["workers"]
+               if w["role"] == "expert" and "empty_calls" in w.get("stats", {})}
+        if now and now == last:
+            return now
+        assert time.monotonic() < deadline, f"the EWs' stats kept changing: {now}"
+        last = now
+        time.sleep(2.5)
 
 
 def _killing(cl: SimCluster, fabric: Fabric, kill: Callable[[], object]) -> list[list[int]]:
