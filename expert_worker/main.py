@@ -115,6 +115,7 @@ class ExpertWorker(Service):
             if not channels:  # its data link is gone: never wait for its calls
                 self.conns.pop(hello.aw_id, None)
                 self.active_aws.discard(hello.aw_id)
+                self.pads.pop(hello.aw_id, None)
                 self.wakeup.set()
 
     def control_message(self, peer: str, msg: Message | None) -> None:
