@@ -84,7 +84,9 @@ class ServeConfig:
                                    "CPUs this command may use; a replacement takes a dead one's CPU, standbys float): "
                                    "where a step's attention and expert halves take turns on few cores, two AWs or "
                                    "two EWs then never wait for one core: on 2 cores 1.07x tok/s at 16 streams, but "
-                                   "0.91x at 64, where a worker kept off the other core waits behind the gateways)")
+                                   "0.91x at 64, where a worker kept off the other core waits behind the gateways; "
+                                   "run it on CPUs no other busy process shares, e.g. under taskset: a pinned worker "
+                                   "that a neighbour keeps off its core past the lease is declared dead)")
     fork_server: bool = opt(True, "start the role processes forked from one that has imported torch (--cluster local, "
                                   "Linux): a process starts in a fraction of a second instead of importing torch "
                                   "itself (seconds of CPU each); off: each is a fresh `python -m launch.cli`")
