@@ -68,7 +68,7 @@ class ExpertWorker(Service):
         self.pending: list[PendingCall] = []
         self.computing: list[PendingCall] = []  # the batch under way
         self.active_aws: set[str] = set()
-        self.pads: dict[str, bool] = {}  # AW -> whether its last call said it pads (`ExpertCall.pads`)
+        self.not_padding: set[str] = set()  # AWs whose last call said they do not pad (`ExpertCall.pads`)
         self.empty_calls = 0
         self.wakeup = asyncio.Event()
         self.batches = 0
@@ -102,7 +102,7 @@ class ExpertWorker(Service):
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
         if hello.channel == "data":
-            self.pads.pop(hello.aw_id, None)  # a new link pads until it says otherwise
+            self.not_padding.discard(hello.aw_id)  # a new link pads until it says otherwise
             # Calls and results land as the GPU's memory where UCX can.
             conn.land_frames_on(self.executor.device)
         try:
@@ -115,7 +115,7 @@ class ExpertWorker(Service):
             if not channels:  # its data link is gone: never wait for its calls
                 self.conns.pop(hello.aw_id, None)
                 self.active_aws.discard(hello.aw_id)
-                self.pads.pop(hello.aw_id, None)
+                self.not_padding.discard(hello.aw_id)
                 self.wakeup.set()
 
     def control_message(self, peer: str, msg: Message | None) -> None:
@@ -316,7 +316,10 @@ class ExpertWorker(Service):
             conn.send_nowait(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
             return
         self.active_aws.add(aw_id)
-        self.pads[aw_id] = msg.pads
+        if msg.pads:
+            self.not_padding.discard(aw_id)
+        else:
+            self.not_padding.add(aw_id)
         self.empty_calls += not msg.counts
         self.pending.append(PendingCall(aw_id, conn, msg))
         self.wakeup.set()
@@ -374,7 +377,7 @@ class ExpertWorker(Service):
         An AW that does not pad sends nothing at a layer it has no rows for here, so waiting for it could
         last until `max_wait`. One stops padding only when this EW's results tell it that no other AW has a
         batch running, and only through a message that says so, which lands before any layer it skips."""
-        return {a for a in self.active_aws if self.pads.get(a, True)}
+        return self.active_aws - self.not_padding if self.not_padding else self.active_aws
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         """Runs one batch on this loop.
