@@ -53,7 +53,7 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
     order = np.argsort(flat, kind="stable")  # rows sorted by expert, tokens ascending within
     token_of_row = order // k  # [R]
     xs = _gathered(x, token_of_row)  # [R, D]
-    spans = _spans(np.bincount(flat, minlength=num_experts).tolist())
+    spans = spans_of(np.bincount(flat, minlength=num_experts).tolist())
     w = _gathered(weights, order, flat=True)  # [R]
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
@@ -69,7 +69,7 @@ def _gathered(t: torch.Tensor, idx: np.ndarray, flat: bool = False) -> torch.Ten
     return torch.from_numpy((a.reshape(-1) if flat else a)[idx])
 
 
-def _spans(counts: list[int]) -> dict[int, tuple[int, int]]:
+def spans_of(counts: list[int]) -> dict[int, tuple[int, int]]:
     """Rows per expert -> expert: (first row, rows), for the experts that have rows."""
     spans: dict[int, tuple[int, int]] = {}
     row = 0
@@ -93,27 +93,29 @@ def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Ten
     return to_device(out.index_add_(0, plan.token_of_row, yw), like.device)
 
 
+def runs_in_order(parts: list[Part], rows: int) -> list[torch.Tensor] | None:
+    """The results of runs that tile the layer's `rows` rows, in row order, or None where they do not.
+
+    That is the usual case, with every EW's rows one run."""
+    runs = [(r, res) for r, res in parts if isinstance(r, slice) and r.stop > r.start]
+    if len(runs) != sum(1 for r, _ in parts if not isinstance(r, slice) or r.stop > r.start):
+        return None  # some rows come as indices
+    runs.sort(key=lambda run: run[0].start)
+    end = 0
+    for r, _ in runs:
+        if r.start != end:
+            return None
+        end = r.stop
+    return [to_host(res) for _, res in runs] if runs and end == rows else None
+
+
 def _joined(parts: list[Part], xs: torch.Tensor) -> torch.Tensor:
     """The results in row order [R, D], in host memory.
 
-    Where they are runs that tile the rows, they are joined as they are. That is the usual case,
-    with every EW's rows one run. Otherwise they are scattered into place."""
-    runs: list[tuple[slice, torch.Tensor]] = []
-    for rows, res in parts:
-        if not isinstance(rows, slice):
-            runs = []
-            break
-        if rows.stop > rows.start:
-            runs.append((rows, res))
-    runs.sort(key=lambda r: r[0].start)
-    end = 0
-    for rows, _ in runs:
-        if rows.start != end:
-            break
-        end = rows.stop
-    if runs and end == xs.shape[0] and len(runs) == sum(1 for rows, _ in parts if isinstance(rows, slice)
-                                                         and rows.stop > rows.start):
-        ys = [to_host(res) for _, res in runs]
+    Where they are runs that tile the rows, they are joined as they are. Otherwise they are scattered into
+    place."""
+    ys = runs_in_order(parts, xs.shape[0])
+    if ys is not None:
         return ys[0] if len(ys) == 1 else torch.cat(ys)
     y = torch.zeros_like(xs)
     for rows_, res in parts:

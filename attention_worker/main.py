@@ -26,6 +26,7 @@ import torch
 from attention_worker.checkpointer import Checkpointer
 from attention_worker.engine import AttentionWorker
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.glue import TorchGlue, glue_for
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import ModelRunner
 from attention_worker.sim_runner import SimRunner
@@ -78,6 +79,7 @@ class AttentionService(Service):
         self.warmup_s: float | None = None
         self.weights: AttentionWeights | None = None
         self.attention: DecodeAttention | None = None  # chosen with the weights
+        self.glue: TorchGlue | None = None  # likewise
         self.listener: Listener | None = None
         self.runtime: Runtime | None = None
         self.linked = False  # connected to the EWs of a first table
@@ -119,6 +121,7 @@ class AttentionService(Service):
         def load() -> AttentionWeights:
             # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size)
+            self.glue = glue_for(choose.layer_ops(self.cfg.kernel, where, dtype), self.model.rms_norm_eps, dtype, where)
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
             if store is None:
@@ -140,7 +143,8 @@ class AttentionService(Service):
         """Runs the cold paths before this worker registers (attention_worker/warmup.py)."""
         assert self.weights is not None
         t0 = time.perf_counter()
-        runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention)  # type: ignore[arg-type]
+        runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention,  # type: ignore[arg-type]
+                             glue=self.glue)
         steps = self.clock.run(warm_up, runner)
         self.warmup_s = time.perf_counter() - t0
         log.info("warm-up: %d steps in %.0f ms", steps, self.warmup_s * 1e3)
@@ -173,7 +177,8 @@ class AttentionService(Service):
             runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1)
         else:
             assert self.weights is not None  # loaded in `start`
-            runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps())
+            runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps(),
+                                 self.glue)
         runner.kv_sink = ckpt.record_layer
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 

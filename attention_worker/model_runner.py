@@ -21,14 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.glue import TorchGlue
 from attention_worker.kv_cache import KVCache
-from attention_worker.layer_plan import LayerPlan, Part, combine, plan_layer
+from attention_worker.layer_plan import LayerPlan, Part
 from attention_worker.request import Sequence
 from fabric.device import to_device_all, to_host
 from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
-from fabric.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, route, swiglu_ffn
+from fabric.model.ops import rope_cos_sin, rope_inv_freq, swiglu_ffn
 from fabric.steps import StepClock
 
 
@@ -109,8 +110,11 @@ class StepState:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
                  paged: DecodeAttention | None = None, clock: StepClock | None = None,
-                 slow: Callable[[], None] | None = None) -> None:
+                 slow: Callable[[], None] | None = None, glue: TorchGlue | None = None) -> None:
         self.cfg = cfg
+        # RMSNorm, the residual adds, RoPE and the combine: torch's ops, or one kernel call each
+        # (attention_worker/glue.py).
+        self.glue = glue or TorchGlue(cfg.rms_norm_eps)
         self.w = weights
         self.kv = kv
         self.refe = refe
@@ -251,7 +255,7 @@ class ModelRunner:
     def _resume(self, step: StepState, parts: list[Part]) -> StepState:
         """A MoE layer's expert results into the residual, then on to the next."""
         assert step.plan is not None
-        step.h = step.h + combine(step.plan, parts, step.h)
+        step.h = self.glue.combine_add(step.h, step.plan, parts)
         step.layer, step.plan = step.plan.layer + 1, None
         return self._advance(step)
 
@@ -259,21 +263,21 @@ class ModelRunner:
         """Runs layers from `step.layer` until one needs its experts or the last is done.
 
         In the first case its rows are planned, in the second the logits are made."""
-        cfg, meta = self.cfg, step.meta
+        cfg, meta, glue = self.cfg, step.meta, self.glue
         for i in range(step.layer, len(self.w.layers)):
             lw = self.w.layers[i]
-            step.h = step.h + self._attention(i, lw, rms_norm(step.h, lw.input_norm, cfg.rms_norm_eps), meta, step.kv)
-            x = rms_norm(step.h, lw.post_norm, cfg.rms_norm_eps)
+            a = self._attention(i, lw, glue.norm(step.h, lw.input_norm), meta, step.kv)
+            step.h, x = glue.add_norm(step.h, a, lw.post_norm)  # h + attention, its norm [T, D]
             if lw.dense is not None:
                 step.h = step.h + swiglu_ffn(x, *lw.dense)
                 continue
             assert lw.router is not None
-            weights, experts = route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
-            step.layer, step.plan = i, plan_layer(i, x, experts, weights, cfg.num_experts)
+            weights, experts = glue.route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
+            step.layer, step.plan = i, glue.plan(i, x, experts, weights, cfg.num_experts)
             return step
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        last = rms_norm(step.h[rows], self.w.norm, cfg.rms_norm_eps)  # [S + R, D]
+        last = glue.norm(step.h[rows], self.w.norm)  # [S + R, D]
         logits = to_host(self.w.lm_head(last).float())  # [S + R, V] (sampled on the host)
         step.logits, step.scored = logits[:s], logits[s:]
         return step
@@ -297,20 +301,17 @@ class ModelRunner:
         qkv = lw.qkv(x)  # [T, (H + 2K) d]
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
-        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
         if lw.q_norm is not None and lw.k_norm is not None:
+            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = apply_rope(rms_norm(q, lw.q_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
-            k = apply_rope(rms_norm(k, lw.k_norm, cfg.rms_norm_eps), meta.cos, meta.sin)
+            q = self.glue.rope(self.glue.norm(q, lw.q_norm), meta.cos, meta.sin)
+            k = self.glue.rope(self.glue.norm(k, lw.k_norm), meta.cos, meta.sin)
+            kc.index_copy_(0, meta.slots, k)  # as kc[slots] = k, without advanced indexing's overhead
+            vc.index_copy_(0, meta.slots, v)
         else:
-            # RoPE on the q and k heads at once: the same product per element, half the ops.
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), meta.cos, meta.sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, d], [T, K, d]
-        kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
-        # As kc[slots] = k, without advanced indexing's overhead.
-        kc.index_copy_(0, meta.slots, k)
-        vc.index_copy_(0, meta.slots, v)
+            q, k, v = self.glue.rope_cache(qkv, meta.cos, meta.sin, kc, vc, meta.slots, cfg.num_heads)
         written.append((i, k, v))  # checkpointed from the loop (`_sink`)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))

@@ -184,8 +184,9 @@ def main() -> None:
                     help="comma-separated step token budgets (serve --max-batch-tokens): a fabric over the first "
                          f"transport per budget beside the default ({ServeConfig().max_batch_tokens}); the trade "
                          "between TTFT and the time between tokens while prompts are prefilled")
-    ap.add_argument("--unpinned", action="store_true",
-                    help="add a fabric whose workers float over the CPUs beside the default (serve --pin-workers)")
+    ap.add_argument("--pinned", action="store_true",
+                    help="add a fabric with serve --pin-workers beside the default (serve's defaults: the workers "
+                         "float over the CPUs)")
     ap.add_argument("--vllm", action="store_true",
                     help=f"add vLLM's CPU build ({VLLM_VERSION}, installed on first use into bench/.venv-vllm) as the "
                          "baseline: rows and per-round ratios against it")
@@ -238,8 +239,8 @@ def main() -> None:
         fabrics[f"fabric {t0}, --kernel torch"] = FabricSpec(t0, g0, kernel="torch", **dev)
     if args.triton:
         fabrics[f"fabric {t0}, --kernel triton"] = FabricSpec(t0, g0, kernel="triton", **dev)
-    if args.unpinned:
-        fabrics[f"fabric {t0}, not pinned"] = FabricSpec(t0, g0, pin=False, **dev)
+    if args.pinned:
+        fabrics[f"fabric {t0}, pinned"] = FabricSpec(t0, g0, pin=True, **dev)
     for budget in [int(b) for b in args.step_budgets.split(",") if b.strip()]:
         fabrics[f"fabric {t0}, --max-batch-tokens {budget}"] = FabricSpec(t0, g0, max_batch_tokens=budget, **dev)
     names = [*fabrics] + ([f"baseline {transports[0]} ({args.baseline_tree.name})"] if args.baseline_tree else [])

@@ -31,7 +31,7 @@ class FabricSpec(NamedTuple):
     sched: str = "auto"
     security: str = "secret"  # secret = authenticated, the default; none = `--no-auth`; tls = authenticated inside TLS
     kernel: str = "auto"  # the workers' --kernel
-    pin: bool = True  # serve --pin-workers
+    pin: bool = False  # serve --pin-workers (off by default, as in serve)
     max_batch_tokens: int = 0  # serve --max-batch-tokens (0: its default)
     device: str = "cpu"  # serve --device
 

@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--py-spy", action="store_true", help="also sample every attention and expert worker and gateway-0")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer): the fabric's own cost")
-    ap.add_argument("--unpinned", action="store_true", help="workers float over the CPUs (default: serve --pin-workers)")
+    ap.add_argument("--pinned", action="store_true",
+                    help="serve --pin-workers (default: serve's default, the workers float over the CPUs)")
     ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
     args = ap.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -65,7 +66,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(args.model_dir).vocab_size
     prompts = make_prompts(args.concurrency, 16, vocab, 0)
     cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300, pin_workers=not args.unpinned, device=args.device,
+                      port=free_port(), ready_timeout=300, pin_workers=args.pinned, device=args.device,
                       **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:

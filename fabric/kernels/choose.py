@@ -39,6 +39,12 @@ def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.Skinny
     return skinny.gemm_for(kernel, dtype) if device.type == "cpu" else None
 
 
+def layer_ops(kernel: str, device: torch.device, dtype: torch.dtype) -> Any | None:
+    """The module whose one-call RMSNorm, RoPE and combine (layer_ops.cpp) run an AW's per-layer glue, or None
+    for torch's ops: the CPU's, fp32, --kernel auto."""
+    return skinny.paged_attention_for(kernel, dtype) if device.type == "cpu" else None
+
+
 def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int) -> DecodeAttention | None:
     """The AW's decode attention over its paged cache of `block_size`-token blocks.
 

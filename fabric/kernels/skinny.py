@@ -27,13 +27,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("skinny_gemm.cpp", "paged_attention.cpp")]  # one module
+SOURCES = [Path(__file__).with_name(n) for n in ("skinny_gemm.cpp", "paged_attention.cpp", "layer_ops.cpp")]  # one module
 COLS = 64  # output columns per packed block
 
 
 def build_dir() -> Path:
-    """One build per environment: the build files name this Python's torch headers."""
-    env = hashlib.sha1(f"{sys.prefix}:{torch.__version__}".encode()).hexdigest()[:12]
+    """One build per environment and sources: the build files name this Python's torch headers, and a checkout
+    of other sources (another version beside this one) builds its own instead of rebuilding this one's."""
+    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}".encode())
+    for src in SOURCES:
+        key.update(src.read_bytes())
+    env = key.hexdigest()[:12]
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels" / env
 
 

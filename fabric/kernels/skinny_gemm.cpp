@@ -104,6 +104,19 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
                            int64_t window);
 
+// layer_ops.cpp (the same module)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w,
+                                        double eps);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor combine_add(const torch::Tensor& h, const std::vector<torch::Tensor>& ys, const torch::Tensor& weights,
+                          const torch::Tensor& token_of_row);
+std::vector<torch::Tensor> rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots, int64_t H);
+std::vector<torch::Tensor> plan_rows(const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
+                                     int64_t E);
+std::vector<torch::Tensor> route(const torch::Tensor& logits, int64_t k, bool normalize);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
@@ -114,4 +127,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache: q [B, H, d], caches [blocks * S, K, d], tables [B, T], lens [B], "
         "block size, scale, sliding window (0: none) -> [B, H, d]",
         py::call_guard<py::gil_scoped_release>());
+  // A few µs each: they keep the GIL.
+  m.def("rms_norm", &rms_norm, "RMSNorm: x [T, D], w [D], eps -> [T, D]");
+  m.def("add_rms_norm", &add_rms_norm, "h + delta [T, D], then its RMSNorm with w [D] -> (sum, normed)");
+  m.def("rope", &rope, "rotary embedding (rotate-half): x [T, N, d], cos and sin [T, d] -> [T, N, d]");
+  m.def("combine_add", &combine_add, "h [T, D] + the weighted sum of each token's expert results (ys in row order, "
+        "weights [R], token_of_row [R]) -> [T, D]");
+  m.def("rope_cache", &rope_cache, "q, k rotated and k, v written to the cache at slots, from a fused qkv [T, (H + 2K) d] "
+        "-> (q [T, H, d], k [T, K, d], v [T, K, d])");
+  m.def("plan_rows", &plan_rows, "a MoE layer's rows sorted by expert: x [T, D], experts [T, k], weights [T, k], E -> "
+        "(rows [R, D], token of each row [R], weights [R], rows per expert [E])");
+  m.def("route", &route, "the router's top-k: logits [T, E], k, normalize -> (weights [T, k], experts [T, k])");
 }
