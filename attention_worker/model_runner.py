@@ -112,8 +112,8 @@ class ModelRunner:
                  paged: DecodeAttention | None = None, clock: StepClock | None = None,
                  slow: Callable[[], None] | None = None, glue: TorchGlue | None = None) -> None:
         self.cfg = cfg
-        # RMSNorm, the residual adds, RoPE and the combine: torch's ops, or one kernel call each
-        # (attention_worker/glue.py).
+        # RMSNorm, the residual adds, RoPE with the cache writes, the router's top-k, the plan and the
+        # combine: torch's ops, or one kernel call each (attention_worker/glue.py).
         self.glue = glue or TorchGlue(cfg.rms_norm_eps)
         self.w = weights
         self.kv = kv

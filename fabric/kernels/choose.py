@@ -40,8 +40,8 @@ def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.Skinny
 
 
 def layer_ops(kernel: str, device: torch.device, dtype: torch.dtype) -> Any | None:
-    """The module whose one-call RMSNorm, RoPE and combine (layer_ops.cpp) run an AW's per-layer glue, or None
-    for torch's ops: the CPU's, fp32, --kernel auto."""
+    """The module whose one-call ops (layer_ops.cpp: RMSNorm, RoPE with the cache writes, the router's top-k, the
+    plan, the combine) run an AW's per-layer glue, or None for torch's ops: the CPU's, fp32, --kernel auto."""
     return skinny.paged_attention_for(kernel, dtype) if device.type == "cpu" else None
 
 

@@ -3,9 +3,10 @@
 A decode step gives each expert a few rows. torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what
 reading W once allows on CPUs it does not tune for. It is 2.3x slower than this kernel at 4-8 rows on this
 project's AMD EPYC VM (docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
-The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `paged_attention_for`).
+The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `paged_attention_for`)
+and its per-layer glue (`layer_ops.cpp`, attention_worker/glue.py).
 
-It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in about 20 s.
+It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in 30-60 s on 2 cores.
 `scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). It is built only where the CPU has
 AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
 
