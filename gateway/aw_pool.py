@@ -363,17 +363,24 @@ class AwPool:
                 found = (client, p, reply)
             else:
                 # A second copy. It is deterministic, so it has the same tokens. Keep one.
-                await self.abort(client, submit.request_id)
+                await self.abort(client, submit.request_id, p)
         return found
 
-    async def abort(self, client: AwClient, request_id: str) -> None:
-        self._let_go(client, request_id, Abort(request_id))
+    async def abort(self, client: AwClient, request_id: str, pending: Pending | None = None) -> None:
+        self._let_go(client, request_id, Abort(request_id), pending)
 
-    async def detach(self, client: AwClient, request_id: str) -> None:
+    async def detach(self, client: AwClient, request_id: str, pending: Pending | None = None) -> None:
         """The HTTP client left a resumable stream: the AW keeps it for a resume."""
-        self._let_go(client, request_id, Detach(request_id))
+        self._let_go(client, request_id, Detach(request_id), pending)
 
-    def _let_go(self, client: AwClient, request_id: str, msg: Abort | Detach) -> None:
+    def _let_go(self, client: AwClient, request_id: str, msg: Abort | Detach, pending: Pending | None) -> None:
+        """Lets go of `request_id` on `client`: of `pending`, the caller's, where it is given.
+
+        A resumed stream may have attached to the same request on the same AW through this gateway before the stream
+        it resumes lets go (an HTTP handler learns that its client left only when it next writes). Then the request
+        is the new stream's, and the old one's Detach would cut it off (nothing would read its tokens)."""
+        if pending is not None and client.requests.get(request_id) is not pending:
+            return
         self.cleared(client, request_id)
         if client.requests.pop(request_id, None) is not None:
             try:

@@ -203,9 +203,9 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
             metrics.running.dec()
         if not choice.aw_done and choice.client is not None:
             if choice.resumable and not choice.done:  # the client left: the AW keeps it for a resume
-                await pool.detach(choice.client, choice.request_id)
+                await pool.detach(choice.client, choice.request_id, choice.pending)
             else:  # a stop string
-                await pool.abort(choice.client, choice.request_id)
+                await pool.abort(choice.client, choice.request_id, choice.pending)
 
 
 async def _resume(pool: AwPool, choice: Choice, error: str, wait: float, death: bool) -> Pending:

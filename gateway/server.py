@@ -346,7 +346,7 @@ class Gateway:
             # Choices submitted but never iterated, as a later submit failed. A no-op for the others.
             for c in choices:
                 if c.client is not None and not c.aw_done:
-                    await self.pool.abort(c.client, c.request_id)
+                    await self.pool.abort(c.client, c.request_id, c.pending)
             self.metrics.e2e.observe(time.monotonic() - arrived)
 
     async def _whole(self, fmt: Formatter, prompts: list[list[int]], choices: list[Choice], gens: list[Any],

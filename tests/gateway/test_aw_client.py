@@ -1,14 +1,16 @@
 """When a gateway finds an AW hung: probes while it is silent longer than its messages usually are
 apart, a verdict only past `min_silence`, and a longer wait for an AW the orchestrator vouched for
-after a verdict (it was only slow), so that a slow AW is not given up on over and over."""
+after a verdict (it was only slow), so that a slow AW is not given up on over and over. And a stream
+that lets go of its request late (its client left) does not cut off the stream that resumed it."""
 
 from __future__ import annotations
 
 import asyncio
 
+from fabric.messages.client import Abort, Detach, Submit
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
-from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient
+from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
 from gateway.aw_pool import AwPool
 
 
@@ -57,5 +59,33 @@ def test_an_aw_vouched_for_after_a_verdict_waits_twice_as_long_next_time() -> No
             pool.hung.add("aw-0")
             pool.vouched("aw-0")
         assert pool.min_silence["aw-0"] == MAX_SILENCE
+
+    asyncio.run(main())
+
+
+def _submit(rid: str) -> Submit:
+    return Submit(request_id=rid, prompt_ids=[1, 2, 3], max_tokens=8, temperature=0.9, top_p=1.0, top_k=0, seed=7,
+                  stop_token_ids=[], ignore_eos=True, output_ids=[], resume_grace_s=10.0)
+
+
+def test_a_stream_that_lets_go_late_does_not_cut_off_the_stream_that_resumed_it() -> None:
+    async def main() -> None:
+        pool = AwPool(make_transport("tcp"))
+        conn = Conn()
+        client = AwClient("aw-0", conn)  # type: ignore[arg-type]
+        submit = _submit("cmpl-1")
+        old, new = Pending(submit), Pending(submit)
+        pool._track(client, "cmpl-1", old)
+        # The client left; before its handler learns it, a resume through this gateway attaches to the request.
+        pool._track(client, "cmpl-1", new)
+        await pool.detach(client, "cmpl-1", old)  # the old handler, late
+        assert client.requests["cmpl-1"] is new and conn.sent == []  # the AW's request stays the new stream's
+        await pool.abort(client, "cmpl-1", old)
+        assert client.requests["cmpl-1"] is new and conn.sent == []
+        await pool.detach(client, "cmpl-1", new)  # the new stream's own client leaves
+        assert "cmpl-1" not in client.requests and [type(m) for m in conn.sent] == [Detach]
+        pool._track(client, "cmpl-2", Pending(_submit("cmpl-2")))
+        await pool.abort(client, "cmpl-2")  # without a pending: whatever is there, as before
+        assert "cmpl-2" not in client.requests and [type(m) for m in conn.sent] == [Detach, Abort]
 
     asyncio.run(main())
