@@ -78,6 +78,8 @@ class NativeGlue(TorchGlue):
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), w, self.eps).view(x.shape)  # e.g. q [T, H, d]
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if h.dim() != 2 or h.stride(1) != 1 or delta.stride(-1) != 1:
+            return super().add_norm(h, delta, w)
         s, y = self.ops.add_rms_norm(h, delta, w, self.eps)
         return s, y
 
