@@ -143,8 +143,8 @@ def test_bad_tensors_are_refused() -> None:
         ops.combine_add(torch.zeros(4, 64), [plan.xs], plan.weights, plan.token_of_row + 4)
 
 
-class Identity:
-    """A REFE whose experts return their rows: the combine runs on real results."""
+class HalvedRows:
+    """A REFE whose experts return their rows, halved: the combine runs on real results."""
 
     async def run_plan(self, plan: LayerPlan) -> list[Part]:
         return [(slice(0, plan.xs.shape[0]), plan.xs * 0.5)]
@@ -155,7 +155,7 @@ def test_steps_with_the_native_glue_sample_torchs_tokens(arch: str, hf_models: d
     cfg = ModelConfig.from_dir(str(hf_models[arch]))
     weights = AttentionWeights.load(hf_models[arch], cfg)
     paged = skinny.paged_attention_for("auto", torch.float32)
-    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), Identity(), paged.paged_decode,  # type: ignore[arg-type]
+    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), HalvedRows(), paged.paged_decode,  # type: ignore[arg-type]
                            glue=glue) for glue in (glue_for(skinny.load(), cfg.rms_norm_eps, torch.float32,
                                                             torch.device("cpu")), TorchGlue(cfg.rms_norm_eps))]
     assert isinstance(runners[0].glue, NativeGlue)
