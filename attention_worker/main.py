@@ -120,7 +120,8 @@ class AttentionService(Service):
 
         def load() -> AttentionWeights:
             # It may build the CPU's kernels.
-            self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size)
+            self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size,
+                                                     self.model.head_dim)
             self.glue = glue_for(choose.layer_ops(self.cfg.kernel, where, dtype), self.model.rms_norm_eps, dtype, where)
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)

@@ -10,6 +10,7 @@ experts of a layer this worker hosts.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -180,7 +181,6 @@ class ExpertExecutor:
         return self._run(batch)
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
-        outs = [torch.empty_like(p.call.x) for p in batch]
         # (layer, expert) -> list of (call index, row start, row count)
         groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for ci, p in enumerate(batch):
@@ -190,16 +190,20 @@ class ExpertExecutor:
                     groups.setdefault((p.call.layer, e), []).append((ci, start, n))
                 start += n
         units = list(groups)
+        for unit in units:
+            self.tokens_by_expert[unit] = self.tokens_by_expert.get(unit, 0) + sum(n for _, _, n in groups[unit])
+        if self.gemm is not None:  # (the CPU's) one call for the batch: every expert, its rows gathered and scattered
+            segments = [v for unit in units for part in groups[unit] for v in part]
+            ends = list(itertools.accumulate(len(groups[unit]) for unit in units))
+            return self.gemm.swiglu_calls([p.call.x for p in batch], segments, ends,
+                                          [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
+        outs = [torch.empty_like(p.call.x) for p in batch]
         xs = []  # [N, D] per unit
         for unit in units:
-            parts = groups[unit]
-            x = [batch[ci].call.x[s : s + n] for ci, s, n in parts]
+            x = [batch[ci].call.x[s : s + n] for ci, s, n in groups[unit]]
             xs.append(dev.to_device(x[0] if len(x) == 1 else torch.cat(x), self.device))
-            self.tokens_by_expert[unit] = self.tokens_by_expert.get(unit, 0) + xs[-1].shape[0]
         if self.triton is not None:
             ys = self._fused(units, xs)
-        elif self.gemm is not None:  # every expert in one call to the kernel's module
-            ys = self.gemm.swiglu_ffns(xs, [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
         else:
             ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
         # Whether the calls came as host memory. Over UCX with CUDA, they come as the GPU's.

@@ -19,6 +19,7 @@ from fabric.kernels import skinny
 # (q [B, H, d], k_cache, v_cache [blocks * S, K, d], tables [B, T], lens [B], S, scale, window) -> [B, H, d]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, int],
                            torch.Tensor]
+PAGED_MAX_HEAD_DIM = 128  # paged_attention.cpp keeps a head's query and sum in registers
 
 
 def triton_module(name: str, device: torch.device) -> Any:
@@ -42,13 +43,14 @@ def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.Skinny
 def layer_ops(kernel: str, device: torch.device, dtype: torch.dtype) -> Any | None:
     """The module whose one-call ops (layer_ops.cpp: RMSNorm, RoPE with the cache writes, the router's top-k, the
     plan, the combine) run an AW's per-layer glue, or None for torch's ops: the CPU's, fp32, --kernel auto."""
-    return skinny.paged_attention_for(kernel, dtype) if device.type == "cpu" else None
+    return skinny.module_for(kernel, dtype) if device.type == "cpu" else None
 
 
-def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int) -> DecodeAttention | None:
+def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                     head_dim: int) -> DecodeAttention | None:
     """The AW's decode attention over its paged cache of `block_size`-token blocks.
 
-    None means torch's gather + SDPA."""
+    None means torch's gather + SDPA (also on the CPU for heads wider than the kernel's 128)."""
     if kernel == "triton":
         if block_size & (block_size - 1):
             raise ConfigError(f"--kernel triton needs a power-of-two --block-size, not {block_size}")
@@ -59,7 +61,7 @@ def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, bloc
             return mod.paged_decode_attention(q, kc, vc, tables, lens, block_size, scale, window).to(q.dtype)
 
         return run
-    if device.type != "cpu":
+    if device.type != "cpu" or head_dim > PAGED_MAX_HEAD_DIM:
         return None
-    ops = skinny.paged_attention_for(kernel, dtype)
+    ops = skinny.module_for(kernel, dtype)
     return ops.paged_decode if ops is not None else None

@@ -3,7 +3,7 @@
 A decode step gives each expert a few rows. torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what
 reading W once allows on CPUs it does not tune for. It is 2.3x slower than this kernel at 4-8 rows on this
 project's AMD EPYC VM (docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
-The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `paged_attention_for`)
+The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `module_for`)
 and its per-layer glue (`layer_ops.cpp`, attention_worker/glue.py).
 
 It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in 30-60 s on 2 cores.
@@ -97,9 +97,12 @@ class SkinnyGemm:
         """`fabric.model.ops.swiglu_ffn_t` over packed gate_up ([D, 2I]) and down ([I, D]) weights."""
         return self.ops.ffn_batch([x], [gate_up], [down])[0]
 
-    def swiglu_ffns(self, xs: list[torch.Tensor], gate_ups: list[torch.Tensor], downs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`swiglu_ffn` of each (x, gate_up, down), in one call that releases the GIL throughout."""
-        return self.ops.ffn_batch(xs, gate_ups, downs)
+    def swiglu_calls(self, xs: list[torch.Tensor], segments: list[int], ends: list[int], gate_ups: list[torch.Tensor],
+                     downs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """An EW's gathered batch in one call that releases the GIL throughout: each call's x [R_c, D] in, its
+        results [R_c, D] out. Expert u (`gate_ups[u]`, `downs[u]`) runs once, over the rows named by its segments
+        (call, first row, rows), flat in `segments[3 * ends[u - 1] : 3 * ends[u]]`; each is `swiglu_ffn`'s."""
+        return self.ops.ffn_calls(xs, segments, ends, gate_ups, downs)
 
 
 def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:
@@ -110,10 +113,11 @@ def gemm_for(kernel: str, dtype: torch.dtype) -> SkinnyGemm | None:
     return SkinnyGemm(ops) if ops is not None else None
 
 
-def paged_attention_for(kernel: str, dtype: torch.dtype) -> Any | None:
-    """The module whose `paged_decode` (paged_attention.cpp) runs an AW's decode attention.
+def module_for(kernel: str, dtype: torch.dtype) -> Any | None:
+    """The kernels' module where it serves `--kernel kernel` over `dtype` (fp32 with `auto`), else None.
 
-    It serves an AW with `--kernel kernel` over a cache of `dtype`. None means torch: gather, then SDPA."""
+    It carries the AW's decode attention (`paged_decode`, paged_attention.cpp) and its per-layer glue (layer_ops.cpp)
+    beside the GEMM."""
     return load() if kernel == "auto" and dtype == torch.float32 else None
 
 

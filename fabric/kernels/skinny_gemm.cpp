@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace {
 
 constexpr int64_t kCols = 64;  // output columns per packed block (4 AVX-512 vectors)
@@ -81,20 +83,69 @@ torch::Tensor packed_mm(const torch::Tensor& x, const torch::Tensor& w) {
   return at::matmul(x, w).transpose(0, 1).reshape({x.size(0), -1});  // [NB, M, 64] -> [M, N]
 }
 
-// A gathered batch of experts, one call: y_i [M_i, D] = (silu(x_i @ G_i) * (x_i @ U_i)) @ Down_i,
-// with [G_i U_i] = gate_up_i packed ([2I/64, D, 64]) and Down_i packed ([D/64, I, 64]). The same
-// ATen ops as SkinnyGemm.swiglu_ffn in Python, in the same order (so the same floats), without a
-// trip through the interpreter per expert; the GIL is released for all of it.
+// One expert's SwiGLU FFN: y [M, D] = (silu(x @ G) * (x @ U)) @ Down, with [G U] = gate_up packed
+// ([2I/64, D, 64]) and Down packed ([D/64, I, 64]). The same ATen ops as fabric/model/ops.py's
+// swiglu_ffn_t, in the same order (so the same floats).
+torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down) {
+  const std::vector<torch::Tensor> gu = packed_mm(x, gate_up).chunk(2, -1);  // [M, I] each
+  return packed_mm(at::silu(gu[0]) * gu[1], down);
+}
+
+// Experts of one x each, one call: ys[i] = ffn(xs[i], gate_ups[i], downs[i]). The GIL is released for all of it.
 std::vector<torch::Tensor> ffn_batch(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gate_ups,
                                      const std::vector<torch::Tensor>& downs) {
   TORCH_CHECK(xs.size() == gate_ups.size() && xs.size() == downs.size(), "ffn_batch: one gate_up and down per x");
   std::vector<torch::Tensor> ys;
   ys.reserve(xs.size());
-  for (size_t i = 0; i < xs.size(); ++i) {
-    const std::vector<torch::Tensor> gu = packed_mm(xs[i], gate_ups[i]).chunk(2, -1);  // [M, I] each
-    ys.push_back(packed_mm(at::silu(gu[0]) * gu[1], downs[i]));
-  }
+  for (size_t i = 0; i < xs.size(); ++i) ys.push_back(ffn(xs[i], gate_ups[i], downs[i]));
   return ys;
+}
+
+// An EW's gathered batch, one call: the calls' rows xs[c] [R_c, D] in, their results [R_c, D] out, each
+// expert (unit) run once over its rows from every call. Unit u's rows are the segments
+// segs[3j : 3j + 3] = (call, first row, rows) for j from ends[u - 1] (0 for u = 0) to ends[u], in order;
+// the segments of all units tile every call's rows. The rows, gathered and scattered in C++, with the
+// GIL released throughout: no tensor op in the interpreter per expert or segment.
+std::vector<torch::Tensor> ffn_calls(const std::vector<torch::Tensor>& xs, const std::vector<int64_t>& segs,
+                                     const std::vector<int64_t>& ends, const std::vector<torch::Tensor>& gate_ups,
+                                     const std::vector<torch::Tensor>& downs) {
+  TORCH_CHECK(ends.size() == gate_ups.size() && ends.size() == downs.size(), "ffn_calls: one gate_up and down a unit");
+  TORCH_CHECK(segs.size() % 3 == 0 && (ends.empty() || ends.back() * 3 == static_cast<int64_t>(segs.size())),
+              "ffn_calls: the units' ends must cover the segments");
+  std::vector<torch::Tensor> outs;
+  outs.reserve(xs.size());
+  for (const auto& x : xs) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "ffn_calls: each call's x must be [R, D] float32");
+    outs.push_back(torch::empty_like(x));
+  }
+  std::vector<std::vector<bool>> covered;  // each call's rows written so far
+  for (const auto& x : xs) covered.emplace_back(static_cast<size_t>(x.size(0)), false);
+  int64_t j = 0;
+  for (size_t u = 0; u < ends.size(); ++u) {
+    TORCH_CHECK(ends[u] > j, "ffn_calls: unit ", u, " has no rows");
+    std::vector<torch::Tensor> parts;
+    for (int64_t k = j; k < ends[u]; ++k) {
+      const int64_t c = segs[3 * k], start = segs[3 * k + 1], n = segs[3 * k + 2];
+      TORCH_CHECK(c >= 0 && c < static_cast<int64_t>(xs.size()) && start >= 0 && n > 0 && start + n <= xs[c].size(0),
+                  "ffn_calls: segment ", k, " lies outside its call's rows");
+      for (int64_t r = start; r < start + n; ++r) {
+        TORCH_CHECK(!covered[c][r], "ffn_calls: row ", r, " of call ", c, " lies in two segments");
+        covered[c][r] = true;
+      }
+      parts.push_back(xs[c].narrow(0, start, n));
+    }
+    const torch::Tensor y = ffn(parts.size() == 1 ? parts[0] : at::cat(parts), gate_ups[u], downs[u]);  // [N, D]
+    int64_t offset = 0;
+    for (; j < ends[u]; ++j) {
+      const int64_t c = segs[3 * j], start = segs[3 * j + 1], n = segs[3 * j + 2];
+      outs[c].narrow(0, start, n).copy_(y.narrow(0, offset, n));
+      offset += n;
+    }
+  }
+  for (size_t c = 0; c < xs.size(); ++c)
+    TORCH_CHECK(std::find(covered[c].begin(), covered[c].end(), false) == covered[c].end(), "ffn_calls: call ", c,
+                " has rows in no segment");
+  return outs;
 }
 
 }  // namespace
@@ -123,6 +174,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N] (more than 48 rows: ATen's matmul)", py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());
+  m.def("ffn_calls", &ffn_calls, "an EW's gathered batch: the calls' rows, each expert's segments of them, its packed "
+        "weights -> each call's results", py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode", &paged_decode,
         "decode attention over the paged KV cache: q [B, H, d], caches [blocks * S, K, d], tables [B, T], lens [B], "
         "block size, scale, sliding window (0: none) -> [B, H, d]",

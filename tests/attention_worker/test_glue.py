@@ -154,7 +154,7 @@ class HalvedRows:
 def test_steps_with_the_native_glue_sample_torchs_tokens(arch: str, hf_models: dict[str, Path]) -> None:
     cfg = ModelConfig.from_dir(str(hf_models[arch]))
     weights = AttentionWeights.load(hf_models[arch], cfg)
-    paged = skinny.paged_attention_for("auto", torch.float32)
+    paged = skinny.module_for("auto", torch.float32)
     runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), HalvedRows(), paged.paged_decode,  # type: ignore[arg-type]
                            glue=glue) for glue in (glue_for(skinny.load(), cfg.rms_norm_eps, torch.float32,
                                                             torch.device("cpu")), TorchGlue(cfg.rms_norm_eps))]

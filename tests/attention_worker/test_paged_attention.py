@@ -18,7 +18,7 @@ from attention_worker.kv_cache import KVCache
 from attention_worker.layer_plan import LayerPlan, Part
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence
-from fabric.kernels import skinny
+from fabric.kernels import choose, skinny
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
 from tests.helpers import reference_decode
@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(skinny.unavailable_reason() is not None, reason=
 
 
 def ops() -> object:
-    module = skinny.paged_attention_for("auto", torch.float32)
+    module = skinny.module_for("auto", torch.float32)
     assert module is not None, "the kernels' module must build where the CPU has AVX-512"
     return module
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "s", "window"),
-                         [(8, 4, 64, 16, 0), (4, 4, 32, 8, 5), (12, 2, 80, 16, 0), (8, 1, 40, 4, 3), (4, 2, 16, 16, 0)])
+                         [(8, 4, 64, 16, 0), (4, 4, 32, 8, 5), (12, 2, 80, 16, 0), (8, 1, 40, 4, 3), (4, 2, 16, 16, 0),
+                          (4, 2, 128, 16, 0), (2, 1, 100, 8, 0), (2, 2, 3, 4, 0)])
 def test_paged_decode_equals_torch(heads: int, kv_heads: int, d: int, s: int, window: int) -> None:
     rng = random.Random(heads * 1000 + d)
     torch.manual_seed(d)
@@ -61,6 +62,26 @@ def test_bad_tables_are_refused() -> None:
         paged(q, kc, kc, torch.tensor([[0]]), torch.tensor([17]), 16, 0.25, 0)
     with pytest.raises(RuntimeError, match="does not fit"):
         paged(torch.zeros(1, 3, 16), kc, kc, torch.tensor([[0]]), torch.tensor([3]), 16, 0.25, 0)
+    wide = torch.zeros(4 * 16, 2, 144)
+    with pytest.raises(RuntimeError, match="head dim 144"):
+        paged(torch.zeros(1, 4, 144), wide, wide, torch.tensor([[0]]), torch.tensor([3]), 16, 0.25, 0)
+    # An AW whose heads are wider than that runs torch's gather + SDPA instead.
+    assert choose.decode_attention("auto", torch.device("cpu"), torch.float32, 16, 144) is None
+    assert choose.decode_attention("auto", torch.device("cpu"), torch.float32, 16, 128) is not None
+
+
+def test_far_apart_scores_and_long_sequences() -> None:
+    """Scores far below their max underflow to 0 as torch's do, and a long sequence stays exact."""
+    s, d = 16, 64
+    kc, vc = torch.randn(300 * s, 2, d), torch.randn(300 * s, 2, d)
+    kc[5] *= 400.0  # one position's keys dominate every score by far
+    lens = [6, 4000, 1]
+    tables = [list(range(1)), list(range(1, 251)), [299]]
+    padded = torch.tensor([t + [-1] * (250 - len(t)) for t in tables])
+    q = torch.randn(3, 4, d)
+    got = ops().paged_decode(q, kc, vc, padded, torch.tensor(lens), s, 1 / math.sqrt(d), 0)  # type: ignore[attr-defined]
+    want = reference_decode(q, kc, vc, tables, lens, s, 1 / math.sqrt(d), 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 class NoExperts:

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from expert_worker.executor import ExpertExecutor
+from expert_worker.gather import PendingCall
 from fabric.kernels import skinny
+from fabric.messages.expert import ExpertCall
 from fabric.model.config import ModelConfig
 from fabric.model.ops import swiglu_ffn_t
 
@@ -50,23 +52,38 @@ def test_products_equal_torch(rows: int) -> None:
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_batch_of_experts_in_one_call_equals_each_alone() -> None:
-    """`swiglu_ffns` (what an EW runs per batch) gives, bit for bit, what `swiglu_ffn` gives per
-    expert, for ragged rows: 1, a register block and a remainder, none, a prefill's (torch's path)."""
+def test_a_gathered_batch_in_one_call_equals_each_expert_alone() -> None:
+    """`swiglu_calls` (what an EW runs per batch) gives, bit for bit, what `swiglu_ffn` gives per expert over its
+    rows gathered from every call, each row back in its call's place: ragged rows (1, a register block and a
+    remainder, a prefill's on torch's path), an expert's rows from two calls, a call split over three experts;
+    segments that leave rows out, name rows twice or lie outside a call are refused."""
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")
     g = gemm()
     torch.manual_seed(0)
-    rows = [1, 7, 0, 60]
-    xs = [torch.randn(m, 128) for m in rows]
-    gate_ups = [g.pack(torch.randn(128, 2 * 64)) for _ in rows]
-    downs = [g.pack(torch.randn(64, 128)) for _ in rows]
-    ys = g.swiglu_ffns(xs, gate_ups, downs)
-    assert [tuple(y.shape) for y in ys] == [(m, 128) for m in rows]
-    for x, gu, d, y in zip(xs, gate_ups, downs, ys):
-        assert torch.equal(y, g.swiglu_ffn(x, gu, d))
-    with pytest.raises(RuntimeError, match="one gate_up and down per x"):
-        g.swiglu_ffns(xs, gate_ups[:1], downs)
+    xs = [torch.randn(10, 128), torch.randn(61, 128)]  # two calls
+    # (call, first row, rows) per expert, in the order the EW lists them
+    units = [[(0, 0, 1), (1, 0, 1)], [(0, 1, 7)], [(0, 8, 2), (1, 1, 60)]]
+    gate_ups = [g.pack(torch.randn(128, 2 * 64)) for _ in units]
+    downs = [g.pack(torch.randn(64, 128)) for _ in units]
+    segments = [v for parts in units for part in parts for v in part]
+    ends = [2, 3, 5]
+    outs = g.swiglu_calls(xs, segments, ends, gate_ups, downs)
+    assert [tuple(o.shape) for o in outs] == [(10, 128), (61, 128)]
+    for parts, gu, d in zip(units, gate_ups, downs):
+        want = g.swiglu_ffn(torch.cat([xs[c][s : s + n] for c, s, n in parts]), gu, d)
+        got = torch.cat([outs[c][s : s + n] for c, s, n in parts])
+        assert torch.equal(got, want)
+    bad = {"lies outside": [0, 0, 1, 1, 0, 1, 0, 1, 7, 0, 8, 3, 1, 1, 60],
+           "in two segments": [0, 0, 1, 1, 0, 1, 0, 0, 8, 0, 8, 2, 1, 1, 60],
+           "has rows in no segment": [0, 0, 1, 1, 0, 1, 0, 1, 7, 0, 8, 2, 1, 1, 59]}
+    for message, segs in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            g.swiglu_calls(xs, segs, ends, gate_ups, downs)
+    with pytest.raises(RuntimeError, match="one gate_up and down a unit"):
+        g.swiglu_calls(xs, segments, ends, gate_ups[:1], downs)
+    with pytest.raises(RuntimeError, match="cover the segments"):
+        g.swiglu_calls(xs, segments, [2, 3, 4], gate_ups, downs)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
@@ -96,3 +113,23 @@ def test_the_expert_worker_packs_fp32_experts_for_it(hf_models: dict[str, Path])
     gate_up_t, down_t = ref.experts[(0, 1)]
     torch.testing.assert_close(got, (F.silu((x @ gate_up_t)[:, :96]) * (x @ gate_up_t)[:, 96:]) @ down_t,
                                rtol=1e-4, atol=1e-5)
+
+
+def test_an_expert_workers_batch_of_calls_equals_torchs(hf_models: dict[str, Path]) -> None:
+    """A gathered batch through the executor, two calls over three experts of a layer (one expert's rows in both),
+    with the kernel and with torch's ops: each call's rows come back in its order, the same within fp32 rounding."""
+    mixtral = ModelConfig.from_dir(str(hf_models["mixtral"]))
+    ex, ref = ExpertExecutor(mixtral), ExpertExecutor(mixtral, "torch")
+    for e in (ex, ref):
+        e.load(hf_models["mixtral"], [(1, 0), (1, 1), (1, 2)])
+    torch.manual_seed(1)
+    calls = [ExpertCall(1, 0, 1, [0, 2], [3, 1], torch.randn(4, mixtral.hidden_size)),
+             ExpertCall(2, 0, 1, [1, 2], [2, 5], torch.randn(7, mixtral.hidden_size))]
+    got = ex.run([PendingCall(f"aw-{i}", None, c) for i, c in enumerate(calls)])  # type: ignore[arg-type]
+    want = ref.run([PendingCall(f"aw-{i}", None, c) for i, c in enumerate(calls)])  # type: ignore[arg-type]
+    for g, w, c in zip(got, want, calls):
+        assert g.shape == c.x.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    alone = ref.run([PendingCall("aw-0", None, ExpertCall(3, 0, 1, [2], [1], calls[0].x[3:]))])  # type: ignore[arg-type]
+    torch.testing.assert_close(got[0][3:], alone[0], rtol=1e-4, atol=1e-5)  # a row's result is its expert's
+    assert ex.tokens_by_expert[(1, 2)] == 6 and ex.tokens_by_expert[(1, 0)] == 3

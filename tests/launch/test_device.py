@@ -100,11 +100,11 @@ def test_triton_needs_a_gpu_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         choose.triton_module("triton_moe", torch.device("cpu"))
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 16)
+        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 16, 64)
     with pytest.raises(ConfigError, match="power-of-two"):
-        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 12)
+        choose.decode_attention("triton", torch.device("cpu"), torch.float32, 12, 64)
     assert choose.gemm("auto", torch.device("cuda", 0), torch.float32) is None  # (the AVX-512 GEMM is the CPU's)
-    assert choose.decode_attention("auto", torch.device("cuda", 0), torch.float32, 16) is None
+    assert choose.decode_attention("auto", torch.device("cuda", 0), torch.float32, 16, 64) is None
     with pytest.raises(ConfigError, match="runs on the CPU"):
         AttentionWorkerConfig(model="/m", orchestrator="h:1", compute="sim", device="cuda")
 
