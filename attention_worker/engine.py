@@ -186,7 +186,7 @@ class AttentionWorker:
             if owner:
                 await self._restore(seq, owner)
         except RequestError as exc:
-            self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
+            self._tell(seq, RequestFailed(seq.request_id, str(exc), exc.status))
             return
         finally:
             self.restoring.pop(seq.request_id, None)  # an abort has popped it already
@@ -203,10 +203,11 @@ class AttentionWorker:
         try:
             grammars = await asyncio.to_thread(grammar.grammars_for, self.cfg.model, self.model.vocab_size,
                                                tuple(sorted(seq.stop_token_ids)))
-            seq.matcher = await asyncio.wait_for(asyncio.to_thread(grammars.matcher, c, list(seq.output_ids)),
-                                                 grammar.COMPILE_TIMEOUT_S)
+            seq.matcher = await grammar.COMPILES.run(grammars.matcher, c, list(seq.output_ids))
         except grammar.ConstraintError as exc:
             raise RequestError(str(exc)) from None
+        except grammar.GrammarBusyError as exc:
+            raise RequestError(str(exc), 503) from None
         except TimeoutError:
             raise RequestError(f"the {c.kind} took over {grammar.COMPILE_TIMEOUT_S:.0f} s to compile") from None
 

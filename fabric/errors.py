@@ -59,9 +59,15 @@ def connection_ended(exc: BaseException) -> bool:
 
 
 class RequestError(FabricError):
-    """A single request cannot be served (bad parameters, too long); the request fails, not the process."""
+    """A single request cannot be served (bad parameters, too long); the request fails, not the process.
+
+    `status` is the HTTP status its client gets: 400 for the request's own fault, 503 for a busy server."""
 
     recoverable = True
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ExpertsUnavailableError(FabricError):

@@ -13,11 +13,14 @@ bytes, which JSON forbids: JSON kinds also mask every token with a byte below 0x
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fabric.errors import FabricError
 from fabric.messages.client import Constraint
@@ -29,6 +32,8 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")
 MAX_SPEC_CHARS = 64 << 10  # a schema, regex or grammar longer than this is refused unread
 COMPILE_TIMEOUT_S = 5.0  # a grammar that takes longer to compile is refused (the compile runs on, in its thread)
+MAX_COMPILES = 4  # compile threads a process has (`CompileSlots`)
+T = TypeVar("T")
 
 
 class ConstraintError(FabricError):
@@ -39,6 +44,59 @@ class ConstraintError(FabricError):
     def __init__(self, message: str, param: str = "response_format") -> None:
         super().__init__(message)
         self.param = param
+
+
+class GrammarBusyError(FabricError):
+    """Every compile thread of this process is held by a compile that outlasted its deadline (as a flood of
+    costly grammars leaves them): the request is refused at once, not queued (a 503: the server's state, not
+    the request's fault)."""
+
+    recoverable = True
+
+
+class CompileSlots:
+    """Where a process's grammar compiles run: `n` threads of their own, never the loop's default executor
+    (which the gateway's tokenizing and the rest share, and which stuck compiles would fill).
+
+    Compiles queue for a thread, within their deadline. A compile cannot be stopped: one that outlasts its
+    deadline is refused to its caller but keeps its thread until it ends (`stuck`). With every thread stuck,
+    `run` refuses at once (`GrammarBusyError`) instead of queueing behind them."""
+
+    def __init__(self, n: int = MAX_COMPILES) -> None:
+        self.n = n
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="grammar-compile")
+        self._stuck = 0
+        self._lock = threading.Lock()
+
+    @property
+    def stuck(self) -> int:
+        """Compiles running past their deadline now."""
+        with self._lock:
+            return self._stuck
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a compile thread; TimeoutError past COMPILE_TIMEOUT_S (its wait for a thread
+        included), GrammarBusyError if every thread is stuck."""
+        with self._lock:
+            if self._stuck >= self.n:
+                raise GrammarBusyError(f"the grammar compiler is busy: all {self.n} of its threads are held by "
+                                       f"compiles past their deadline; retry later")
+        fut = self._pool.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            if not fut.cancelled():  # (one still queued was cancelled; one running cannot be)
+                with self._lock:
+                    self._stuck += 1
+                fut.add_done_callback(self._unstick)
+            raise
+
+    def _unstick(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._stuck -= 1
+
+
+COMPILES = CompileSlots()  # this process's
 
 
 def available() -> bool:

@@ -164,9 +164,11 @@ async def fields(body: dict[str, Any], chat: bool, model_dir: str, vocab_size: i
         raise ApiError(400, "structured outputs need the grammar engine (pip install 'moe-fabric[structured]')", param)
     try:
         grammars = await asyncio.to_thread(grammar.grammars_for, model_dir, vocab_size, tuple(sorted(eos_token_ids)))
-        await asyncio.wait_for(asyncio.to_thread(grammars.compile, constraint), grammar.COMPILE_TIMEOUT_S)
+        await grammar.COMPILES.run(grammars.compile, constraint)
     except grammar.ConstraintError as exc:
         raise ApiError(400, str(exc), param) from None
+    except grammar.GrammarBusyError as exc:
+        raise ApiError(503, str(exc), param, type_="service_unavailable", headers={"Retry-After": "1"}) from None
     except TimeoutError:
         raise ApiError(400, f"the {constraint.kind} is too costly: it did not compile within "
                             f"{grammar.COMPILE_TIMEOUT_S:.0f} s", param) from None

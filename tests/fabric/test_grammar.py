@@ -5,8 +5,11 @@ prefix of tokens continues exactly as the one that made them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +28,15 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[grammar.Grammars, object]:
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("g") / "demo", arch="mixtral", seed=3)
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model: Path) -> tuple[grammar.Grammars, object]:
     from tokenizers import Tokenizer
 
-    model = write_demo_model(tmp_path_factory.mktemp("g") / "demo", arch="mixtral", seed=3)
+    model = demo_model
     cfg = json.loads((Path(model) / "config.json").read_text())
     return grammar.Grammars(str(model), cfg["vocab_size"], [cfg["eos_token_id"]]), \
         Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
@@ -92,3 +100,72 @@ def test_a_bad_constraint_is_a_constraint_error(demo: tuple[grammar.Grammars, ob
                                                 what: str) -> None:
     with pytest.raises(grammar.ConstraintError, match=what):
         demo[0].compile(c)
+
+
+def test_compiles_past_their_deadline_keep_their_threads_and_a_full_house_refuses_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiles queue for a thread within their deadline; one that outlasts it is refused to its caller but holds
+    its thread until it ends. With every thread so held the next compile is refused at once (not queued), while
+    the loop's default executor (the gateway's tokenizing) serves on; once the stuck ones end, compiles run again."""
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.3)
+    slots = grammar.CompileSlots(2)
+    release = threading.Event()
+
+    def stuck() -> str:  # a grammar whose compile takes as long as the test wants
+        release.wait(30)
+        return "compiled"
+
+    def quick(i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+    async def scenario() -> None:
+        # A burst of quick compiles, more than the threads: they queue, none is refused.
+        assert await asyncio.gather(*(slots.run(quick, i) for i in range(6))) == list(range(6))
+        assert slots.stuck == 0
+        for _ in range(2):
+            with pytest.raises(TimeoutError):
+                await slots.run(stuck)
+        assert slots.stuck == 2
+        t0 = time.monotonic()
+        with pytest.raises(grammar.GrammarBusyError, match="all 2 of its threads"):
+            await slots.run(quick, 0)
+        assert time.monotonic() - t0 < 0.1  # refused, not queued behind the stuck ones
+        assert await asyncio.to_thread(lambda: "tokenized") == "tokenized"
+        release.set()
+        while slots.stuck:
+            await asyncio.sleep(0.01)
+        assert await slots.run(quick, 7) == 7
+
+    asyncio.run(scenario())
+
+
+def test_the_gateway_answers_a_busy_compiler_with_a_503_and_a_costly_grammar_with_a_400(
+        demo: tuple[grammar.Grammars, object], demo_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.protocol import ApiError
+    from gateway.structured import fields
+
+    g = demo[0]
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(grammar, "COMPILES", grammar.CompileSlots(1))
+    model = str(demo_model)
+    body = {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}
+    got = asyncio.run(fields(body, False, model, g.vocab_size, g.stop_token_ids))
+    assert got["constraint"].kind == "json_schema"  # a real schema compiles on the compile thread
+    release = threading.Event()
+    slow = grammar.Grammars.compile
+
+    def costly(self: grammar.Grammars, c: Constraint) -> object:
+        release.wait(30)  # as a grammar that compiles for longer than the deadline
+        return slow(self, c)
+
+    monkeypatch.setattr(grammar.Grammars, "compile", costly)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(fields(body, False, model, g.vocab_size, g.stop_token_ids))
+    assert err.value.status == 400 and "too costly" in err.value.message and err.value.param == "response_format"
+    with pytest.raises(ApiError) as err:  # its compile still holds the only thread
+        asyncio.run(fields(body, False, model, g.vocab_size, g.stop_token_ids))
+    assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"} and "busy" in err.value.message
+    release.set()
+    while grammar.COMPILES.stuck:
+        time.sleep(0.01)
