@@ -8,7 +8,8 @@ The stand-ins:
 
     hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
     attention  K and V rows derived from h, written to the cache and checkpointed like real ones
-    router     the top-k experts of a row: k consecutive experts from a hash of (token, position, layer)
+    router     the top-k experts of a row: the k largest of E pseudo-random scores, hashes of (token,
+               position, layer, expert), so k distinct experts that vary from row to row as a router's do
     experts    h += Σ weight x expert(h), over the wire to the EWs (sim EWs scale rows by a factor
                of their (layer, expert): expert_worker/sim_executor.py)
     lm head    one-hot logits on a token picked from h (8 of its values), so the output depends on
@@ -37,6 +38,7 @@ from fabric.steps import StepClock
 
 # The picked token's logit; the others are 0. Sampling at any usual temperature picks it.
 PEAK = 30.0
+_P = 1_000_003  # a prime: the routing scores are products modulo it
 
 
 class SimRunner(ModelRunner):
@@ -46,7 +48,9 @@ class SimRunner(ModelRunner):
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
-        self.offsets = torch.arange(cfg.top_k)[None, :]  # [1, k]
+        # [1, E] a multiplier each expert (distinct mod P) and the tie-breaker in the low digits of a score
+        self.mults = (torch.arange(cfg.num_experts) * 40503 + 7919)[None, :] % _P
+        self.ties = torch.arange(cfg.num_experts)[None, :]
 
     async def _pace(self, step: StepState) -> None:
         """Paces a step when many workers share this process and its loop (not `blocking`).
@@ -82,8 +86,9 @@ class SimRunner(ModelRunner):
             step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
-            base = (step.hashed + i * 1299709) % cfg.num_experts  # [T]
-            experts = (base[:, None] + self.offsets) % cfg.num_experts  # [T, k], distinct
+            key = (step.hashed + i * 1299709) % _P + 1  # [T]
+            scores = (key[:, None] * self.mults % _P) * cfg.num_experts + self.ties  # [T, E], distinct
+            experts = scores.topk(cfg.top_k, dim=1).indices  # [T, k], distinct
             step.plan = plan_layer(i, step.h, experts, step.weights, cfg.num_experts)
             return step
         step.layer = cfg.num_layers

@@ -142,6 +142,11 @@ class ForkServer:
         self.forked += 1
         return ForkedProc(answer.pid, argv)
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while one is started (it may have died since: `poll` on `start` tells)."""
+        return self._proc.pid if self._proc is not None else None
+
     def _up(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self._sock is not None
 

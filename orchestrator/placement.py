@@ -23,10 +23,14 @@ class PlacementPlanner(abc.ABC):
 
 
 class BalancedPlanner(PlacementPlanner):
-    """Primaries round-robin over the EWs, taken node by node in turn, balanced by count.
+    """Primaries in runs: each layer's experts split into as many consecutive runs as there are EWs (taken node
+    by node in turn), the runs' EWs rotated by one from layer to layer, so that counts balance over the layers.
+    An AW's rows for one EW are then one run of its expert-sorted rows: the call is a view of them, and the
+    results join with one concatenation instead of a gather and a scatter (attention_worker/forwarding.py).
 
-    Each of the `shadows` inactive copies of a unit goes on the first EW after the previous copy's
-    that holds no copy of it yet and is on a node that holds none either. When no such node is left,
+    Each of the `shadows` inactive copies of a unit goes on the first EW, from a point after the previous copy's
+    that moves along the run, that holds no copy of it yet and is on a node that holds none either (so that the
+    shadows of one EW's experts spread over the others, and so does its load when it dies). When no such node is left,
     it goes on any EW without a copy. So the copies of one expert are on distinct EWs, and any single
     EW failure leaves a live copy. They are on distinct nodes where there are enough nodes, so any
     single node failure leaves one. With as many EWs on every node, shadows are balanced too."""
@@ -43,13 +47,20 @@ class BalancedPlanner(PlacementPlanner):
         order = interleave(workers, node)
         n = len(order)
         copies = 1 + min(self.shadows, n - 1)
+        by_layer: dict[int, list[Unit]] = {}
+        for unit in sorted(units):
+            by_layer.setdefault(unit[0], []).append(unit)
+        primary = {unit: (order[(j * n // len(us) + li) % n], j)
+                   for li, us in enumerate(by_layer.values()) for j, unit in enumerate(us)}
         out: dict[Unit, list[str]] = {}
-        for i, unit in enumerate(sorted(units)):
-            chosen = [order[i % n]]
+        for unit in sorted(units):
+            first, j = primary[unit]
+            chosen = [first]
             while len(chosen) < copies:
                 used = {node[w] for w in chosen}
-                after = order.index(chosen[-1])
-                candidates = [order[(after + k) % n] for k in range(1, n) if order[(after + k) % n] not in chosen]
+                # (from a point that moves along a run, so that one EW's shadows spread over the others)
+                after = order.index(chosen[-1]) + j % (n - 1)
+                candidates = [order[(after + k) % n] for k in range(1, n + 1) if order[(after + k) % n] not in chosen]
                 chosen.append(next((w for w in candidates if node[w] not in used), candidates[0]))
             out[unit] = chosen
         return out
@@ -135,6 +146,7 @@ def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit
             ews.append(w)
             load[w] += 1
             added.setdefault(w, []).append(unit)
+    _even_out(held, added, load, share, node, have)
     placement = _balance_primaries(held, workers)
     dropped: dict[str, list[Unit]] = {}
     for unit, ews in current.items():
@@ -143,6 +155,31 @@ def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit
                 dropped.setdefault(w, []).append(unit)
     moved = sum(1 for w, us in added.items() for u in us if u not in have.get(w, ())) * unit_bytes
     return Replan(placement, added, dropped, moved)
+
+
+def _even_out(held: dict[Unit, list[str]], added: dict[str, list[Unit]], load: dict[str, int], share: dict[str, int],
+              node: dict[str, str], have: dict[str, set[Unit]]) -> None:
+    """Hands copies placed above an EW's share to EWs below theirs, in place.
+
+    The greedy placement of the lost copies can leave an EW past its share where each copy had two EWs to go to
+    (placed in unit order, the first choices fill up). An added copy moves its bytes wherever it goes, so handing
+    it over costs nothing; one the EW still holds (`have`) is kept. A copy goes only where it keeps its unit's
+    copies on as many nodes."""
+    for over in list(load):
+        while load[over] > share[over]:
+            swap = next(((u, w) for u in added.get(over, []) if u not in have.get(over, ())
+                         for w in load if load[w] < share[w] and w not in held[u]
+                         and (node[w] == node[over] or node[w] not in {node[x] for x in held[u]})), None)
+            if swap is None:
+                break
+            unit, w = swap
+            held[unit][held[unit].index(over)] = w
+            added[over].remove(unit)
+            added.setdefault(w, []).append(unit)
+            load[over] -= 1
+            load[w] += 1
+    for w in [w for w, us in added.items() if not us]:
+        del added[w]
 
 
 def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:

@@ -69,10 +69,10 @@ def test_the_fabric_forks_its_processes_and_outlives_the_fork_server(hf_models: 
         argv = Path(f"/proc/{fabric.pid('expert-worker-1')}/cmdline").read_bytes().split(b"\0")
         assert argv[1:4] == [b"-m", b"launch.cli", b"expert-worker"]
         reference = run_streams(fabric)
-        zygote = server._proc
+        zygote = server.pid
         assert zygote is not None
-        zygote.kill()
-        zygote.wait(10)
+        os.kill(zygote, signal.SIGKILL)
+        wait_gone(zygote, 10)  # (the supervisor, its parent, reaps it when it next looks)
         pids = {p.pid for _, p in fabric.procs}
         assert all(p.poll() is None for _, p in fabric.procs)
         assert run_streams(fabric) == reference

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from orchestrator.placement import BalancedPlanner, replan, single_node_units
 
 UNITS = [(layer, e) for layer in range(4) for e in range(8)]  # 32 logical experts
@@ -151,3 +153,17 @@ def test_new_copies_go_to_nodes_without_one() -> None:
     plan = replan(current, ["A", "B", "C", "D"], copies=2, unit_bytes=1, nodes=nodes)
     assert spread(plan.placement, nodes)  # never both copies on one node
     assert plan.moved_bytes == 4  # C and D take 2 each; A and B keep 2 each
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 12])
+def test_each_ews_primaries_of_a_layer_are_one_run_of_experts(n: int) -> None:
+    """So that an AW's rows for one EW are one run of its expert-sorted rows (a view, joined back by one
+    concatenation); the runs' EWs rotate over the layers, so the counts stay balanced."""
+    ews = [f"ew-{i}" for i in range(n)]
+    placement = BalancedPlanner(1).place(UNITS, ews)
+    for layer in {u[0] for u in UNITS}:
+        for w in ews:
+            experts = sorted(e for (lyr, e), c in placement.items() if lyr == layer and c[0] == w)
+            assert experts == list(range(experts[0], experts[0] + len(experts))) if experts else True, (layer, w)
+    counts = Counter(c[0] for c in placement.values())
+    assert max(counts.values()) - min(counts.get(w, 0) for w in ews) <= 1
