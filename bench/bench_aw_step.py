@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from common import bench_parser, ensure_bench_model, save_figure  # bench/ is on sys.path when run as a script
@@ -99,7 +98,6 @@ def main() -> None:
     ax.set_ylabel("ms a step (bench model, 1 thread)")
     ax.set_title("An AW's decode step: the per-layer glue")
     ax.legend()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, a.out)
     print(f"\nplot: {a.out}")
 

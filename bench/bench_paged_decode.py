@@ -90,7 +90,6 @@ def main() -> None:
     ax.set_ylabel("µs a call (1 thread)")
     ax.set_title("The AW's paged decode attention")
     ax.legend()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, a.out)
     print(f"\nplot: {a.out}")
 

@@ -49,5 +49,6 @@ def save_figure(fig: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
