@@ -150,7 +150,7 @@ class AttentionWorker:
             else:
                 self._add(seq)
         except RequestError as exc:
-            conn.send_nowait(RequestFailed(msg.request_id, str(exc), 400))
+            conn.send_nowait(RequestFailed(msg.request_id, str(exc), exc.status))
             return
         self.work.set()
 
@@ -193,7 +193,7 @@ class AttentionWorker:
         try:
             self._add(seq)
         except RequestError as exc:
-            self._tell(seq, RequestFailed(seq.request_id, str(exc), 400))
+            self._tell(seq, RequestFailed(seq.request_id, str(exc), exc.status))
             return
         self.work.set()
 
