@@ -18,6 +18,7 @@ import torch
 from fabric import grammar
 from fabric.messages.client import Constraint
 from fabric.model.demo import write_demo_model
+from tests.helpers import poll_until
 
 pytestmark = pytest.mark.skipif(not grammar.available(), reason="needs the grammar engine (the structured extra)")
 
@@ -132,8 +133,7 @@ def test_compiles_past_their_deadline_keep_their_threads_and_a_full_house_refuse
             refused.send(None)  # at its first step, before any wait: refused, not queued behind the stuck ones
         assert await asyncio.to_thread(lambda: "tokenized") == "tokenized"
         release.set()
-        while slots.stuck:
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(poll_until, lambda: slots.stuck == 0)  # (the stuck compiles end)
         assert await slots.run(quick, 7) == 7
 
     asyncio.run(scenario())
@@ -166,5 +166,4 @@ def test_the_gateway_answers_a_busy_compiler_with_a_503_and_a_costly_grammar_wit
         asyncio.run(fields(body, False, model, g.vocab_size, g.stop_token_ids))
     assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"} and "busy" in err.value.message
     release.set()
-    while grammar.COMPILES.stuck:
-        time.sleep(0.01)
+    assert poll_until(lambda: grammar.COMPILES.stuck == 0)  # the stuck compile ends: nothing outlives the test
