@@ -165,7 +165,9 @@ class AwClient:
                     self.reported_load, self.submitted_since, self.reported_at = msg.load, 0, time.monotonic()
                     for row in msg.outputs:
                         p = self.requests.get(row.request_id)
-                        if p is not None:
+                        # A resume's Attach not yet answered: the AW sent this row before the Attach reached it,
+                        # to the stream being resumed, and the answer carries it with the rest.
+                        if p is not None and (p.attach is None or p.attach.done()):
                             self._deliver(row.request_id, p, row)
                 elif isinstance(msg, PromptLogprobs):
                     p = self.requests.get(msg.request_id)

@@ -1,13 +1,15 @@
 """When a gateway finds an AW hung: probes while it is silent longer than its messages usually are
 apart, a verdict only past `min_silence`, and a longer wait for an AW the orchestrator vouched for
 after a verdict (it was only slow), so that a slow AW is not given up on over and over. And a stream
-that lets go of its request late (its client left) does not cut off the stream that resumed it."""
+that lets go of its request late (its client left) does not cut off the stream that resumed it, nor
+gets a token twice from the rows in flight to the stream it resumes."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fabric.messages.client import Abort, Detach, Submit
+from fabric.errors import PeerDeadError
+from fabric.messages.client import Abort, Attach, Attached, Detach, StepOutput, Submit, TokenOut
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from gateway.aw_client import MAX_SILENCE, MIN_SILENCE, AwClient, Pending
@@ -89,3 +91,40 @@ def test_a_stream_that_lets_go_late_does_not_cut_off_the_stream_that_resumed_it(
         assert "cmpl-2" not in client.requests and [type(m) for m in conn.sent] == [Detach, Abort]
 
     asyncio.run(main())
+
+
+class Replies(Conn):
+    """The AW's end of a data connection: `recv` hands out the given messages, then the end."""
+
+    def __init__(self, msgs: list[object]) -> None:
+        super().__init__()
+        self.msgs = msgs
+
+    async def recv(self) -> object:
+        await asyncio.sleep(0)
+        if not self.msgs:
+            raise PeerDeadError("the test's connection ended")
+        return self.msgs.pop(0)
+
+
+def test_a_resume_gets_the_rows_in_flight_to_its_old_stream_once() -> None:
+    """The AW sent token 1 to the broken stream just before the resume's Attach reached it. That row
+    arrives after the resume is tracked, ahead of the answer, which carries every row so far."""
+
+    def row(i: int, finish: str | None = None) -> TokenOut:
+        return TokenOut("cmpl-1", 100 + i, finish, None, None)
+
+    async def main() -> list[int | None]:
+        pool = AwPool(make_transport("tcp"))
+        conn = Replies([StepOutput([row(1)]), Attached("cmpl-1", True, [row(0), row(1)]),
+                        StepOutput([row(2, "length")])])
+        client = AwClient("aw-0", conn)  # type: ignore[arg-type]
+        new = Pending(_submit("cmpl-1"))
+        new.attach = asyncio.get_running_loop().create_future()
+        pool._track(client, "cmpl-1", new)
+        client.conn.send_nowait(Attach(new.submit))
+        await client.read_loop(lambda *_: None)
+        assert new.attach.done() and new.attach.result().found
+        return [new.queue.get_nowait().token for _ in range(new.queue.qsize())]
+
+    assert asyncio.run(main()) == [100, 101, 102]  # not 100, 101, 101, 102
