@@ -38,23 +38,46 @@ class GatherPolicy(abc.ABC):
 
 
 class SyncPolicy(GatherPolicy):
-    """Runs once every active AW has delivered a call.
+    """Runs once every active AW has delivered a call, and brings the AWs onto the same layer.
 
     Each AW has at most one outstanding call per EW, so all active AWs are then blocked here.
-    `max_wait` bounds the wait for stragglers.
+    `max_wait` bounds the wait for stragglers. Calls for one layer read each expert's weights once
+    for all of them; calls for different layers read two layers' weights. AWs that drift apart would
+    stay apart (each waits here for the other's call, whatever its layer), so when the calls are
+    for different layers only the AWs furthest behind run, and the others wait for them to catch up
+    (within `max_wait`). Layers are taken round the cycle of `num_layers`: the furthest behind is the
+    layer after the widest gap (an AW at the last layer is just behind one at the first layer of its
+    next step). Every EW sees the same layers and picks the same.
     """
 
-    def __init__(self, max_wait: float) -> None:
+    def __init__(self, max_wait: float, num_layers: int = 0) -> None:
         self.max_wait = max_wait
+        self.num_layers = num_layers
 
     def select(self, pending: list[PendingCall], active_aws: set[str], now: float) -> tuple[list[PendingCall], float | None]:
         if not pending:
             return [], None
         delivered = {p.aw_id for p in pending}
         oldest = min(p.arrived for p in pending)
-        if active_aws <= delivered or now - oldest >= self.max_wait:
+        if now - oldest >= self.max_wait:
             return list(pending), None
-        return [], oldest + self.max_wait - now
+        if not active_aws <= delivered:
+            return [], oldest + self.max_wait - now
+        layers = sorted({p.call.layer for p in pending})
+        if len(layers) == 1 or self.num_layers <= 0:
+            return list(pending), None
+        behind = behind_layer(layers, self.num_layers)
+        run = [p for p in pending if p.call.layer == behind or p.aw_id not in active_aws]
+        held = [p for p in pending if p.call.layer != behind and p.aw_id in active_aws]
+        return run, (min(p.arrived for p in held) + self.max_wait - now) if held else None
+
+
+def behind_layer(layers: list[int], num_layers: int) -> int:
+    """The layer furthest behind of `layers` (sorted, distinct) on a cycle of `num_layers`: the one
+    after the widest gap, the first such on a tie."""
+    gaps = [(b - a) for a, b in zip(layers, layers[1:])] + [layers[0] + num_layers - layers[-1]]
+    widest = gaps.index(max(gaps))
+    return layers[(widest + 1) % len(layers)]
 
 
 class ThresholdPolicy(GatherPolicy):
@@ -80,9 +103,9 @@ class ThresholdPolicy(GatherPolicy):
         return run, next_check
 
 
-def make_policy(name: str, min_tokens: int, max_wait_ms: float) -> GatherPolicy:
+def make_policy(name: str, min_tokens: int, max_wait_ms: float, num_layers: int = 0) -> GatherPolicy:
     if name == "sync":
-        return SyncPolicy(max_wait_ms / 1000)
+        return SyncPolicy(max_wait_ms / 1000, num_layers)
     if name == "threshold":
         return ThresholdPolicy(min_tokens, max_wait_ms / 1000)
     raise ValueError(f"unknown gather policy {name!r}")

@@ -8,7 +8,7 @@ from attention_worker.kv_cache import BlockManager
 from attention_worker.request import Sequence
 from attention_worker.sampler import greedy, greedy_rows, sample
 from attention_worker.scheduler import Scheduler
-from expert_worker.gather import PendingCall, SyncPolicy, ThresholdPolicy
+from expert_worker.gather import PendingCall, SyncPolicy, ThresholdPolicy, behind_layer
 from fabric.messages.expert import ExpertCall
 from fabric.routing import EwAddress, RoutingTable, placement_tensor
 from orchestrator.placement import BalancedPlanner
@@ -99,6 +99,36 @@ def test_sync_policy_waits_for_every_active_aw() -> None:
     # a dead/idle AW is not waited for; a straggler is bounded by max_wait
     assert policy.select([p1], {"aw-0"}, p1.arrived)[0] == [p1]
     assert policy.select([p1], {"aw-0", "aw-1"}, p1.arrived + 0.06)[0] == [p1]
+
+
+def test_sync_policy_brings_the_aws_onto_one_layer() -> None:
+    """Calls for different layers: only the AW furthest behind runs, round the cycle of layers,
+    until the others' wait reaches max_wait; calls for one layer run together."""
+    policy = SyncPolicy(max_wait=0.05, num_layers=8)
+    aws = {"aw-0", "aw-1"}
+    a, b = pending("aw-0", 3, 2), pending("aw-1", 5, 3)
+    run, wait = policy.select([a, b], aws, b.arrived)
+    assert run == [a] and wait is not None and 0 < wait <= 0.05  # aw-1, two layers ahead, waits
+    a4 = pending("aw-0", 4, 2)
+    assert policy.select([b, a4], aws, a4.arrived)[0] == [a4]
+    a5 = pending("aw-0", 5, 2)
+    assert policy.select([b, a5], aws, a5.arrived)[0] == [b, a5]  # caught up: one read of layer 5's experts
+    last, first = pending("aw-0", 7, 1), pending("aw-1", 0, 1)  # aw-1 is on its next step already
+    assert policy.select([last, first], aws, first.arrived)[0] == [last]
+    assert policy.select([b, a], aws, b.arrived + 0.06)[0] == [b, a]  # past max_wait: everything runs
+    # A call of an AW not waited for (it does not pad) is never held, whatever its layer.
+    c = pending("aw-2", 6, 1)
+    run, wait = policy.select([c, a], {"aw-0"}, a.arrived)
+    assert run == [c, a] and wait is None
+    run, wait = policy.select([a, b, c], aws, c.arrived)
+    assert run == [a, c] and wait is not None
+    assert SyncPolicy(max_wait=0.05).select([a, b], aws, b.arrived)[0] == [a, b]  # no layer count: as before
+
+
+def test_the_layer_furthest_behind_is_after_the_widest_gap() -> None:
+    assert behind_layer([3, 5], 8) == 3 and behind_layer([0, 7], 8) == 7 and behind_layer([1, 6], 8) == 6
+    assert behind_layer([0, 4], 8) == 4  # a tie: the first widest gap, the same on every EW
+    assert behind_layer([0, 1, 5], 8) == 5 and behind_layer([2, 3, 4], 8) == 2
 
 
 def test_threshold_policy_per_layer() -> None:
