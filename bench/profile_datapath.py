@@ -1,5 +1,6 @@
 """Where the data path's time goes: a fabric (2 AWs + 2 EWs) under a closed loop of C streams;
-CPU seconds per 1000 output tokens of every process (from /proc), and, with `--py-spy`, the
+CPU seconds per 1000 output tokens of every process (from /proc), each EW's batches (and how many
+held calls for more than one layer, each layer's experts read apart), and, with `--py-spy`, the
 functions that take each attention and expert worker's CPU and gateway-0's (py-spy samples, by
 own time and by total time). `--device cuda` runs the workers on a GPU.
 
@@ -46,6 +47,12 @@ def top_functions(raw: Path, n: int) -> tuple[list[tuple[str, int]], list[tuple[
     return own.most_common(n), total.most_common(n), samples
 
 
+def _ew_batches(fabric: Fabric) -> dict[str, tuple[int, int]]:
+    """Each EW's batches so far, and those that held calls for more than one layer."""
+    return {w["id"]: (w["stats"].get("batches", 0), w["stats"].get("mixed_batches", 0))
+            for w in fabric.cluster()["workers"] if w["role"] == "expert" and "stats" in w}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
@@ -88,6 +95,7 @@ def main() -> None:
             while not stop.is_set():
                 tokens[0] += int(asyncio.run(fabric_round(url, prompts, 64))["tokens"])
 
+        ews_before = _ew_batches(fabric)
         t = time.perf_counter()
         runner = threading.Thread(target=load)
         runner.start()
@@ -96,6 +104,7 @@ def main() -> None:
         runner.join()
         wall = time.perf_counter() - t
         after = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
+        ews_after = _ew_batches(fabric)
         for _, _, p in spies:
             p.wait(60)
     n = tokens[0]
@@ -107,6 +116,9 @@ def main() -> None:
     for name, s in sorted(used.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {s:.2f} | {s / n * 1000:.2f} | {s / total:.0%} |")
     print(f"| all | {total:.2f} | {total / n * 1000:.2f} | 100% |")
+    for ew, (b, m) in sorted(ews_after.items()):
+        b0, m0 = ews_before.get(ew, (0, 0))
+        print(f"{ew}: {b - b0} batches, {m - m0} of them with calls for more than one layer")
     for name, out, _ in spies:
         if not out.exists():
             print(f"\n(no py-spy samples for {name})")

@@ -72,6 +72,7 @@ class ExpertWorker(Service):
         self.empty_calls = 0
         self.wakeup = asyncio.Event()
         self.batches = 0
+        self.mixed_batches = 0  # batches that held calls for more than one layer (each layer's experts read apart)
         self.compute_s = 0.0  # cumulative time running experts (for stats)
         # Newest routing-table epoch seen, from the orchestrator or on a call.
         self.epoch = 0
@@ -253,7 +254,8 @@ class ExpertWorker(Service):
 
     def stats(self) -> WorkerStats:
         rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
-        return WorkerStats({"batches": self.batches, "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
+        return WorkerStats({"batches": self.batches, "mixed_batches": self.mixed_batches,
+                            "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
                             "stale_calls": self.stale_calls, "empty_calls": self.empty_calls,
                             "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
                             "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
@@ -361,6 +363,7 @@ class ExpertWorker(Service):
                 self.computing = []
             self.compute_s += time.perf_counter() - t0
             self.batches += 1
+            self.mixed_batches += len({p.call.layer for p in batch}) > 1
             for p, y in zip(batch, outputs):
                 if not p.rows:
                     # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
