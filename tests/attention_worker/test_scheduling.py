@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from attention_worker.kv_cache import BlockManager
@@ -108,7 +109,7 @@ def test_sync_policy_brings_the_aws_onto_one_layer() -> None:
     aws = {"aw-0", "aw-1"}
     a, b = pending("aw-0", 3, 2), pending("aw-1", 5, 3)
     run, wait = policy.select([a, b], aws, b.arrived)
-    assert run == [a] and wait is not None and 0 < wait <= 0.05  # aw-1, two layers ahead, waits
+    assert run == [a] and wait == pytest.approx(0.05)  # aw-1, two layers ahead, waits its max_wait at most
     a4 = pending("aw-0", 4, 2)
     assert policy.select([b, a4], aws, a4.arrived)[0] == [a4]
     a5 = pending("aw-0", 5, 2)
