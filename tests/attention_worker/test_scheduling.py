@@ -105,25 +105,31 @@ def test_sync_policy_waits_for_every_active_aw() -> None:
 def test_sync_policy_brings_the_aws_onto_one_layer() -> None:
     """Calls for different layers: only the AW furthest behind runs, round the cycle of layers,
     until the others' wait reaches max_wait; calls for one layer run together."""
+
+    def at(aw: str, layer: int, arrived: float = 100.0) -> PendingCall:
+        p = pending(aw, layer, 2)
+        p.arrived = arrived
+        return p
+
     policy = SyncPolicy(max_wait=0.05, num_layers=8)
     aws = {"aw-0", "aw-1"}
-    a, b = pending("aw-0", 3, 2), pending("aw-1", 5, 3)
-    run, wait = policy.select([a, b], aws, b.arrived)
-    assert run == [a] and wait == pytest.approx(0.05)  # aw-1, two layers ahead, waits its max_wait at most
-    a4 = pending("aw-0", 4, 2)
-    assert policy.select([b, a4], aws, a4.arrived)[0] == [a4]
-    a5 = pending("aw-0", 5, 2)
-    assert policy.select([b, a5], aws, a5.arrived)[0] == [b, a5]  # caught up: one read of layer 5's experts
-    last, first = pending("aw-0", 7, 1), pending("aw-1", 0, 1)  # aw-1 is on its next step already
-    assert policy.select([last, first], aws, first.arrived)[0] == [last]
-    assert policy.select([b, a], aws, b.arrived + 0.06)[0] == [b, a]  # past max_wait: everything runs
+    a, b = at("aw-0", 3), at("aw-1", 5, 100.01)
+    run, wait = policy.select([a, b], aws, 100.02)
+    assert run == [a] and wait == pytest.approx(0.04)  # aw-1, two layers ahead, waits: at most max_wait in all
+    a4 = at("aw-0", 4, 100.03)
+    assert policy.select([b, a4], aws, 100.03)[0] == [a4]
+    a5 = at("aw-0", 5, 100.04)
+    assert policy.select([b, a5], aws, 100.04)[0] == [b, a5]  # caught up: one read of layer 5's experts
+    last, first = at("aw-0", 7), at("aw-1", 0)  # aw-1 is on its next step already
+    assert policy.select([last, first], aws, 100.0)[0] == [last]
+    assert policy.select([b, a4], aws, 100.07)[0] == [b, a4]  # b past max_wait: everything runs
     # A call of an AW not waited for (it does not pad) is never held, whatever its layer.
-    c = pending("aw-2", 6, 1)
-    run, wait = policy.select([c, a], {"aw-0"}, a.arrived)
+    c = at("aw-2", 6)
+    run, wait = policy.select([c, a], {"aw-0"}, 100.0)
     assert run == [c, a] and wait is None
-    run, wait = policy.select([a, b, c], aws, c.arrived)
-    assert run == [a, c] and wait is not None
-    assert SyncPolicy(max_wait=0.05).select([a, b], aws, b.arrived)[0] == [a, b]  # no layer count: as before
+    run, wait = policy.select([a, b, c], aws, 100.02)
+    assert run == [a, c] and wait == pytest.approx(0.04)
+    assert SyncPolicy(max_wait=0.05).select([a, b], aws, 100.02)[0] == [a, b]  # no layer count: as before
 
 
 def test_the_layer_furthest_behind_is_after_the_widest_gap() -> None:
