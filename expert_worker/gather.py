@@ -67,8 +67,10 @@ class SyncPolicy(GatherPolicy):
         if len(layers) == 1 or self.num_layers <= 0:
             return list(pending), None
         behind = behind_layer(layers, self.num_layers)
-        run = [p for p in pending if p.call.layer == behind or p.aw_id not in active_aws]
-        held = [p for p in pending if p.call.layer != behind and p.aw_id in active_aws]
+        run: list[PendingCall] = []
+        held: list[PendingCall] = []
+        for p in pending:
+            (run if p.call.layer == behind or p.aw_id not in active_aws else held).append(p)
         return run, (min(p.arrived for p in held) + self.max_wait - now) if held else None
 
 
@@ -103,7 +105,7 @@ class ThresholdPolicy(GatherPolicy):
         return run, next_check
 
 
-def make_policy(name: str, min_tokens: int, max_wait_ms: float, num_layers: int = 0) -> GatherPolicy:
+def make_policy(name: str, min_tokens: int, max_wait_ms: float, num_layers: int) -> GatherPolicy:
     if name == "sync":
         return SyncPolicy(max_wait_ms / 1000, num_layers)
     if name == "threshold":
