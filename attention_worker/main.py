@@ -95,6 +95,8 @@ class AttentionService(Service):
         if self.cfg.compute != "sim":  # a sim AW has no weights, and nothing cold
             await self._load_weights()  # a standby too: when woken it only starts serving
             await self._warm_up()
+        else:  # but the per-layer glue of real serving (the plan, the combine): it is the fabric's own work
+            self.glue = await run_niced_async(self._glue, self.cfg.boot_nice)
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self._client)
         log.info("attention worker listening on %s:%d (%s, %d KV blocks%s)", self.cfg.host, self.listener.port,
                  self.transport.name, self.kv.blocks.num_blocks, ", a standby" if self.cfg.standby else "")
@@ -122,7 +124,7 @@ class AttentionService(Service):
             # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size,
                                                      self.model.head_dim)
-            self.glue = glue_for(choose.layer_ops(self.cfg.kernel, where, dtype), self.model.rms_norm_eps, dtype, where)
+            self.glue = self._glue()
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
             if store is None:
@@ -139,6 +141,11 @@ class AttentionService(Service):
         w = self.weights
         log.info("%s attention weights (%.1f MiB) in %.3fs", "mapped" if w.bytes_mapped else "read",
                  (w.bytes_read + w.bytes_mapped) / 2**20, time.perf_counter() - t0)
+
+    def _glue(self) -> TorchGlue:
+        """The per-layer glue (attention_worker/glue.py); it may build the CPU's kernels."""
+        dtype, where = self.model.torch_dtype, self.kv.device
+        return glue_for(choose.layer_ops(self.cfg.kernel, where, dtype), self.model.rms_norm_eps, dtype, where)
 
     async def _warm_up(self) -> None:
         """Runs the cold paths before this worker registers (attention_worker/warmup.py)."""
@@ -175,7 +182,8 @@ class AttentionService(Service):
                             cfg.checkpoint_pause_every, on_lost=rt.report_dead)
         runner: ModelRunner
         if cfg.compute == "sim":
-            runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1)
+            runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1,
+                               glue=self.glue)
         else:
             assert self.weights is not None  # loaded in `start`
             runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps(),

@@ -108,6 +108,9 @@ class StepState:
 
 
 class ModelRunner:
+    # Whether its layers attend. A cost model's stand-ins do not, and need no attention metadata (RoPE, masks).
+    attends = True
+
     def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
                  paged: DecodeAttention | None = None, clock: StepClock | None = None,
                  slow: Callable[[], None] | None = None, glue: TorchGlue | None = None) -> None:
@@ -180,20 +183,20 @@ class ModelRunner:
                 dec_rows.append(row)
                 dec_lens.append(end)
                 dec_tables.append(c.seq.block_table)
-            else:
+            elif self.attends:
                 kv_slots = torch.tensor(self.kv.slots(c.seq.block_table, 0, end), dtype=torch.long)
                 prefills.append((row, c.n, kv_slots, self._mask(torch.arange(c.start, end), end)))
             if c.samples:
                 sample_rows.append(row + c.n - 1)
             score_rows.extend(row + p - c.start for p in c.seq.scores(c.start, c.n))
         pos = torch.tensor(positions, dtype=torch.long)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype) if self.attends else (pos, pos)
         widest = max((len(t) for t in dec_tables), default=0)
         tables = torch.tensor([t + [-1] * (widest - len(t)) for t in dec_tables], dtype=torch.long).view(len(dec_tables), widest)
         lens = torch.tensor(dec_lens, dtype=torch.long)  # [Bd]
         dec_kv = dec_mask = None
         # Torch's path: every decode token's slots and mask, padded to the longest.
-        if self.paged is None:
+        if self.paged is None and self.attends:
             dec_kv, dec_mask = self._dense_decode(tables, lens)
         return StepMeta(
             torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),

@@ -29,8 +29,8 @@ from typing import cast
 import torch
 
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.glue import TorchGlue
 from attention_worker.kv_cache import KVCache
-from attention_worker.layer_plan import plan_layer
 from attention_worker.model_runner import Chunk, ModelRunner, StepState
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
@@ -42,15 +42,18 @@ _P = 1_000_003  # a prime: the routing scores are products modulo it
 
 
 class SimRunner(ModelRunner):
+    attends = False  # its attention is the cost model: no RoPE, no masks
     def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float,
-                 clock: StepClock | None = None, blocking: bool = True) -> None:
-        super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock)  # no weights: nothing reads them
+                 clock: StepClock | None = None, blocking: bool = True, glue: TorchGlue | None = None) -> None:
+        # No weights: nothing reads them. The glue plans and combines each layer's rows as in real serving.
+        super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock, glue=glue)
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
         # [1, E] a multiplier each expert (distinct mod P) and the tie-breaker in the low digits of a score
         self.mults = (torch.arange(cfg.num_experts) * 40503 + 7919)[None, :] % _P
         self.ties = torch.arange(cfg.num_experts)[None, :]
+        self.layer_keys = torch.arange(cfg.num_layers)[:, None] * 1299709  # [L, 1]
 
     async def _pace(self, step: StepState) -> None:
         """Paces a step when many workers share this process and its loop (not `blocking`).
@@ -67,8 +70,11 @@ class SimRunner(ModelRunner):
         pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
         h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
         t = meta.ids.numel()
-        # What every layer's routing shares, made once a step. The stand-ins are not the fabric's cost.
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos, hashed=meta.ids * 7919 + pos * 104729,
+        # Every layer's routing, made once a step. The stand-ins are not the fabric's cost.
+        key = (meta.ids * 7919 + pos * 104729 + self.layer_keys) % _P + 1  # [L, T]
+        scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E], distinct in a row
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos,
+                                     experts=scores.topk(cfg.top_k, dim=2).indices,  # [L, T, k]
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k)))
 
     def _advance(self, step: StepState) -> StepState:
@@ -81,15 +87,12 @@ class SimRunner(ModelRunner):
             if self.attention_s and self.blocking:
                 time.sleep(self.attention_s)  # the cost model, blocking as real compute does
             kv = step.h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
-            self.kv.k[i][meta.slots] = kv
-            self.kv.v[i][meta.slots] = kv
+            self.kv.k[i].index_copy_(0, meta.slots, kv)
+            self.kv.v[i].index_copy_(0, meta.slots, kv)
             step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
-            key = (step.hashed + i * 1299709) % _P + 1  # [T]
-            scores = (key[:, None] * self.mults % _P) * cfg.num_experts + self.ties  # [T, E], distinct
-            experts = scores.topk(cfg.top_k, dim=1).indices  # [T, k], distinct
-            step.plan = plan_layer(i, step.h, experts, step.weights, cfg.num_experts)
+            step.plan = self.glue.plan(i, step.h, step.experts[i], step.weights, cfg.num_experts)
             return step
         step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
@@ -104,7 +107,7 @@ class SimRunner(ModelRunner):
 @dataclass
 class SimStep(StepState):
     pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
-    hashed: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] the routing hash of (token, position)
+    experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [L, T, k] each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
     # The first layer the last compute call ran, for the inline cost model's sleep.
     first: int = 0

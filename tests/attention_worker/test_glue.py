@@ -18,6 +18,8 @@ from attention_worker.kv_cache import KVCache
 from attention_worker.layer_plan import LayerPlan, Part, plan_layer
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence
+from attention_worker.sim_runner import SimRunner
+from expert_worker.sim_executor import sim_factor
 from fabric.kernels import skinny
 from fabric.model.attention_weights import AttentionWeights
 from fabric.model.config import ModelConfig
@@ -180,3 +182,44 @@ def test_steps_with_the_native_glue_sample_torchs_tokens(arch: str, hf_models: d
         assert tokens[0] == tokens[1], f"step {t}"
     assert [q.output_ids for q in seqs[0]] == [q.output_ids for q in seqs[1]]
     assert all(len(q.output_ids) >= 3 for q in seqs[0])
+
+
+class SimExperts:
+    """A REFE whose experts scale their rows as sim EWs do, and that records each layer's experts."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[int, tuple[int, ...]]] = []
+
+    async def run_plan(self, plan: LayerPlan) -> list[Part]:
+        factors = torch.cat([torch.full((n,), sim_factor(plan.layer, e)) for e, (_, n) in sorted(plan.spans.items())])
+        self.routes.append((plan.layer, tuple(sorted(plan.spans))))
+        return [(slice(0, plan.xs.shape[0]), plan.xs * factors[:, None])]
+
+
+def test_a_sim_step_plans_and_combines_with_the_native_glue_as_with_torchs(hf_models: dict[str, Path]) -> None:
+    """A sim AW uses real serving's glue (the plan, the combine): its tokens and KV are those of torch's glue,
+    and every layer routes its rows to top-k experts of its own."""
+    cfg = ModelConfig.from_dir(str(hf_models["mixtral"]))
+    glues = [glue_for(skinny.load(), cfg.rms_norm_eps, torch.float32, torch.device("cpu")), TorchGlue(cfg.rms_norm_eps)]
+    refes = [SimExperts(), SimExperts()]
+    runners = [SimRunner(cfg, KVCache(cfg, 4, 1 << 20), refe, 0.0, glue=glue)  # type: ignore[arg-type]
+               for refe, glue in zip(refes, glues)]
+    assert isinstance(runners[0].glue, NativeGlue) and not runners[0].attends
+    seqs = [[Sequence(f"r{i}", p, [], 6, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate([[5], [7, 8, 9]])]
+            for _ in runners]
+    for _ in range(6):
+        picked = []
+        for runner, ss in zip(runners, seqs):
+            chunks = [Chunk(q, q.num_computed, q.num_tokens - q.num_computed) for q in ss]
+            for c in chunks:
+                assert runner.kv.blocks.grow(c.seq.block_table, c.start + c.n)
+            logits, _ = asyncio.run(runner.forward(chunks))
+            picked.append(logits.argmax(-1).tolist())
+            for c, token in zip(chunks, picked[-1]):
+                c.seq.num_computed += c.n
+                c.seq.append(token)
+        assert picked[0] == picked[1]
+    assert all(torch.equal(a, b) for a, b in zip(runners[0].kv.k + runners[0].kv.v, runners[1].kv.k + runners[1].kv.v))
+    assert refes[0].routes == refes[1].routes
+    assert len({experts for _, experts in refes[0].routes}) > 1  # routes vary from layer to layer
+    assert {layer for layer, _ in refes[0].routes} == set(range(cfg.num_layers)) - set(cfg.dense_layers)
