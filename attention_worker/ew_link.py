@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fabric import trace
 from fabric.errors import FabricError, PeerDeadError, PeerSilentError, PeerStalledError, ProtocolError
 from fabric.messages.base import Message
 from fabric.messages.expert import ExpertError, ExpertResult
@@ -69,6 +70,7 @@ class EwLink:
             return
         self.last_heard = self.last_data = now = time.monotonic()
         call_id = getattr(msg, "call_id", -1)
+        trace.stamp("result", "", call_id)
         sent = self.sent_at.pop(call_id, None)
         if sent is not None:
             self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)

@@ -27,6 +27,7 @@ import torch
 
 from attention_worker.ew_links import EwLinks
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
+from fabric import trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
 from fabric.routing import RoutingTable
@@ -174,8 +175,10 @@ class ForwardingEngine:
             link.last_heard = link.last_data = time.monotonic()
             link.probes = 0
             self.links.calls_out()
+        trace.stamp("post", self.aw_id, call_id)
         x = plan.rows(rows, link.data.frames_device)  # [R', D]
         link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay, link.pads))
+        trace.stamp("posted", self.aw_id, call_id)
         link.said_pads = link.pads
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
@@ -282,6 +285,7 @@ class ForwardingEngine:
                 results = await _settled(futs)
             finally:
                 self.in_flight -= len(futs)
+            trace.stamp("resumed", self.aw_id, plan.layer)
             failed: list[Piece] = []
             for ew, i, res in zip(ews, idx, results):
                 if isinstance(res, PeerDeadError):

@@ -22,7 +22,7 @@ import torch
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
 from expert_worker.sim_executor import SimExecutor
-from fabric import device, faults
+from fabric import device, faults, trace
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
@@ -323,6 +323,7 @@ class ExpertWorker(Service):
         else:
             self.not_padding.add(aw_id)
         self.empty_calls += not msg.counts
+        trace.stamp("arrive", aw_id, msg.call_id)
         self.pending.append(PendingCall(aw_id, conn, msg))
         self.wakeup.set()
 
@@ -371,6 +372,7 @@ class ExpertWorker(Service):
                 try:
                     # Never wait on one slow AW.
                     p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws)))
+                    trace.stamp("sent", p.aw_id, p.call.call_id)
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
 
@@ -383,13 +385,14 @@ class ExpertWorker(Service):
         return self.active_aws - self.not_padding if self.not_padding else self.active_aws
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
-        """Runs one batch on this loop.
-
-        The control plane answers for the worker meanwhile.
-        """
+        """Runs one batch on this loop. The control plane answers for the worker meanwhile."""
+        for p in batch:
+            trace.stamp("run", p.aw_id, p.call.call_id)
         if self.slow is not None:
             self.slow()
-        return self.executor.run(batch)
+        outputs = self.executor.run(batch)
+        trace.stamp("ran", "", -1)
+        return outputs
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:

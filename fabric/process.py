@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
+from fabric import trace
 from fabric.config_fields import parse_cpus
 from fabric.errors import ConfigError
 from fabric.notify import notifier
@@ -261,7 +262,9 @@ def run_role(role: str, cfg: Any, load: Callable[[], ServeFn]) -> NoReturn:
     pin_cpus(getattr(cfg, "cpus", None))
     watch_process(getattr(cfg, "watch_pid", None))
     serve = load()
+    trace.start(role)
     code = run(lambda stop: serve(cfg, stop), role)
+    trace.flush()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,169 @@
+"""Where a layer's time goes, event by event: a fabric (2 AWs + 2 EWs) under a closed loop of C streams, every
+expert call's events stamped in the AW and the EW that served it (fabric/trace.py, MOE_FABRIC_TRACE), and each
+layer's time split along its critical path, the call whose result came last:
+
+    AW posts the layer's other calls | encodes and writes this one | to the EW's read callback (the wire, the
+    EW's wake-up, its read and decode) | the EW's wait for its batch (a loop hop, the gather) | the batch |
+    the EW encodes and writes the result | back to the AW's read callback | the AW's step resumes (a loop hop) |
+    the AW's work up to the next layer's first call (the combine, attention or its stand-in, routing, the plan)
+
+The parts add up to the layer (means; medians are shown too). Layers across a step boundary (sampling,
+scheduling, emitting tokens) are counted apart.
+
+    python bench/trace_datapath.py --concurrency 1,16 --seconds 10 --sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
+
+from fabric import trace
+from fabric.model.config import ModelConfig
+from fabric.model.demo import write_demo_model
+from launch.config import ServeConfig
+from launch.local import Fabric, free_port
+
+PARTS = [
+    ("post_others", "AW: posts the layer's other calls first"),
+    ("encode_write", "AW: encodes and writes the last call"),
+    ("to_ew", "to the EW's read callback (wire, wake-up, read, decode)"),
+    ("ew_wait", "EW: waits for its batch (loop hop, gather)"),
+    ("ew_batch", "EW: the batch"),
+    ("ew_send", "EW: encodes and writes the result"),
+    ("to_aw", "back to the AW's read callback"),
+    ("aw_resume", "AW: the step resumes (loop hop)"),
+    ("aw_work", "AW: work up to the next layer's first call"),
+]
+
+
+def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int]], list[int]]:
+    """Each layer's critical-path parts (ns), and the gaps across step boundaries, from the trace files."""
+    calls: dict[tuple[str, int], dict[str, int]] = {}
+    aw_streams: list[list[tuple[int, str, str, int]]] = []
+    for path in files:
+        events = trace.read(path)
+        if Path(path).name.startswith("attention-worker"):
+            aw = next((a for _, k, a, _ in events if k == "post"), "")
+            aw_streams.append([(t, k, a or aw, c) for t, k, a, c in events])
+            for t, k, _, c in events:
+                if k in ("post", "posted", "result"):
+                    calls.setdefault((aw, c), {})[k] = t
+            continue
+        open_run: list[tuple[str, int]] = []
+        for t, k, a, c in events:  # an EW: a batch's calls end at the first `ran` after their `run`
+            if k == "ran":
+                for key in open_run:
+                    calls.setdefault(key, {})["ran"] = t
+                open_run = []
+                continue
+            calls.setdefault((a, c), {})[k] = t
+            if k == "run":
+                open_run.append((a, c))
+    out: list[dict[str, int]] = []
+    step_gaps: list[int] = []
+    for events in aw_streams:
+        groups: list[tuple[int, list[tuple[str, int]], int]] = []  # (layer, calls, resumed at)
+        pending: list[tuple[str, int]] = []
+        for t, k, a, c in events:
+            if k == "post":
+                pending.append((a, c))
+            elif k == "resumed":
+                groups.append((c, pending, t))
+                pending = []
+        for (layer, group, resumed), (nxt_layer, nxt, _) in zip(groups, groups[1:]):
+            full = [calls[key] for key in group if len(calls.get(key, {})) == 7]
+            nxt_first = min((calls[key]["post"] for key in nxt if "post" in calls.get(key, {})), default=None)
+            if not full or len(full) != len(group) or nxt_first is None or not since <= resumed <= until:
+                continue
+            if nxt_layer != layer + 1:
+                step_gaps.append(nxt_first - resumed)
+                continue
+            crit = max(full, key=lambda e: e["result"])
+            out.append({"post_others": crit["post"] - min(e["post"] for e in full),
+                        "encode_write": crit["posted"] - crit["post"], "to_ew": crit["arrive"] - crit["posted"],
+                        "ew_wait": crit["run"] - crit["arrive"], "ew_batch": crit["ran"] - crit["run"],
+                        "ew_send": crit["sent"] - crit["ran"], "to_aw": crit["result"] - crit["sent"],
+                        "aw_resume": resumed - crit["result"], "aw_work": nxt_first - resumed,
+                        "layer": nxt_first - min(e["post"] for e in full)})
+    return out, step_gaps
+
+
+def report(c: int, rows: list[dict[str, int]], step_gaps: list[int]) -> None:
+    if not rows:
+        print(f"\n{c} streams: no complete layers traced")
+        return
+    total = statistics.fmean(r["layer"] for r in rows)
+    print(f"\n{c} streams: {len(rows)} layers; a layer {total / 1e3:.0f} µs (mean), "
+          f"{statistics.median(r['layer'] for r in rows) / 1e3:.0f} µs (median); across a step boundary "
+          f"{statistics.median(step_gaps) / 1e3 if step_gaps else 0:.0f} µs (median) before the first layer's calls")
+    print("| part | mean µs | p10 µs | median µs | p90 µs | share of the layer (means) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key, label in PARTS:
+        vals = sorted(r[key] for r in rows)
+        p10, p50, p90 = (vals[int(q * (len(vals) - 1))] / 1e3 for q in (0.1, 0.5, 0.9))
+        print(f"| {label} | {statistics.fmean(vals) / 1e3:.0f} | {p10:.0f} | {p50:.0f} | {p90:.0f} | "
+              f"{statistics.fmean(vals) / total:.0%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/trace"))
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated stream counts, run one after another")
+    ap.add_argument("--seconds", type=float, default=10.0, help="traced seconds at each concurrency")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
+    args = ap.parse_args()
+    if not (args.model_dir / "config.json").exists():
+        write_demo_model(args.model_dir, arch="mixtral", size="bench")
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    vocab = ModelConfig.from_dir(args.model_dir).vocab_size
+    cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
+                      port=free_port(), ready_timeout=300,
+                      **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
+    url = f"http://127.0.0.1:{cfg.port}/v1/completions"
+    windows: list[tuple[int, int, int]] = []
+    with tempfile.TemporaryDirectory(prefix="trace-") as where:
+        os.environ[trace.ENV] = where  # the workers inherit it
+        try:
+            with Fabric(cfg, log_dir=str(args.out / "logs")):
+                del os.environ[trace.ENV]
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    prompts = make_prompts(c, 16, vocab, c)
+                    asyncio.run(fabric_round(url, prompts, 16))  # warm
+                    stop = threading.Event()
+
+                    def load(ps: list[list[int]] = prompts, stop: threading.Event = stop) -> None:
+                        while not stop.is_set():
+                            asyncio.run(fabric_round(url, ps, 64))
+
+                    runner = threading.Thread(target=load)
+                    runner.start()
+                    time.sleep(1.0)
+                    t0 = time.monotonic_ns()
+                    time.sleep(args.seconds)
+                    windows.append((c, t0, time.monotonic_ns()))
+                    stop.set()
+                    runner.join()
+                    print(f"traced {c} streams for {args.seconds:.0f} s", flush=True)
+        finally:
+            os.environ.pop(trace.ENV, None)
+        files = sorted(glob.glob(os.path.join(where, "*-worker-*.trace")))  # written as each worker exits
+        print(f"{'sim, zero compute' if args.sim else 'real compute'}, {args.transport}, 2 AW + 2 EW; "
+              f"{len(files)} trace files")
+        for c, since, until in windows:
+            report(c, *layers(files, since, until))
+
+
+if __name__ == "__main__":
+    main()
