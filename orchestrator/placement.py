@@ -110,7 +110,8 @@ def replan(current: dict[Unit, list[str]], workers: list[str], copies: int, unit
     their share. They go on a node with no copy of that unit where there is one. The moved bytes are
     then the sum over EWs of (share - copies kept), the least any balanced placement can move.
 
-    Which copy is primary is rebalanced too, which moves no byte. Every EW serves about as many units.
+    Which copy is primary is rebalanced too, which moves no byte: every EW serves about as many units, each layer's
+    in runs where the copies allow (`_balance_primaries`).
 
     `resident` holds units an EW still holds beyond its placement, from an earlier one. Placing a
     copy there moves nothing, so those EWs are preferred and those copies not counted."""
@@ -183,10 +184,80 @@ def _even_out(held: dict[Unit, list[str]], added: dict[str, list[Unit]], load: d
 
 
 def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:
+    """Chooses each unit's primary among its copies: every EW about as many, each layer's in runs. No byte moves.
+
+    A unit keeps its primary (its first copy, in the order of the placement before) unless that EW serves more than
+    its share. Then units move, in layer and expert order, from an EW above its share to a copy's EW below its share
+    (and, in the first passes, below its share of the layer), one that the move's unit extends a run of where there
+    is one, the least loaded otherwise; the first pass moves no unit from the middle of a run. Each move goes on
+    along the layer's experts while they can follow. So a replan that changes little keeps the primaries and their runs
+    (`BalancedPlanner`): an AW's rows for an EW stay one run of its expert-sorted rows. Where the counts are still
+    uneven after that, each unit's primary is the copy on the EW with the fewest primaries so far
+    (`_fewest_first`)."""
+    primary = {u: ews[0] for u, ews in held.items()}
+    count = {w: 0 for w in workers}
+    in_layer: dict[tuple[int, str], int] = {}
+    per_layer: dict[int, int] = {}
+    for u, w in primary.items():
+        count[w] += 1
+        in_layer[u[0], w] = in_layer.get((u[0], w), 0) + 1
+        per_layer[u[0]] = per_layer.get(u[0], 0) + 1
+    base, extra = divmod(len(held), len(workers))
+    by_count = sorted(workers, key=lambda w: (-count[w], workers.index(w)))  # the +1 shares where they are held
+    share = {w: base + (1 if i < extra else 0) for i, w in enumerate(by_count)}
+    layer_share = {layer: -(-n // len(workers)) for layer, n in per_layer.items()}
+
+    def takes(u: Unit, v: str) -> bool:
+        return count[v] < share[v] and (not capped or in_layer.get((u[0], v), 0) < layer_share[u[0]])
+
+    def move(u: Unit, v: str) -> None:
+        w = primary[u]
+        count[w] -= 1
+        in_layer[u[0], w] -= 1
+        count[v] += 1
+        in_layer[u[0], v] = in_layer.get((u[0], v), 0) + 1
+        primary[u] = v
+
+    def follow(u: Unit, v: str, step: int) -> None:
+        """Moves to v the units after u along the layer (step +1 or -1) while they can go."""
+        nxt = (u[0], u[1] + step)
+        while nxt in primary and primary[nxt] != v and v in held[nxt] and count[primary[nxt]] > share[primary[nxt]] \
+                and takes(nxt, v):
+            move(nxt, v)
+            nxt = (nxt[0], nxt[1] + step)
+
+    passes = [(True, True), (False, True), (False, False)]  # (strict, capped): each while it moves units
+    strict, capped = passes.pop(0)
+    while any(count[w] > share[w] for w in workers):
+        moved = False
+        for u in sorted(primary):
+            w = primary[u]
+            if count[w] <= share[w]:
+                continue
+            before, after = primary.get((u[0], u[1] - 1)), primary.get((u[0], u[1] + 1))
+            if strict and before == after == w:
+                continue  # the middle of w's run
+            to = [v for v in held[u] if v != w and takes(u, v)]
+            if not to:
+                continue
+            v = min(to, key=lambda v: (v not in (before, after), count[v], workers.index(v)))
+            move(u, v)
+            follow(u, v, 1)
+            follow(u, v, -1)
+            moved = True
+        if not moved:
+            if not passes:
+                break
+            strict, capped = passes.pop(0)
+    if max(count.values()) - min(count.values()) > 1:
+        return _fewest_first(held, workers)
+    return {u: [primary[u]] + [w for w in held[u] if w != primary[u]] for u in sorted(held)}
+
+
+def _fewest_first(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:
     """Makes the copy on the EW with the fewest primaries so far each unit's primary.
 
-    The others keep their order as shadows. Primaries spread as evenly as the copies allow, and no
-    byte moves."""
+    The others keep their order as shadows. Primaries spread as evenly as the copies allow."""
     primaries = {w: 0 for w in workers}
     out: dict[Unit, list[str]] = {}
     for unit in sorted(held, key=lambda u: (len(held[u]), u)):  # units with fewer choices first

@@ -167,3 +167,26 @@ def test_each_ews_primaries_of_a_layer_are_one_run_of_experts(n: int) -> None:
             assert experts == list(range(experts[0], experts[0] + len(experts))) if experts else True, (layer, w)
     counts = Counter(c[0] for c in placement.values())
     assert max(counts.values()) - min(counts.get(w, 0) for w in ews) <= 1
+
+
+def runs_of_primaries(placement: dict) -> int:
+    """How many runs of consecutive experts the primaries make, counted per EW and layer."""
+    by: dict[tuple[int, str], list[int]] = {}
+    for (layer, e), ews in placement.items():
+        by.setdefault((layer, ews[0]), []).append(e)
+    return sum(1 + sum(b != a + 1 for a, b in zip(es, es[1:])) for es in (sorted(v) for v in by.values()))
+
+
+@pytest.mark.parametrize(("layers", "before", "after"), [(4, 4, 4), (4, 3, 4), (8, 2, 3)])
+def test_a_replan_keeps_the_primaries_in_runs_and_balanced(layers: int, before: int, after: int) -> None:
+    """A replan that changes nothing keeps every primary; a scale-out keeps about one run per EW and layer, so an
+    AW's rows for an EW stay one run of its expert-sorted rows (choosing primaries moves no byte)."""
+    units = [(layer, e) for layer in range(layers) for e in range(8)]
+    ews = [f"ew-{i}" for i in range(max(before, after))]
+    current = BalancedPlanner(1).place(units, ews[:before])
+    plan = replan(current, ews[:after], copies=2, unit_bytes=1)
+    primaries = Counter(e[0] for e in plan.placement.values())
+    assert len(primaries) == after and max(primaries.values()) - min(primaries.values()) <= 1
+    if before == after:
+        assert plan.placement == current
+    assert runs_of_primaries(plan.placement) <= layers * after
