@@ -18,9 +18,23 @@ from typing import NamedTuple
 
 from rounds import fabric_round
 
+from fabric.model.config import ModelConfig
+from fabric.model.demo import write_demo_model
 from fabric.tls import Tls, write_self_signed
 from launch.config import ServeConfig
 from launch.local import Fabric, free_port
+
+
+def profiled_fabric(model_dir: Path, out: Path, transport: str, sim: bool, **over: object) -> tuple[ServeConfig, int]:
+    """The fabric the data-path profilers run (2 AWs + 2 EWs; `sim`: no compute at all), its demo model written
+    first where it is missing, its logs under `out`; and the model's vocabulary size."""
+    if not (model_dir / "config.json").exists():
+        write_demo_model(model_dir, arch="mixtral", size="bench")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    sim_flags = {"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if sim else {}
+    cfg = ServeConfig(model=str(model_dir), attention_workers=2, expert_workers=2, transport=transport,
+                      port=free_port(), ready_timeout=300, **sim_flags, **over)  # type: ignore[arg-type]
+    return cfg, ModelConfig.from_dir(model_dir).vocab_size
 
 
 class FabricSpec(NamedTuple):

@@ -19,13 +19,11 @@ import threading
 import time
 from pathlib import Path
 
+from fabrics import profiled_fabric
 from machine import cpu_seconds
 from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
-from fabric.model.config import ModelConfig
-from fabric.model.demo import write_demo_model
-from launch.config import ServeConfig
-from launch.local import Fabric, free_port
+from launch.local import Fabric
 
 
 def top_functions(raw: Path, n: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
@@ -67,14 +65,9 @@ def main() -> None:
                     help="serve --pin-workers (default: serve's default, the workers float over the CPUs)")
     ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
     args = ap.parse_args()
-    if not (args.model_dir / "config.json").exists():
-        write_demo_model(args.model_dir, arch="mixtral", size="bench")
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    vocab = ModelConfig.from_dir(args.model_dir).vocab_size
+    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim, pin_workers=args.pinned,
+                                 device=args.device)
     prompts = make_prompts(args.concurrency, 16, vocab, 0)
-    cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300, pin_workers=args.pinned, device=args.device,
-                      **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
         asyncio.run(fabric_round(url, prompts, 16))  # warm

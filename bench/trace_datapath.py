@@ -25,13 +25,11 @@ import threading
 import time
 from pathlib import Path
 
+from fabrics import profiled_fabric
 from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
 from fabric import trace
-from fabric.model.config import ModelConfig
-from fabric.model.demo import write_demo_model
-from launch.config import ServeConfig
-from launch.local import Fabric, free_port
+from launch.local import Fabric
 
 PARTS = [
     ("post_others", "AW: posts the layer's other calls first"),
@@ -124,13 +122,7 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
     args = ap.parse_args()
-    if not (args.model_dir / "config.json").exists():
-        write_demo_model(args.model_dir, arch="mixtral", size="bench")
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    vocab = ModelConfig.from_dir(args.model_dir).vocab_size
-    cfg = ServeConfig(model=str(args.model_dir), attention_workers=2, expert_workers=2, transport=args.transport,
-                      port=free_port(), ready_timeout=300,
-                      **({"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if args.sim else {}))
+    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim)
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     windows: list[tuple[int, int, int]] = []
     with tempfile.TemporaryDirectory(prefix="trace-") as where:
