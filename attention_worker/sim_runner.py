@@ -43,6 +43,7 @@ _P = 1_000_003  # a prime: the routing scores are products modulo it
 
 class SimRunner(ModelRunner):
     attends = False  # its attention is the cost model: no RoPE, no masks
+
     def __init__(self, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, attention_ms: float,
                  clock: StepClock | None = None, blocking: bool = True, glue: TorchGlue | None = None) -> None:
         # No weights: nothing reads them. The glue plans and combines each layer's rows as in real serving.
