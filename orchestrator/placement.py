@@ -192,8 +192,8 @@ def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[
     is one, the least loaded otherwise; the first pass moves no unit from the middle of a run. Each move goes on
     along the layer's experts while they can follow. So a replan that changes little keeps the primaries and their runs
     (`BalancedPlanner`): an AW's rows for an EW stay one run of its expert-sorted rows. Where the counts are still
-    uneven after that, each unit's primary is the copy on the EW with the fewest primaries so far
-    (`_fewest_first`)."""
+    uneven after that and choosing each unit's primary as the copy on the EW with the fewest primaries so far
+    (`_fewest_first`) evens them more, that is the choice."""
     primary = {u: ews[0] for u, ews in held.items()}
     count = {w: 0 for w in workers}
     in_layer: dict[tuple[int, str], int] = {}
@@ -249,9 +249,20 @@ def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[
             if not passes:
                 break
             strict, capped = passes.pop(0)
+    out = {u: [primary[u]] + [w for w in held[u] if w != primary[u]] for u in sorted(held)}
     if max(count.values()) - min(count.values()) > 1:
-        return _fewest_first(held, workers)
-    return {u: [primary[u]] + [w for w in held[u] if w != primary[u]] for u in sorted(held)}
+        other = _fewest_first(held, workers)
+        if _spread(other, workers) < _spread(out, workers):
+            return other
+    return out
+
+
+def _spread(placement: dict[Unit, list[str]], workers: list[str]) -> int:
+    """The most primaries an EW serves minus the fewest."""
+    count = {w: 0 for w in workers}
+    for ews in placement.values():
+        count[ews[0]] += 1
+    return max(count.values()) - min(count.values())
 
 
 def _fewest_first(held: dict[Unit, list[str]], workers: list[str]) -> dict[Unit, list[str]]:

@@ -177,10 +177,12 @@ def runs_of_primaries(placement: dict) -> int:
     return sum(1 + sum(b != a + 1 for a, b in zip(es, es[1:])) for es in (sorted(v) for v in by.values()))
 
 
-@pytest.mark.parametrize(("layers", "before", "after"), [(4, 4, 4), (4, 3, 4), (8, 2, 3)])
+@pytest.mark.parametrize(("layers", "before", "after"), [(4, 4, 4), (4, 3, 4), (8, 2, 3), (4, 2, 4), (8, 3, 6), (8, 2, 5)])
 def test_a_replan_keeps_the_primaries_in_runs_and_balanced(layers: int, before: int, after: int) -> None:
     """A replan that changes nothing keeps every primary; a scale-out keeps about one run per EW and layer, so an
-    AW's rows for an EW stay one run of its expert-sorted rows (choosing primaries moves no byte)."""
+    AW's rows for an EW stay one run of its expert-sorted rows (choosing primaries moves no byte). Counts stay within
+    one even where every unit has but two copies to choose from (2 -> 4 EWs: choosing the copy on the EW with the
+    fewest primaries so far, unit by unit, left them 3 apart)."""
     units = [(layer, e) for layer in range(layers) for e in range(8)]
     ews = [f"ew-{i}" for i in range(max(before, after))]
     current = BalancedPlanner(1).place(units, ews[:before])
@@ -189,4 +191,4 @@ def test_a_replan_keeps_the_primaries_in_runs_and_balanced(layers: int, before: 
     assert len(primaries) == after and max(primaries.values()) - min(primaries.values()) <= 1
     if before == after:
         assert plan.placement == current
-    assert runs_of_primaries(plan.placement) <= layers * after
+    assert runs_of_primaries(plan.placement) <= layers * (after + 1)  # at most one run more a layer than one an EW
