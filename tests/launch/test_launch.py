@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric.kernels import skinny
 from tests.helpers import free_port, get_json, post_json, stream_completion
 
 
@@ -42,6 +43,11 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def launcher(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, Path]]:
     port, oport = free_port(), free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    kernels = skinny.build_dir()  # a fresh cache (the demo model written anew), but the kernels built at set-up
+    if kernels.exists():
+        link = tmp_path / "cache" / "moe-fabric" / "kernels" / kernels.name
+        link.parent.mkdir(parents=True)
+        link.symlink_to(kernels)
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "2",
            "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport),
            "--cluster-secret-file", str(tmp_path / "secret")]
@@ -114,6 +120,11 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) ->
 
     port, oport = free_port(), free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    kernels = skinny.build_dir()  # a fresh cache (the demo model written anew), but the kernels built at set-up
+    if kernels.exists():
+        link = tmp_path / "cache" / "moe-fabric" / "kernels" / kernels.name
+        link.parent.mkdir(parents=True)
+        link.symlink_to(kernels)
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "1",
            "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport), "--max-waiting", "1",
            "--cluster-secret-file", str(tmp_path / "secret")]
