@@ -33,7 +33,7 @@ def profiled_fabric(model_dir: Path, out: Path, transport: str, sim: bool, **ove
     (out / "logs").mkdir(parents=True, exist_ok=True)
     sim_flags = {"compute": "sim", "sim_attention_ms": 0.0, "sim_expert_ms": 0.0} if sim else {}
     cfg = ServeConfig(model=str(model_dir), attention_workers=2, expert_workers=2, transport=transport,
-                      port=free_port(), ready_timeout=300, **sim_flags, **over)  # type: ignore[arg-type]
+                      port=free_port(), ready_timeout=300, **sim_flags, **over)
     return cfg, ModelConfig.from_dir(model_dir).vocab_size
 
 

@@ -31,6 +31,7 @@ from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run 
 from fabric import trace
 from launch.local import Fabric
 
+KINDS = ("post", "posted", "arrive", "run", "ran", "sent", "result")  # a call's events, AW's and EW's
 PARTS = [
     ("post_others", "AW: posts the layer's other calls first"),
     ("encode_write", "AW: encodes and writes the last call"),
@@ -79,7 +80,7 @@ def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int
                 groups.append((c, pending, t))
                 pending = []
         for (layer, group, resumed), (nxt_layer, nxt, _) in zip(groups, groups[1:]):
-            full = [calls[key] for key in group if len(calls.get(key, {})) == 7]
+            full = [calls[key] for key in group if len(calls.get(key, {})) == len(KINDS)]
             nxt_first = min((calls[key]["post"] for key in nxt if "post" in calls.get(key, {})), default=None)
             if not full or len(full) != len(group) or nxt_first is None or not since <= resumed <= until:
                 continue

@@ -57,12 +57,13 @@ class SimExecutor(ExpertExecutor):
         rows = 0
         for p in batch:
             c = p.call
-            factors = [sim_factor(c.layer, e) for e, n in zip(c.experts, c.counts) for _ in range(n)]
+            factors: list[float] = []  # each row's: its expert's
             for e, n in zip(c.experts, c.counts):
+                factors += [sim_factor(c.layer, e)] * n
                 self.tokens_by_expert[(c.layer, e)] = self.tokens_by_expert.get((c.layer, e), 0) + n
-            # Each row by its expert's factor, in one op
-            f = torch.tensor(factors, dtype=c.x.dtype, device=c.x.device)[:, None]  # [R', 1]
-            outs.append(c.x * f if factors else torch.empty_like(c.x))
+            # [R', D] * [R', 1]: every row scaled in one op
+            outs.append(c.x * torch.tensor(factors, dtype=c.x.dtype, device=c.x.device)[:, None] if factors
+                        else torch.empty_like(c.x))
             rows += len(factors)
         cost = self.expert_s + rows * self.row_s
         # A sleep of 0 still costs ~90 us on the 2-core VM, so a zero-cost model does not sleep at all.

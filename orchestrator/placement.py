@@ -249,12 +249,12 @@ def _balance_primaries(held: dict[Unit, list[str]], workers: list[str]) -> dict[
             if not passes:
                 break
             strict, capped = passes.pop(0)
-    out = {u: [primary[u]] + [w for w in held[u] if w != primary[u]] for u in sorted(held)}
-    if max(count.values()) - min(count.values()) > 1:
+    uneven = max(count.values()) - min(count.values())
+    if uneven > 1:
         other = _fewest_first(held, workers)
-        if _spread(other, workers) < _spread(out, workers):
+        if _spread(other, workers) < uneven:
             return other
-    return out
+    return {u: [primary[u]] + [w for w in held[u] if w != primary[u]] for u in sorted(held)}
 
 
 def _spread(placement: dict[Unit, list[str]], workers: list[str]) -> int:
