@@ -81,6 +81,11 @@ def test_hung_expert_worker_is_detected_by_probes(hf_models: dict[str, Path], tm
         try:
             reference, outputs, _ = kill_mid_decode(fabric, "expert-worker-2", signal.SIGSTOP)
             assert outputs == reference
+            # The streams may end before its lease does: it stays stopped until the orchestrator's verdict.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not [
+                    w for w in fabric.cluster()["workers"] if w["pid"] == victim.pid and w["state"] == "dead"]:
+                time.sleep(0.1)
         finally:
             victim.send_signal(signal.SIGCONT)
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("attention-worker-*.log"))
