@@ -7,7 +7,8 @@ model is `attention_ms` per layer, blocking as real compute does. With many work
 The stand-ins:
 
     hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
-    attention  K and V rows derived from h, written to the cache and checkpointed like real ones
+    attention  K and V rows derived from the step's input h, written to every layer's cache and checkpointed like
+               real ones
     router     the top-k experts of a row: the k largest of E pseudo-random scores, hashes of (token,
                position, layer, expert), so k distinct experts that vary from row to row as a router's do
     experts    h += Σ weight x expert(h), over the wire to the EWs (sim EWs scale rows by a factor
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from attention_worker.forwarding import ForwardingEngine
@@ -51,10 +53,11 @@ class SimRunner(ModelRunner):
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
-        # [1, E] a multiplier each expert (distinct mod P) and the tie-breaker in the low digits of a score
-        self.mults = (torch.arange(cfg.num_experts) * 40503 + 7919)[None, :] % _P
-        self.ties = torch.arange(cfg.num_experts)[None, :]
-        self.layer_keys = torch.arange(cfg.num_layers)[:, None] * 1299709  # [L, 1]
+        # The routing stand-in in numpy (an op ~1 µs, torch's ~5 on these few rows: the stand-ins are not the
+        # fabric's cost). [E] a multiplier each expert (distinct mod P), the tie-breaker in a score's low digits.
+        self.mults = (np.arange(cfg.num_experts, dtype=np.int64) * 40503 + 7919) % _P
+        self.ties = np.arange(cfg.num_experts, dtype=np.int64)
+        self.layer_keys = np.arange(cfg.num_layers, dtype=np.int64)[:, None] * 1299709  # [L, 1]
 
     async def _pace(self, step: StepState) -> None:
         """Paces a step when many workers share this process and its loop (not `blocking`).
@@ -71,23 +74,24 @@ class SimRunner(ModelRunner):
         pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
         h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
         t = meta.ids.numel()
-        # Every layer's routing, made once a step. The stand-ins are not the fabric's cost.
-        key = (meta.ids * 7919 + pos * 104729 + self.layer_keys) % _P + 1  # [L, T]
-        scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E], distinct in a row
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos,
-                                     experts=scores.topk(cfg.top_k, dim=2).indices,  # [L, T, k]
-                                     weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k)))
+        # Every layer's routing, made once a step: its top-k, largest first (a row's scores are distinct).
+        key = (meta.ids.numpy() * 7919 + pos.numpy() * 104729 + self.layer_keys) % _P + 1  # [L, T]
+        scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E]
+        experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
+        # The stand-in K and V rows of every layer (written to the cache layer by layer, as attention would).
+        kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).to(cfg.torch_dtype)
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos, experts=torch.from_numpy(experts),
+                                     weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
 
     def _advance(self, step: StepState) -> StepState:
         assert isinstance(step, SimStep)
         cfg, meta = self.cfg, step.meta
-        t = meta.ids.numel()
         step.first = step.layer
         for i in range(step.layer, cfg.num_layers):
             step.layer = i
             if self.attention_s and self.blocking:
                 time.sleep(self.attention_s)  # the cost model, blocking as real compute does
-            kv = step.h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            kv = step.stand_in_kv
             self.kv.k[i].index_copy_(0, meta.slots, kv)
             self.kv.v[i].index_copy_(0, meta.slots, kv)
             step.kv.append((i, kv, kv))
@@ -110,5 +114,6 @@ class SimStep(StepState):
     pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
     experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [L, T, k] each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
+    stand_in_kv: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, K, d] every layer's K and V
     # The first layer the last compute call ran, for the inline cost model's sleep.
     first: int = 0
