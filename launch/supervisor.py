@@ -38,7 +38,7 @@ from typing import IO, Any
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Role
 from fabric.messages.supervisor import StartWorker, WorkerExited, WorkerStarted
-from fabric.model.store_dir import default_dir
+from fabric.model.store_dir import SERVE_TAG, default_dir, sweep_stale
 from fabric.process import die_with_parent
 from fabric.wire import decode_bytes, encode_bytes
 from launch.config import ServeConfig
@@ -196,6 +196,8 @@ class Supervisor(Launcher):
     def run(self) -> None:
         """Starts the fabric and supervises it until `stop_requested` is set; then stops it."""
         try:
+            for gone in sweep_stale():
+                log.info("removed the weight store of a serve run that is gone: %s", gone)
             with self.lock:
                 self.children = self.plan()
             if self.fork_server is not None:
@@ -362,7 +364,7 @@ class Supervisor(Launcher):
             shutil.rmtree(self.configs.weight_store.dir, ignore_errors=True)
 
     def weight_store_dir(self) -> str | None:
-        return str(default_dir(f"serve-{os.getpid()}")) if self.cfg.weight_store and self.cfg.compute != "sim" else None
+        return str(default_dir(f"{SERVE_TAG}{os.getpid()}")) if self.cfg.weight_store and self.cfg.compute != "sim" else None
 
     # -- for callers in other threads -----------------------------------------------------------
     def snapshot(self) -> list[tuple[str, Proc]]:
