@@ -23,7 +23,8 @@ def sweep_stale(base: Path | None = None) -> list[Path]:
 
     A launcher killed by SIGKILL cannot remove its store, and the store's process exits with it (its
     watch of the launcher leaves at once): without this, each such run would hold its weights in
-    /dev/shm, memory, until the host restarts."""
+    /dev/shm, memory, until the host restarts. (The pids are this pid namespace's; a worker that mapped a
+    store keeps its pages if the file goes.)"""
     prefix = default_dir(SERVE_TAG, base)
     gone = []
     for d in prefix.parent.glob(prefix.name + "*"):
