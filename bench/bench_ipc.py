@@ -7,9 +7,10 @@ alone: a client sends a message of N bytes, an echo process sends it back, as an
 and its result. Two kinds of receiver:
 
 - sleeps until woken (what a worker that shares its cores must do): tcp and unix sockets, blocking;
-  a shared-memory ring woken by an eventfd; iceoryx2 publish-subscribe woken by its event service;
+  a shared-memory slot a direction (a ring of one) woken by an eventfd; iceoryx2 publish-subscribe woken by
+  its event service;
   the fabric's own connections (uvloop, its wire and handshake), tcp and the same-host socket;
-- polls (burns a core while it waits): the same ring, iceoryx2's subscriber, NIXL's notifications
+- polls (burns a core while it waits): the same slots, iceoryx2's subscriber, NIXL's notifications
   (NIXL has no blocking wait; UCX backend, host memory).
 
 Modes alternate within each round; the table shows medians of the rounds' medians, and p10/p90 of
