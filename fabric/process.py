@@ -41,6 +41,17 @@ def die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` names a process of this pid namespace (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def watch_process(pid: int | None) -> None:
     """Exits as soon as `pid` is gone.
 
@@ -60,14 +71,9 @@ def watch_process(pid: int | None) -> None:
         gone()
     except (OSError, AttributeError):  # no pidfd here: poll
         def poll() -> None:
-            while True:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    gone()
-                except PermissionError:
-                    pass
+            while pid_alive(pid):
                 threading.Event().wait(1.0)
+            gone()
 
         threading.Thread(target=poll, name="supervisor-watch", daemon=True).start()
         return

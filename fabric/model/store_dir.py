@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fabric.process import pid_alive
+
 SERVE_TAG = "serve-"  # a `serve` run's store: tagged with its launcher's pid
 
 
@@ -29,17 +31,7 @@ def sweep_stale(base: Path | None = None) -> list[Path]:
     gone = []
     for d in prefix.parent.glob(prefix.name + "*"):
         pid = d.name[len(prefix.name):]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's process took the pid: not ours to judge)
-        return True
-    return True

@@ -39,15 +39,20 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.fixture
-def launcher(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, Path]]:
-    port, oport = free_port(), free_port()
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    kernels = skinny.build_dir()  # a fresh cache (the demo model written anew), but the kernels built at set-up
+def fresh_cache_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose cache is fresh (the demo model written anew) but for the kernels built at set-up."""
+    kernels = skinny.build_dir()
     if kernels.exists():
         link = tmp_path / "cache" / "moe-fabric" / "kernels" / kernels.name
         link.parent.mkdir(parents=True)
         link.symlink_to(kernels)
+    return dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, Path]]:
+    port, oport = free_port(), free_port()
+    env = fresh_cache_env(tmp_path)
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "2",
            "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport),
            "--cluster-secret-file", str(tmp_path / "secret")]
@@ -119,12 +124,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path: Path) ->
     import urllib.request
 
     port, oport = free_port(), free_port()
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    kernels = skinny.build_dir()  # a fresh cache (the demo model written anew), but the kernels built at set-up
-    if kernels.exists():
-        link = tmp_path / "cache" / "moe-fabric" / "kernels" / kernels.name
-        link.parent.mkdir(parents=True)
-        link.symlink_to(kernels)
+    env = fresh_cache_env(tmp_path)
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--attention-workers", "1", "--expert-workers", "1",
            "--transport", "tcp", "--port", str(port), "--orchestrator-port", str(oport), "--max-waiting", "1",
            "--cluster-secret-file", str(tmp_path / "secret")]
