@@ -33,6 +33,12 @@ class BlockManager:
             table.append(self._free.pop())
         return True
 
+    def reserve(self) -> int:
+        """Takes a block for good (the highest free one): no sequence gets it. An AW's CUDA graphs pad with it."""
+        if not self._free:
+            raise RuntimeError("no free KV block to reserve")
+        return self._free.pop(0)
+
     def release(self, table: list[int]) -> None:
         self._free.extend(reversed(table))
         table.clear()

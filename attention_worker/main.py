@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from attention_worker.checkpointer import Checkpointer
+from attention_worker.cuda_graphs import LayerGraphs, graphs_for
 from attention_worker.engine import AttentionWorker
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.glue import TorchGlue, glue_for
@@ -80,6 +81,9 @@ class AttentionService(Service):
         self.weights: AttentionWeights | None = None
         self.attention: DecodeAttention | None = None  # chosen with the weights
         self.glue: TorchGlue | None = None  # likewise
+        # CUDA graphs of decode steps (on a GPU): the warm-up's runner captures the first, the serving runner's
+        # replays them (the same weights, cache and kernels).
+        self.graphs: LayerGraphs | None = None
         self.listener: Listener | None = None
         self.runtime: Runtime | None = None
         self.linked = False  # connected to the EWs of a first table
@@ -123,7 +127,7 @@ class AttentionService(Service):
         def load() -> AttentionWeights:
             # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size,
-                                                     self.model.head_dim)
+                                                     self.model.head_dim, graphs=self.cfg.cuda_graphs > 0)
             self.glue = self._glue()
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
@@ -153,9 +157,11 @@ class AttentionService(Service):
         t0 = time.perf_counter()
         runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention,  # type: ignore[arg-type]
                              glue=self.glue)
+        runner.graphs = self.graphs = graphs_for(runner, self.cfg.cuda_graphs)
         steps = self.clock.run(warm_up, runner)
         self.warmup_s = time.perf_counter() - t0
-        log.info("warm-up: %d steps in %.0f ms", steps, self.warmup_s * 1e3)
+        graphs = f", {len(self.graphs.graphs)} CUDA graphs captured" if self.graphs is not None else ""
+        log.info("warm-up: %d steps in %.0f ms%s", steps, self.warmup_s * 1e3, graphs)
 
     def busy_for(self) -> float:
         return self.clock.running_for()
@@ -188,6 +194,7 @@ class AttentionService(Service):
             assert self.weights is not None  # loaded in `start`
             runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps(),
                                  self.glue)
+            runner.graphs = self.graphs
         runner.kv_sink = ckpt.record_layer
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
 from fabric.model.ops import rope_cos_sin, rope_inv_freq, swiglu_ffn
 from fabric.steps import StepClock
+
+if TYPE_CHECKING:
+    from attention_worker.cuda_graphs import LayerGraphs
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -89,6 +92,7 @@ class StepMeta:
         return dataclasses.replace(self, **fields, prefills=prefills)
 
 
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a MoE layer's input x [T, D], weights, experts [T, k]
 KvSink = Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None]
 
 
@@ -136,6 +140,8 @@ class ModelRunner:
         # The checkpointer's async_update. It is called on the event loop with (layer, spans,
         # k [T, K, d], v) once a layer's KV is in the cache. It must return at once.
         self.kv_sink: KvSink | None = None
+        # CUDA graphs of pure decode steps' layers (attention_worker/cuda_graphs.py), where the AW has them.
+        self.graphs: LayerGraphs | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -265,25 +271,38 @@ class ModelRunner:
     def _advance(self, step: StepState) -> StepState:
         """Runs layers from `step.layer` until one needs its experts or the last is done.
 
-        In the first case its rows are planned, in the second the logits are made."""
-        cfg, meta, glue = self.cfg, step.meta, self.glue
-        for i in range(step.layer, len(self.w.layers)):
-            lw = self.w.layers[i]
-            a = self._attention(i, lw, glue.norm(step.h, lw.input_norm), meta, step.kv)
-            step.h, x = glue.add_norm(step.h, a, lw.post_norm)  # h + attention, its norm [T, D]
-            if lw.dense is not None:
-                step.h = step.h + swiglu_ffn(x, *lw.dense)
-                continue
-            assert lw.router is not None
-            weights, experts = glue.route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
-            step.layer, step.plan = i, glue.plan(i, x, experts, weights, cfg.num_experts)
+        In the first case its rows are planned, in the second the logits are made. A pure decode step on a GPU
+        replays the layers' CUDA graph where it has one (attention_worker/cuda_graphs.py)."""
+        meta = step.meta
+        ran = self.graphs.run(step) if self.graphs is not None else None
+        i, step.h, routed = ran if ran is not None else self._layers(step.layer, step.h, meta, step.kv)
+        if routed is not None:
+            x, weights, experts = routed
+            step.layer, step.plan = i, self.glue.plan(i, x, experts, weights, self.cfg.num_experts)
             return step
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        last = glue.norm(step.h[rows], self.w.norm)  # [S + R, D]
+        last = self.glue.norm(step.h[rows], self.w.norm)  # [S + R, D]
         logits = to_host(self.w.lm_head(last).float())  # [S + R, V] (sampled on the host)
         step.logits, step.scored = logits[:s], logits[s:]
         return step
+
+    def _layers(self, first: int, h: torch.Tensor, meta: StepMeta, written: list[tuple[int, torch.Tensor, torch.Tensor]]
+                ) -> tuple[int, torch.Tensor, Routed | None]:
+        """The layers from `first` on, h [T, D], up to the next MoE layer's routing: (that layer, h, (its input x
+        [T, D], weights [T, k], experts [T, k])), or (layers, h, None) past the last. Device ops only, no wait."""
+        cfg, glue = self.cfg, self.glue
+        for i in range(first, len(self.w.layers)):
+            lw = self.w.layers[i]
+            a = self._attention(i, lw, glue.norm(h, lw.input_norm), meta, written)
+            h, x = glue.add_norm(h, a, lw.post_norm)  # h + attention, its norm [T, D]
+            if lw.dense is not None:
+                h = h + swiglu_ffn(x, *lw.dense)
+                continue
+            assert lw.router is not None
+            weights, experts = glue.route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
+            return i, h, (x, weights, experts)
+        return len(self.w.layers), h, None
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """The decode tokens' attention, q [Bd, H, d] over their sequences' KV in the cache -> [Bd, H, d]."""

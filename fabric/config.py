@@ -193,6 +193,10 @@ class AttentionWorkerConfig(WorkerConfig):
     checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
+    cuda_graphs: int = opt(64, "on a GPU, run a pure decode step of at most this many sequences as CUDA graphs (the "
+                               "layers between two expert calls as one launch, captured on first use); they need a "
+                               "paged decode attention: with --kernel auto it is then Triton's (--kernel torch: no "
+                               "graphs); 0: op by op")
     restore_join_ms: float = opt(50.0, "a step waits at most this long for restores already under way (0: never)")
     sim_attention_ms: float = opt(0.85, "--compute sim: what one layer's attention costs a step")
 
@@ -201,8 +205,8 @@ class AttentionWorkerConfig(WorkerConfig):
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
         check_probes(self.probe_interval_ms, self.probe_misses)
-        if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0:
-            raise ConfigError("expert_wait_s, restore_join_ms and sim_attention_ms must be >= 0")
+        if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0 or self.cuda_graphs < 0:
+            raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 

@@ -77,6 +77,7 @@ class ServeConfig:
     store_resources: str = opt("{}", "Ray resources each checkpoint store takes (JSON)", metavar="JSON")
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
     max_batch_tokens: int = like(AttentionWorkerConfig, "max_batch_tokens")
+    cuda_graphs: int = like(AttentionWorkerConfig, "cuda_graphs")
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
     send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
@@ -198,7 +199,7 @@ class ServeConfig:
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
             expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
-                                            max_batch_tokens=self.max_batch_tokens,
+                                            max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs,
                                             sim_attention_ms=self.sim_attention_ms, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags

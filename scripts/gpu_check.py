@@ -8,8 +8,9 @@ what needs a GPU.
                   GPU, under Triton's interpreter on the CPU), and the moves between host and device
                   memory (tests/fabric/test_device_moves.py)
     2. parity     greedy output against transformers on the same device, both test architectures,
-                  the torch and the Triton kernels (on the CPU: torch only; the interpreter's whole
-                  fabric is a CI test)
+                  the default kernels (on a GPU: CUDA graphs of decode steps, the Triton paged
+                  attention), torch's and the Triton ones (on the CPU: torch only; the interpreter's
+                  whole fabric is a CI test)
     3. failover   an EW and an AW SIGINT under 8 streams, then the same with a warm standby: 0 lost,
                   outputs identical, the stall (`moe-fabric experiment failover`)
     4. datapath   the bench model on the fabric against transformers `generate` on the same
@@ -207,7 +208,7 @@ def main() -> int:
     rows: list[Row] = []
     t0 = time.monotonic()
     steps = [("kernels", lambda: kernels(device, args.out)),
-             ("parity", lambda: parity(device, args.out, ["torch", "triton"] if device == "cuda" else ["torch"])),
+             ("parity", lambda: parity(device, args.out, ["auto", "torch", "triton"] if device == "cuda" else ["torch"])),
              ("failover", lambda: failover(device, args.out)),
              ("datapath", lambda: datapath(device, args.out, "1,16,64" if device == "cuda" else "1,16"))]
     for step, fn in steps:

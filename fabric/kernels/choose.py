@@ -7,6 +7,7 @@ is how the tests run them. On a GPU otherwise it runs torch."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,10 +48,13 @@ def layer_ops(kernel: str, device: torch.device, dtype: torch.dtype) -> Any | No
 
 
 def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                     head_dim: int) -> DecodeAttention | None:
+                     head_dim: int, graphs: bool = False) -> DecodeAttention | None:
     """The AW's decode attention over its paged cache of `block_size`-token blocks.
 
-    None means torch's gather + SDPA (also on the CPU for heads wider than the kernel's 128)."""
+    None means torch's gather + SDPA (also on the CPU for heads wider than the kernel's 128). On a GPU, `auto`
+    with `graphs` (the AW's CUDA graphs, which need a paged attention) is Triton's where triton is installed."""
+    if kernel == "auto" and graphs and device.type == "cuda" and not block_size & (block_size - 1):
+        kernel = "triton" if importlib.util.find_spec("triton") is not None else kernel
     if kernel == "triton":
         if block_size & (block_size - 1):
             raise ConfigError(f"--kernel triton needs a power-of-two --block-size, not {block_size}")
