@@ -4,7 +4,7 @@ On a GPU an AW's step is bound by its CPU, not the GPU: a layer between two expe
 kernels (RMSNorm alone is eight), each launched from Python. On one H200 at one stream the AW's own work was
 1.3 ms of a 2.4 ms layer (docs/performance.md). A CUDA graph launches such a run as one: `LayerGraphs`
 captures, for a pure decode step of T sequences, the ops from a layer to the next MoE layer's routing
-(`ModelRunner._layers`) for B >= T sequences (a bucket: 1, 2, 4, then multiples of 8), on first use, and replays
+(`ModelRunner.run_layers`) for B >= T sequences (a bucket: 1, 2, 4, then multiples of 8), on first use, and replays
 it from then on.
 
 What a graph reads and writes stays at fixed addresses. A step's metadata (RoPE's cos and sin, the new tokens'
@@ -39,7 +39,7 @@ from attention_worker.model_runner import ModelRunner, Routed, StepMeta, StepSta
 
 log = logging.getLogger(__name__)
 
-Layers = tuple[int, torch.Tensor, Routed | None]  # as ModelRunner._layers returns them
+Layers = tuple[int, torch.Tensor, Routed | None]  # as ModelRunner.run_layers returns them
 Written = list[tuple[int, torch.Tensor, torch.Tensor]]  # (layer, k, v [T, K, d])
 Replay = Callable[[], tuple[Layers, Written]]
 
@@ -86,7 +86,7 @@ class LayerGraphs:
                 and step.layer <= self.last_moe and meta.dec_tables.shape[1] <= self.width)
 
     def run(self, step: StepState) -> Layers | None:
-        """Runs the step's layers up to the next MoE layer's routing as `ModelRunner._layers` does, from a graph;
+        """Runs the step's layers up to the next MoE layer's routing as `ModelRunner.run_layers` does, from a graph;
         None where the step is not one for a graph (`takes`)."""
         if not self.takes(step):
             return None
@@ -142,7 +142,7 @@ class LayerGraphs:
 
         def body() -> Layers:
             written.clear()
-            return self.runner._layers(first, buf.h, buf.meta, written)
+            return self.runner.run_layers(first, buf.h, buf.meta, written)
 
         if not self.capture:
             return lambda: (body(), list(written))

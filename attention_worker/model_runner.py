@@ -275,7 +275,7 @@ class ModelRunner:
         replays the layers' CUDA graph where it has one (attention_worker/cuda_graphs.py)."""
         meta = step.meta
         ran = self.graphs.run(step) if self.graphs is not None else None
-        i, step.h, routed = ran if ran is not None else self._layers(step.layer, step.h, meta, step.kv)
+        i, step.h, routed = ran if ran is not None else self.run_layers(step.layer, step.h, meta, step.kv)
         if routed is not None:
             x, weights, experts = routed
             step.layer, step.plan = i, self.glue.plan(i, x, experts, weights, self.cfg.num_experts)
@@ -287,8 +287,8 @@ class ModelRunner:
         step.logits, step.scored = logits[:s], logits[s:]
         return step
 
-    def _layers(self, first: int, h: torch.Tensor, meta: StepMeta, written: list[tuple[int, torch.Tensor, torch.Tensor]]
-                ) -> tuple[int, torch.Tensor, Routed | None]:
+    def run_layers(self, first: int, h: torch.Tensor, meta: StepMeta,
+                   written: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[int, torch.Tensor, Routed | None]:
         """The layers from `first` on, h [T, D], up to the next MoE layer's routing: (that layer, h, (its input x
         [T, D], weights [T, k], experts [T, k])), or (layers, h, None) past the last. Device ops only, no wait."""
         cfg, glue = self.cfg, self.glue
