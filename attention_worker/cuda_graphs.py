@@ -174,7 +174,12 @@ class LayerGraphs:
 
 
 def graphs_for(runner: ModelRunner, max_tokens: int) -> LayerGraphs | None:
-    """An AW runner's graphs: on a CUDA device with a paged decode attention and `max_tokens` > 0; else None."""
+    """An AW runner's graphs: on a CUDA device with a paged decode attention and `max_tokens` > 0, where the cache
+    can spare a block for the padding; else None."""
     if runner.kv.device.type != "cuda" or max_tokens <= 0 or runner.paged is None or not runner.attends:
+        return None
+    if runner.kv.blocks.num_free < 2:
+        log.warning("no CUDA graphs: the KV cache has %d block(s), none to spare for their padding",
+                    runner.kv.blocks.num_free)
         return None
     return LayerGraphs(runner, max_tokens)

@@ -103,10 +103,15 @@ def test_decode_steps_through_graphs_equal_op_by_op(arch: str, hf_models: dict[s
     assert graphs.replays == (3 + 3 + 3 + 2 + 2) * cfg.num_layers
 
 
-def test_no_graphs_off_a_gpu_or_without_a_paged_attention(hf_models: dict[str, Path]) -> None:
+def test_no_graphs_off_a_gpu_or_without_a_block_to_spare(hf_models: dict[str, Path]) -> None:
     cfg = ModelConfig.from_dir(str(hf_models["mixtral"]))
     weights = AttentionWeights.load(hf_models["mixtral"], cfg)
     runner = ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), ScaledExperts(), paged)  # type: ignore[arg-type]
     assert graphs_for(runner, 64) is None  # the cache is on the CPU
+    # On a GPU, but with no block to spare for the padding (the device only as graphs_for reads it): none either.
+    tiny = KVCache(cfg, 4, 1)
+    assert tiny.blocks.num_blocks == 1
+    tiny.device = torch.device("cuda")
+    assert graphs_for(ModelRunner(cfg, weights, tiny, ScaledExperts(), paged), 64) is None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cuda_graphs must be >= 0"):
         AttentionWorkerConfig(model="m", orchestrator="127.0.0.1:1", cuda_graphs=-1)
