@@ -2,7 +2,8 @@
 
 On the CPU it runs the AVX-512 module (skinny.py, with the GEMM and paged decode attention) or torch. `triton`
 runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which
-is how the tests run them. On a GPU otherwise it runs torch."""
+is how the tests run them. On a GPU otherwise it runs torch, but for an AW's decode attention where the AW runs
+CUDA graphs (attention_worker/cuda_graphs.py): Triton's paged kernel, as a graph needs a paged attention."""
 
 from __future__ import annotations
 
