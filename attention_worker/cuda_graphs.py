@@ -77,12 +77,15 @@ class LayerGraphs:
         self.graphs: dict[tuple[int, int], Replay] = {}  # (first layer, bucket) -> its replay
         self.capture_s = 0.0  # time spent capturing, for stats
         self.replays = 0
+        # Why capturing failed, once it has: from then on every step runs op by op (a worker that cannot capture
+        # still serves; one that died of it would be replaced by one that dies of it too).
+        self.failed: str | None = None
 
     def takes(self, step: StepState) -> bool:
         """Whether the step's next layers run as a graph: a pure decode step of at most `max_tokens` sequences,
         with a MoE layer ahead."""
         meta = step.meta
-        return (meta.all_decode and not meta.prefills and 0 < meta.ids.shape[0] <= self.buckets[-1]
+        return (self.failed is None and meta.all_decode and not meta.prefills and 0 < meta.ids.shape[0] <= self.buckets[-1]
                 and step.layer <= self.last_moe and meta.dec_tables.shape[1] <= self.width)
 
     def run(self, step: StepState) -> Layers | None:
@@ -98,7 +101,13 @@ class LayerGraphs:
         buf.h[:t].copy_(step.h)
         replay = self.graphs.get((step.layer, b))
         if replay is None:
-            replay = self.graphs[(step.layer, b)] = self._capture(step.layer, buf)
+            try:
+                replay = self.graphs[(step.layer, b)] = self._capture(step.layer, buf)
+            except Exception as exc:  # (a model's op that cannot be captured, memory): op by op from here on
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graphs off: capturing layers %d.. for %d sequences failed (%s); steps run op by op",
+                            step.layer, b, self.failed)
+                return None
         (i, h, routed), written = replay()
         self.replays += 1
         # The next replay overwrites them; the checkpointer may hold them longer.

@@ -5,7 +5,8 @@ hands the checkpointer the same K/V and makes the same logits as one that runs e
 until a step is padded);
 prefill and mixed steps and steps of more sequences than the limit run op by op; a graph is made once for each
 (first layer, bucket) and replayed from then on, its buffers reloaded each step, rows of padding writing only the
-reserved block, rows that held a sequence padding again when fewer sequences follow; off a GPU nothing has graphs."""
+reserved block, rows that held a sequence padding again when fewer sequences follow; a capture that fails turns
+the graphs off and the steps run op by op; off a GPU nothing has graphs."""
 
 from __future__ import annotations
 
@@ -115,3 +116,31 @@ def test_no_graphs_off_a_gpu_or_without_a_block_to_spare(hf_models: dict[str, Pa
     assert graphs_for(ModelRunner(cfg, weights, tiny, ScaledExperts(), paged), 64) is None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cuda_graphs must be >= 0"):
         AttentionWorkerConfig(model="m", orchestrator="127.0.0.1:1", cuda_graphs=-1)
+
+
+def test_a_capture_that_fails_turns_the_graphs_off(hf_models: dict[str, Path]) -> None:
+    cfg = ModelConfig.from_dir(str(hf_models["mixtral"]))
+    weights = AttentionWeights.load(hf_models["mixtral"], cfg)
+    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), ScaledExperts(), paged)  # type: ignore[arg-type]
+               for _ in range(2)]
+    graphs = runners[1].graphs = LayerGraphs(runners[1], max_tokens=8, capture=False)
+
+    def cannot(first: int, buf: object) -> object:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._capture = cannot  # type: ignore[assignment,method-assign]
+    seqs = [[Sequence(f"r{i}", [5 + i, 9, 14], [], 8, 0.0, 1.0, -1, 0, frozenset(), True) for i in range(3)]
+            for _ in runners]
+    for _ in range(4):  # the prompts, then decodes: each would be a graph's
+        outs = []
+        for runner, ss in zip(runners, seqs):
+            chunks = [Chunk(q, q.num_computed, q.num_tokens - q.num_computed) for q in ss]
+            for c in chunks:
+                assert runner.kv.blocks.grow(c.seq.block_table, c.start + c.n)
+            outs.append(asyncio.run(runner.forward(chunks))[0])
+            for c, token in zip(chunks, outs[0].argmax(-1).tolist()):
+                c.seq.num_computed += c.n
+                c.seq.append(token)
+        assert torch.equal(outs[0], outs[1])  # op by op, as the runner without graphs
+    assert graphs.failed is not None and "capturing" in graphs.failed
+    assert graphs.graphs == {} and graphs.replays == 0
