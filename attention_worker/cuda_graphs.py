@@ -75,7 +75,7 @@ class LayerGraphs:
         self.side = torch.cuda.Stream(self.device) if capture else None
         self.buffers: dict[int, _Buffers] = {}
         self.graphs: dict[tuple[int, int], Replay] = {}  # (first layer, bucket) -> its replay
-        self.capture_s = 0.0  # time spent capturing, for stats
+        self.capture_s = 0.0  # time spent capturing (the warm-up's log says it)
         self.replays = 0
         # Why capturing failed, once it has: from then on every step runs op by op (a worker that cannot capture
         # still serves; one that died of it would be replaced by one that dies of it too).

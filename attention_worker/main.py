@@ -160,7 +160,8 @@ class AttentionService(Service):
         runner.graphs = self.graphs = graphs_for(runner, self.cfg.cuda_graphs)
         steps = self.clock.run(warm_up, runner)
         self.warmup_s = time.perf_counter() - t0
-        graphs = f", {len(self.graphs.graphs)} CUDA graphs captured" if self.graphs is not None else ""
+        graphs = (f", {len(self.graphs.graphs)} CUDA graphs captured in {self.graphs.capture_s * 1e3:.0f} ms"
+                  if self.graphs is not None else "")
         log.info("warm-up: %d steps in %.0f ms%s", steps, self.warmup_s * 1e3, graphs)
 
     def busy_for(self) -> float:
