@@ -63,7 +63,7 @@ class LayerGraphs:
         self.device = runner.kv.device
         blocks = runner.kv.blocks
         # W: the most blocks a sequence's table holds, its context over the block size.
-        self.width = min(blocks.num_blocks, -(-runner.cfg.max_position // blocks.block_size))
+        self.width = min(blocks.num_blocks, blocks.blocks_needed([], runner.cfg.max_position))
         # A block of the cache no sequence gets: what padding rows write and read.
         self.scratch = blocks.reserve()
         self.scratch_slot = self.scratch * blocks.block_size
@@ -124,9 +124,9 @@ class LayerGraphs:
 
         tables = torch.full((b, self.width), -1, dtype=meta.dec_tables.dtype, device=dev)  # [B, W]
         tables[:, 0] = self.scratch
-        fixed = dataclasses.replace(meta, ids=like(meta.ids), cos=like(meta.cos), sin=like(meta.sin),
-                                    slots=like(meta.slots, self.scratch_slot), dec_rows=like(meta.dec_rows),
-                                    dec_tables=tables, dec_lens=like(meta.dec_lens, 1), spans=[])
+        # The fields the layers read, as buffers; the others (ids, rows, spans) stay the first step's, unread.
+        fixed = dataclasses.replace(meta, cos=like(meta.cos), sin=like(meta.sin), slots=like(meta.slots, self.scratch_slot),
+                                    dec_tables=tables, dec_lens=like(meta.dec_lens, 1))
         h = torch.zeros(b, self.runner.cfg.hidden_size, dtype=self.runner.cfg.torch_dtype, device=dev)
         buf = self.buffers[b] = _Buffers(b, h, fixed)
         return buf

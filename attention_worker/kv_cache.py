@@ -34,7 +34,8 @@ class BlockManager:
         return True
 
     def reserve(self) -> int:
-        """Takes a block for good (the highest free one): no sequence gets it. An AW's CUDA graphs pad with it."""
+        """Takes a block for good (the free one handed out last; at start-up the highest): no sequence gets it. An
+        AW's CUDA graphs pad with it."""
         if not self._free:
             raise RuntimeError("no free KV block to reserve")
         return self._free.pop(0)
