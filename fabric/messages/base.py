@@ -43,14 +43,16 @@ _NP_DTYPES = {"int64": np.dtype(np.int64), "int32": np.dtype(np.int32), "int16":
 _NP_NAMES = {v: k for k, v in _NP_DTYPES.items()}
 
 
+TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "int16")  # a tensor's dtype on the wire
+
+
 @functools.cache
 def _torch_dtypes() -> dict[str, Any]:
     """torch's dtypes by wire name, imported on first use: the control plane's messages carry numpy
     arrays, so the orchestrator never imports torch (a second of its restart)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-            "int32": torch.int32, "int16": torch.int16}
+    return {name: getattr(torch, name) for name in TORCH_DTYPE_NAMES}
 
 
 @functools.cache

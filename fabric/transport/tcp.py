@@ -26,6 +26,7 @@ from typing import Any, cast
 import numpy as np
 
 from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
+from fabric.messages import fast
 from fabric.messages.base import Message, decode_message
 from fabric.tls import Tls
 from fabric.transport import same_host
@@ -95,8 +96,11 @@ class TcpConnection(Connection):
                             self._body = pipe.fill(body_len)
                         break
                 self._want = None
-                header, frames = parse_body(body, header_len, n_frames, self.limits)
-                self._hand_on(self._on_message, decode_message(header, frames))
+                msg = fast.decode(body, header_len, n_frames, self.limits)  # a call or a result, else None
+                if msg is None:
+                    header, frames = parse_body(body, header_len, n_frames, self.limits)
+                    msg = decode_message(header, frames)
+                self._hand_on(self._on_message, msg)
         except ProtocolError as exc:  # malformed, or refused by the handler
             log.error("closing connection from %s: %s", self.peer, exc)
             self._end(exc)
@@ -140,20 +144,29 @@ class TcpConnection(Connection):
             return str(self._pipe.lost) or "connection lost"
         return None
 
+    def send_nowait(self, msg: Message) -> None:
+        data = fast.encode(msg)  # a call or a result in one buffer, else None
+        if data is None:
+            super().send_nowait(msg)
+        else:
+            self._write([data], len(data))
+
     def post_raw(self, header: dict, frames: list[Frame]) -> None:
+        parts = cast(list[bytes | memoryview], encode(header, frames))  # host frames, as `Connection._encode` checks
+        size = sum(memoryview(p).nbytes for p in parts)
+        # One write per message. Every write is a syscall, and on loopback the receiver's network stack runs inside
+        # it. So small messages are joined before sending.
+        self._write([b"".join(parts)] if size <= COALESCE_BYTES else [b"".join(parts[:3]), *parts[3:]], size)
+
+    def _write(self, parts: list[bytes | memoryview], size: int) -> None:
+        """Queues one message's buffers (`size` bytes in all), the first written at once where the socket takes it."""
         lost = self._lost()
         if lost is not None:
             raise self._error(lost)
-        parts = cast(list[bytes | memoryview], encode(header, frames))  # host frames, as `Connection._encode` checks
-        size = sum(memoryview(p).nbytes for p in parts)
         try:
-            # One write per message. Every write is a syscall, and on loopback the receiver's network stack
-            # runs inside it. So small messages are joined before sending.
-            if size <= COALESCE_BYTES:
-                self._transport.write(b"".join(parts))
-            else:
-                self._transport.write(b"".join(parts[:3]))
-                self._transport.writelines(parts[3:])
+            self._transport.write(parts[0])
+            if len(parts) > 1:
+                self._transport.writelines(parts[1:])
         except (ConnectionError, OSError, RuntimeError) as exc:
             self._transport.abort()
             raise self._error(str(exc) or type(exc).__name__) from exc

@@ -108,7 +108,10 @@ class Pipe(asyncio.BufferedProtocol):
                 return
         else:
             take = 0
-        self._spill += self._scratch[take:nbytes]
+        if self._spill:
+            self._spill += memoryview(self._scratch)[take:nbytes]  # (a slice of the view: one copy, not two)
+        else:
+            self._spill = self._scratch[take:nbytes]
         if len(self._spill) > SPILL_BYTES and self.transport is not None and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
@@ -178,11 +181,17 @@ class Pipe(asyncio.BufferedProtocol):
         self._sink = sink
 
     def take(self, n: int) -> bytearray | None:
-        """The next `n` bytes received, or None while they have not all arrived (push mode)."""
-        if len(self._spill) < n:
+        """The next `n` bytes received, or None while they have not all arrived (push mode).
+
+        Where they are all that arrived (a message's body, read whole), they are taken as they lie, uncopied."""
+        have = len(self._spill)
+        if have < n:
             return None
-        out = self._spill[:n]
-        del self._spill[:n]
+        if have == n:
+            out, self._spill = self._spill, bytearray()
+        else:
+            out = self._spill[:n]
+            del self._spill[:n]  # (a prefix goes without moving the rest)
         self._resume_if_drained()
         return out
 

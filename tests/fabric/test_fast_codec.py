@@ -1,0 +1,156 @@
+"""The data path's compiled codec (fabric/messages/fast.py) against the generic one: the same bytes out, the same
+messages in, and whatever it does not accept left to the generic decoder, whose verdict then stands."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from fabric.errors import ProtocolError
+from fabric.messages import fast
+from fabric.messages.base import Message, decode_message, encode_message
+from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
+from fabric.wire import DEFAULT_LIMITS, MAGIC, PREFIX, PREFIX_SIZE, WireLimits, decode_bytes, encode_bytes, parse_prefix
+
+
+def generic_bytes(msg: Message) -> bytes:
+    return encode_bytes(*encode_message(msg))
+
+
+def through_fast(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Message:
+    """What a tcp connection hands on for `data`: the fast decoder's message, else the generic one's."""
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE], limits)
+    body = bytearray(data[PREFIX_SIZE:])
+    msg = fast.decode(body, header_len, n_frames, limits)
+    return msg if msg is not None else decode_message(*decode_bytes(data, limits))
+
+
+def outcome(decode: Any, data: bytes) -> tuple[Any, ...]:
+    """A decoder's verdict, comparable: the message's fields (tensors as dtype, shape, values), or the error."""
+    try:
+        msg = decode(data)
+    except ProtocolError:
+        return ("refused",)
+    fields = []
+    for v in vars(msg).values():
+        fields.append((v.dtype, tuple(v.shape), v.tolist()) if isinstance(v, torch.Tensor) else v)
+    return (type(msg).__name__, *fields)
+
+
+def messages(rng: random.Random) -> list[Message]:
+    out: list[Message] = []
+    for _ in range(40):
+        rows, dim = rng.choice([0, 1, 2, 7, 64]), rng.choice([4, 8, 512])
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        x = torch.randn(rows, dim).to(dtype)
+        experts = rng.sample(range(300), rng.randint(0, 4))
+        out.append(ExpertCall(rng.choice([0, 5, 2**40, 2**63 + 1]), rng.randint(0, 70000), rng.randint(0, 200),
+                              experts, [rng.randint(0, 300) for _ in experts], x, rng.random() < 0.5,
+                              rng.random() < 0.5))
+        out.append(ExpertResult(rng.randint(0, 2**33), x, rng.random() < 0.5))
+    return out
+
+
+def test_the_fast_codec_is_in_use_here() -> None:
+    assert fast.available  # msgspec is a dependency: the tests below would test nothing without it
+
+
+def test_same_bytes_and_same_messages_as_the_generic_codec() -> None:
+    for msg in messages(random.Random(0)):
+        data = fast.encode(msg)
+        assert data == generic_bytes(msg)
+        assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
+        assert type(through_fast(data)) is type(msg)
+
+
+def test_other_messages_and_tensors_are_left_to_the_generic_codec() -> None:
+    assert fast.encode(ExpertError(3, "not hosted")) is None
+    assert fast.encode(ExpertResult(1, torch.randn(4, 6).t())) is None  # not contiguous
+    data = generic_bytes(ExpertError(3, "not hosted"))
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+    assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, WireLimits()) is None
+
+
+def _with_header(header: dict[str, Any], frames: list[bytes]) -> bytes:
+    """A message of this header and these frames, packed as a peer might (any key order, any types)."""
+    head = msgpack.packb(header, use_bin_type=True)
+    table = b"".join(len(f).to_bytes(8, "little") for f in frames)
+    body = table + head + b"".join(frames)
+    return PREFIX.pack(MAGIC, len(head), len(frames), len(body)) + body
+
+
+def _call_header(**change: Any) -> dict[str, Any]:
+    header = {"kind": "expert_call", "call_id": 9, "epoch": 2, "layer": 1, "experts": [3, 4], "counts": [1, 1],
+              "x": ["float32", [2, 4], 0], "replay": False, "pads": True}
+    header.update(change)
+    return {k: v for k, v in header.items() if v is not _DROP}
+
+
+_DROP = object()
+_FRAME = torch.arange(8, dtype=torch.float32).numpy().tobytes()
+
+
+@pytest.mark.parametrize("change", [
+    {},
+    {"extra": 1},  # an unknown key: the generic codec ignores it
+    {"replay": _DROP},  # a missing field: refused
+    {"call_id": True}, {"call_id": 9.0}, {"layer": "1"}, {"experts": [3, "4"]}, {"experts": [[3], 4]},
+    {"x": ["float64", [2, 4], 0]}, {"x": ["float32", [4, 4], 0]}, {"x": ["float32", [-2, -4], 0]},
+    {"x": ["float32", [2, 4], 1]}, {"x": ["float32", [2, 4]]}, {"x": ["float32", [8], 0]},
+    {"x": ["float32", [2, 4, 1, 1, 1], 0]}, {"pads": 1}, {"kind": "expert_result"}, {"kind": "ping"},
+    {"experts": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]},  # deeper than the depth limit
+])
+def test_any_header_gets_the_generic_codecs_verdict(change: dict[str, Any]) -> None:
+    data = _with_header(_call_header(**change), [_FRAME])
+    assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
+    reordered = _with_header(dict(reversed(list(_call_header(**change).items()))), [_FRAME])
+    assert outcome(through_fast, reordered) == outcome(lambda d: decode_message(*decode_bytes(d)), reordered)
+
+
+def test_frame_tables_it_does_not_take_go_to_the_generic_codec() -> None:
+    for frames in ([_FRAME, b""], [], [_FRAME[:16], _FRAME[16:]]):
+        data = _with_header(_call_header(), frames)
+        assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
+
+
+def test_random_corruption_gets_the_generic_codecs_verdict() -> None:
+    """Bytes of a real call's header and frame table flipped at random: the two decoders agree on each."""
+    rng = random.Random(1)
+    base = bytearray(fast.encode(ExpertCall(77, 3, 5, [1, 6], [1, 1], torch.randn(2, 4))) or b"")
+    header_len, _, _ = parse_prefix(bytes(base[:PREFIX_SIZE]))
+    agreed = refused = 0
+    for _ in range(3000):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 3)):
+            data[PREFIX_SIZE + rng.randrange(8 + header_len)] = rng.randrange(256)
+        try:
+            parse_prefix(bytes(data[:PREFIX_SIZE]))
+        except ProtocolError:
+            continue
+        fast_verdict = outcome(through_fast, bytes(data))
+        assert fast_verdict == outcome(lambda d: decode_message(*decode_bytes(d)), bytes(data))
+        agreed += 1
+        refused += fast_verdict == ("refused",)
+    assert agreed > 2000 and 0 < refused < agreed  # both kinds of verdict were compared
+
+
+def test_a_limit_on_depth_below_its_schema_leaves_every_header_to_the_generic_codec() -> None:
+    data = fast.encode(ExpertCall(1, 1, 1, [2], [1], torch.randn(1, 4))) or b""
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+    assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, WireLimits(max_depth=fast.DEPTH - 1)) is None
+    with pytest.raises(ProtocolError, match="nested"):
+        decode_bytes(data, WireLimits(max_depth=fast.DEPTH - 1))
+
+
+def test_without_msgspec_every_message_takes_the_generic_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    msg = ExpertCall(1, 1, 1, [2], [1], torch.randn(1, 4))
+    data = fast.encode(msg) or b""
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+    monkeypatch.setattr(fast, "msgspec", None)
+    assert fast.encode(msg) is None
+    assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, DEFAULT_LIMITS) is None
+    assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
