@@ -186,11 +186,11 @@ def dialer(name: str, secret: bytes | None = None) -> Any:
 
 
 def same_host_on(dialer_name: str, monkeypatch: Any) -> None:
-    """Same-host sockets on for a test that dials over them (and the processes it starts)."""
-    if dialer_name == "unix":
-        from fabric.transport import same_host
+    """The links a test names, for it and the processes it starts: unix, the same-host sockets (the default);
+    tcp, TCP alone (same-host sockets off)."""
+    from fabric.transport import same_host
 
-        monkeypatch.setenv(same_host.ENABLE, "1")
+    monkeypatch.setenv(same_host.ENABLE, "1" if dialer_name == "unix" else "0")
 
 
 def fabric_transport(dialer_name: str) -> str:

@@ -16,8 +16,9 @@ from fabric.transport import make_transport
 from fabric.transport.base import Connection
 from fabric.wire import MAGIC, PREFIX
 from tests.fabric.test_transport import finish, listening
+from tests.helpers import fabric_transport, same_host_on
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+TRANSPORTS = ["tcp", "unix", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 
 
 async def pushed(conn: Connection, on_message=None) -> tuple[list[Message], list[FabricError], asyncio.Event]:  # type: ignore[no-untyped-def]
@@ -35,15 +36,16 @@ async def pushed(conn: Connection, on_message=None) -> tuple[list[Message], list
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_peer_that_closes_ends_delivery_once_after_its_last_message(name: str) -> None:
+def test_a_peer_that_closes_ends_delivery_once_after_its_last_message(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Messages sent before the peer closed all arrive, in order; then one PeerDeadError.
 
     On tcp the peer closes as soon as its last send returns (the bytes before its FIN all arrive). UCX may drop
     what is still in flight when an endpoint closes (so it does with `recv` too), so there the peer closes once
     they have arrived."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> tuple[list[Message], list[FabricError]]:
-        transport = make_transport(name)
+        transport = make_transport(fabric_transport(name))
         listener, accepted = await listening(transport)
         conn = await transport.connect("127.0.0.1", listener.port)
         served = await asyncio.wait_for(accepted.get(), 30)
@@ -59,7 +61,7 @@ def test_a_peer_that_closes_ends_delivery_once_after_its_last_message(name: str)
         for i in range(20):
             conn.send_nowait(ExpertResult(i, torch.full((i % 3, 8), float(i))))  # [R, D], some empty
         await conn.send(ExpertResult(99, torch.zeros(0, 8)))
-        if name != "tcp":
+        if name == "ucx":
             await asyncio.wait_for(all_in.wait(), 30)
         await conn.close()
         await asyncio.wait_for(ended.wait(), 30)
@@ -74,12 +76,13 @@ def test_a_peer_that_closes_ends_delivery_once_after_its_last_message(name: str)
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_handler_that_refuses_a_message_closes_its_connection(name: str) -> None:
+def test_a_handler_that_refuses_a_message_closes_its_connection(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ProtocolError raised by the receiver closes the connection (the sender sees it) and ends delivery with
     that error; nothing after it is handed on."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> tuple[list[int], list[FabricError], bool]:
-        transport = make_transport(name)
+        transport = make_transport(fabric_transport(name))
         listener, accepted = await listening(transport)
         conn = await transport.connect("127.0.0.1", listener.port)
         served = await asyncio.wait_for(accepted.get(), 30)

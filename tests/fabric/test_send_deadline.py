@@ -14,18 +14,20 @@ from fabric.messages.expert import ExpertResult
 from fabric.messages.liveness import Ping, Pong
 from fabric.transport import make_transport
 from fabric.transport.base import Connection
+from tests.helpers import fabric_transport, same_host_on
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+TRANSPORTS = ["tcp", "unix", pytest.param("ucx", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("ucxx") is None, reason="the [ucx] extra is part of the test install"))]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_stuck_reader_never_blocks_its_sender(transport: str) -> None:
-    """Over tcp the stuck reader's socket fills and the send deadline cuts the connection off;
+def test_a_stuck_reader_never_blocks_its_sender(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp (and the same-host socket) the stuck reader's socket fills and the send deadline cuts the connection off;
     UCX buffers what its peer does not read on the peer's side, so no send waits there at all
     (the fabric finds such a peer by its missing results: see the next test)."""
+    same_host_on(transport, monkeypatch)
     async def scenario() -> tuple[int, bool, bool]:
-        t = make_transport(transport, send_timeout=0.3)
+        t = make_transport(fabric_transport(transport), send_timeout=0.3)
         stuck = asyncio.Event()
 
         async def handler(conn: Connection) -> None:
@@ -61,4 +63,4 @@ def test_a_stuck_reader_never_blocks_its_sender(transport: str) -> None:
 
     sent, stalled, answered = asyncio.run(scenario())
     assert answered and sent >= 1
-    assert stalled if transport == "tcp" else (stalled or sent == 64)
+    assert stalled if transport in ("tcp", "unix") else (stalled or sent == 64)

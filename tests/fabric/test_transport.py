@@ -20,6 +20,7 @@ from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.messages.liveness import Ping
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener, Transport
+from tests.helpers import fabric_transport, same_host_on
 
 
 async def listening(transport: Transport) -> tuple[Listener, asyncio.Queue[Connection]]:
@@ -82,18 +83,19 @@ def test_concurrent_senders_all_finish_under_back_pressure() -> None:
     assert sorted(got) == [(i, float(i)) for i in range(6)]
 
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
+TRANSPORTS = ["tcp", "unix", pytest.param("ucx", marks=pytest.mark.skipif(find_spec("ucxx") is None, reason="needs the [ucx] extra"))]
 
 
 @pytest.mark.parametrize("pushed", [False, True], ids=["recv", "deliver"])
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_messages_arrive_whole_and_in_order(name: str, pushed: bool) -> None:
+def test_messages_arrive_whole_and_in_order(name: str, monkeypatch: pytest.MonkeyPatch, pushed: bool) -> None:
     """Both backends carry the same messages intact: empty, small and 8 MiB tensors, from three
     tasks sending on one connection at once (no message interleaves with another), read with `recv`
     or handed on by `deliver` (tcp: parsed in its read callback, large bodies filled in place)."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> list[KvPut]:
-        transport = make_transport(name)
+        transport = make_transport(fabric_transport(name))
         got: list[KvPut] = []
         done = asyncio.Event()
         sizes = [0, 1, 3, 4096]  # tokens; 4096 is 8 MiB per tensor
@@ -134,13 +136,14 @@ def test_messages_arrive_whole_and_in_order(name: str, pushed: bool) -> None:
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
+def test_peer_gone_and_nobody_listening_are_peer_dead(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A closed peer ends a pending recv with PeerDeadError, and so does a send after it, whether
     the peer closed that connection or its listener; a connect to a port nobody listens on fails
     with PeerDeadError, not a hang."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> None:
-        transport = make_transport(name)
+        transport = make_transport(fabric_transport(name))
         listener, accepted = await listening(transport)
         conn = await transport.connect("127.0.0.1", listener.port)
         server_side = await asyncio.wait_for(accepted.get(), 10)
@@ -175,13 +178,14 @@ def test_peer_gone_and_nobody_listening_are_peer_dead(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_device_memory_only_where_the_transport_carries_it(name: str) -> None:
+def test_device_memory_only_where_the_transport_carries_it(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`land_frames_on` takes a CUDA device only over UCX that reports CUDA support (not here: no
     cuda transport in its context, and tcp never), and a device tensor on a connection that
     carries host memory is refused before a byte is sent, the connection still usable."""
+    same_host_on(name, monkeypatch)
 
     async def main() -> None:
-        transport = make_transport(name)
+        transport = make_transport(fabric_transport(name))
         got: asyncio.Queue[Any] = asyncio.Queue()
 
         async def handler(conn: Connection) -> None:

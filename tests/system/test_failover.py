@@ -1,7 +1,7 @@
 """An expert worker dies (SIGINT) mid-decode: AWs replay its in-flight calls on the shadows, the
 orchestrator publishes the next epoch, and every stream finishes token-identical to the run
-without the failure. The deaths of an AW and of an EW also with the links on same-host sockets
-(MOE_FABRIC_SAME_HOST=1)."""
+without the failure. The deaths of an AW and of an EW over both kinds of link: same-host sockets (the
+default) and TCP alone (MOE_FABRIC_SAME_HOST=0)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ LINKS = ["tcp", "unix"]
 
 
 def links_over(links: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if links == "unix":
-        monkeypatch.setenv(same_host.ENABLE, "1")
+    monkeypatch.setenv(same_host.ENABLE, "1" if links == "unix" else "0")
 
 
 def assert_links_over(links: str, cluster: dict) -> None:  # type: ignore[type-arg]
