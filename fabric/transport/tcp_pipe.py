@@ -16,6 +16,7 @@ Send deadline: while asyncio holds back writes (the peer's socket buffer is full
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -66,6 +67,7 @@ class Pipe(asyncio.BufferedProtocol):
         self.closed = asyncio.get_running_loop().create_future()
         # Push mode: called after bytes arrive, a direct fill completes, or the connection ends.
         self._sink: Callable[[], None] | None = None
+        self._unread_fd = -1  # a Unix socket's second descriptor (`_drain_unread`)
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -73,6 +75,11 @@ class Pipe(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif sock is not None:
+            # A write to a Unix socket whose peer has closed fails at once (EPIPE), and the event loop then ends the
+            # connection unread. Over TCP that write succeeds and what the peer sent before its FIN is read first. A
+            # second descriptor of the socket lets `connection_lost` read those bytes all the same (`_drain_unread`).
+            self._unread_fd = os.dup(sock.fileno())
 
     def get_buffer(self, sizehint: int) -> memoryview:
         # A large read fills its target straight from the socket. A small one (a prefix, a small body) takes
@@ -128,9 +135,29 @@ class Pipe(asyncio.BufferedProtocol):
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
+        self._drain_unread(exc)
         self._gone(exc or ConnectionResetError("connection closed"))
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _drain_unread(self, exc: Exception | None) -> None:
+        """A Unix socket's bytes that arrived and were not read when its connection failed (a write to a peer that
+        had closed), taken as if read: every whole message the peer sent before closing still arrives."""
+        fd, self._unread_fd = self._unread_fd, -1
+        if fd < 0:
+            return
+        try:
+            while exc is not None and not self.stalled:  # (not after a local close, nor one the send deadline cut)
+                data = os.read(fd, SCRATCH_BYTES)
+                if not data:
+                    break
+                self._direct = False
+                self._scratch[:len(data)] = data
+                self._place(len(data))
+        except OSError:  # nothing more (EAGAIN), or the socket failed
+            pass
+        finally:
+            os.close(fd)
 
     def pause_writing(self) -> None:
         self._write_paused = True

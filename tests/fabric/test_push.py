@@ -4,17 +4,21 @@ told once, whatever ended it."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from importlib.util import find_spec
 
 import pytest
 import torch
 
 from fabric.errors import FabricError, PeerDeadError, ProtocolError
-from fabric.messages.base import Message
+from fabric.messages.base import Message, encode_message
 from fabric.messages.expert import ExpertCall, ExpertResult
-from fabric.transport import make_transport
+from fabric.messages.liveness import Ping, Pong
+from fabric.transport import make_transport, same_host
 from fabric.transport.base import Connection
-from fabric.wire import MAGIC, PREFIX
+from fabric.wire import MAGIC, PREFIX, encode_bytes
 from tests.fabric.test_transport import finish, listening
 from tests.helpers import fabric_transport, same_host_on
 
@@ -134,3 +138,46 @@ def test_a_truncated_or_malformed_frame_ends_delivery_with_a_protocol_error() ->
     for raw in (bad_magic, cut):
         ends = asyncio.run(one(raw))
         assert len(ends) == 1 and isinstance(ends[0], ProtocolError), ends
+
+
+@pytest.mark.parametrize("name", ["tcp", "unix"])
+def test_what_a_peer_sent_before_closing_arrives_though_a_write_to_it_failed_first(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer sends some messages and closes; this side, busy meanwhile, writes to it before it reads. Over TCP that
+    write succeeds and the messages are read before the end; over a Unix socket it fails at once (EPIPE), and the
+    event loop ends the connection unread. Either way every message the peer sent arrives, then the end."""
+    same_host_on(name, monkeypatch)
+    sent = [Ping(n) for n in range(5)]
+    go = threading.Event()
+
+    def peer(address: str | tuple[str, int]) -> None:
+        with socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET) as s:
+            s.connect(address)
+            go.wait(30)  # until this side's loop is busy
+            for msg in sent:
+                s.sendall(encode_bytes(*encode_message(msg)))
+
+    async def main() -> tuple[list[Message], list[FabricError]]:
+        transport = make_transport(fabric_transport(name))
+        listener, accepted = await listening(transport)
+        path = same_host.path("127.0.0.1", listener.port)
+        address = path if name == "unix" and path is not None else ("127.0.0.1", listener.port)
+        assert isinstance(address, str) == (name == "unix")
+        thread = threading.Thread(target=peer, args=(address,))
+        thread.start()
+        served = await asyncio.wait_for(accepted.get(), 30)
+        go.set()
+        thread.join(30)  # (this loop waits here, blocked: the peer's bytes and its close wait unread)
+        time.sleep(0.05)
+        try:
+            served.send_nowait(Pong(0))
+        except PeerDeadError:
+            pass
+        got, ends, ended = await pushed(served)
+        await asyncio.wait_for(ended.wait(), 30)
+        await listener.close()
+        return got, ends
+
+    got, ends = asyncio.run(main())
+    assert [m.nonce for m in got] == [m.nonce for m in sent]  # type: ignore[attr-defined]
+    assert len(ends) == 1 and isinstance(ends[0], PeerDeadError)
