@@ -186,8 +186,8 @@ def dialer(name: str, secret: bytes | None = None) -> Any:
 
 
 def same_host_on(dialer_name: str, monkeypatch: Any) -> None:
-    """The links a test names, for it and the processes it starts: unix, the same-host sockets; tcp, TCP alone
-    (same-host sockets off, the default, whatever the environment says)."""
+    """The links a test names, for it and the processes it starts: unix, the same-host sockets (the default);
+    tcp, TCP alone (same-host sockets off)."""
     from fabric.transport import same_host
 
     monkeypatch.setenv(same_host.ENABLE, "1" if dialer_name == "unix" else "0")

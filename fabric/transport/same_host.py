@@ -4,13 +4,12 @@ There is one per (host, port), in a directory only this user can enter. A dialer
 peer's socket from the address it already has; a file there means the listener runs on this machine. Nobody else
 on the host can reach it. The cluster handshake runs on it as on TCP.
 
-Off unless $MOE_FABRIC_SAME_HOST is 1. Side by side on the 2-core VM (2026-11-26, 2 AW + 2 EW, no compute,
-4 rounds) it was no faster than loopback TCP at one stream (0.98x the time between tokens). It was slower at 16
-(1.11x), though a lone round trip through it takes 465 µs against 788 µs over TCP (docs/performance.md). Once the
-data path's messages took compiled code (2026-11-28) it ran 2-6 % faster than TCP, but it stays off: a write to a
-Unix socket whose peer has closed fails at once (EPIPE), and the event loop then ends the connection without
-reading what the peer sent before it closed (over TCP that write succeeds and the bytes before the FIN are read
-first). An AW that writes a step's tokens to a gateway that just sent `Abort(moved)` and closed would miss the abort.
+On unless $MOE_FABRIC_SAME_HOST is 0. A write to a Unix socket skips the network stack that a loopback TCP write
+runs for its receiver. Side by side on the 2-core VM (2026-11-28, 2 AW + 2 EW; 8 rounds with no compute, 3 with
+real compute) a fabric with them ran 2-6 % faster than one over loopback TCP (docs/performance.md). Before the data
+path's messages took compiled code (2026-11-26) the same comparison found them no faster, and slower at 16 streams.
+A write to a Unix socket whose peer has closed fails at once, where TCP's succeeds; what the peer sent before it
+closed is read all the same (fabric/transport/tcp_pipe.py, `Pipe._drain_unread`).
 
 The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory. A directory that another
 user owns or can write into disables same-host sockets (TCP only).
@@ -37,7 +36,7 @@ def enabled() -> bool:
     """Whether listeners and dialers made now use same-host sockets.
 
     The environment says so, and a process's children inherit it."""
-    return os.environ.get(ENABLE) == "1" and directory() is not None
+    return os.environ.get(ENABLE, "1") != "0" and directory() is not None
 
 
 @functools.cache

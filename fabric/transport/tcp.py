@@ -5,10 +5,10 @@ straight into its own buffer.
 
 The receive side and the send deadline are a connection's `Pipe` (fabric/transport/tcp_pipe.py).
 
-Same host, with MOE_FABRIC_SAME_HOST=1 (off by default, as it measured no faster in a whole fabric): every
-listener also listens on a Unix socket named after its address (fabric/transport/same_host.py). A dialer whose
-peer has one on this machine connects there instead of to the TCP port, with the same wire, handshake and
-deadlines. Peers on other hosts, and every connection inside TLS, use TCP.
+Same host (on by default; MOE_FABRIC_SAME_HOST=0 turns it off): every listener also listens on a Unix socket
+named after its address (fabric/transport/same_host.py). A dialer whose peer has one on this machine connects
+there instead of to the TCP port, with the same wire, handshake and deadlines. Peers on other hosts, and every
+connection inside TLS, use TCP.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An expert worker dies (SIGINT) mid-decode: AWs replay its in-flight calls on the shadows, the
 orchestrator publishes the next epoch, and every stream finishes token-identical to the run
-without the failure. The deaths of an AW and of an EW over both kinds of link: TCP alone (the default) and
-same-host sockets (MOE_FABRIC_SAME_HOST=1)."""
+without the failure. The deaths of an AW and of an EW over both kinds of link: same-host sockets (the
+default) and TCP alone (MOE_FABRIC_SAME_HOST=0)."""
 
 from __future__ import annotations
 
