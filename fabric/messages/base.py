@@ -100,6 +100,11 @@ def encode_message(msg: Message) -> tuple[dict[str, Any], Frames]:
     return header, frames
 
 
+def message_class(kind: str) -> type[Message] | None:
+    """The message class registered as `kind`, if its module is imported here."""
+    return _REGISTRY.get(kind)
+
+
 def decode_message(header: dict[str, Any], frames: Frames) -> Message:
     cls = _REGISTRY.get(header["kind"])
     if cls is None:

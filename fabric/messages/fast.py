@@ -11,7 +11,8 @@ an unknown or missing field, a wrong type, a tensor whose shape does not match i
 table) it leaves to the generic decoder, which then accepts it or raises its usual `ProtocolError`. A header's
 depth needs no walk here: its schema bounds it (`DEPTH`).
 
-msgspec is a dependency of the package. Where it is missing (an image with only the base packages), `available`
+Every connection reads a host message's body through `decode_body` (this codec, else the generic one); tcp also
+writes calls and results through `encode`. msgspec is a dependency of the package. Where it is missing (an image with only the base packages), `available`
 is False and every message takes the generic codec.
 """
 
@@ -28,12 +29,15 @@ from fabric.messages.base import (
     _torch_dtypes,
     _torch_itemsizes,
     _torch_names,
+    decode_message,
+    message_class,
 )
-from fabric.messages.expert import ExpertCall, ExpertResult
-from fabric.wire import MAGIC, PREFIX, WireLimits
+from fabric.wire import MAGIC, PREFIX, WireLimits, parse_body
 
 if TYPE_CHECKING:
     import torch
+
+    from fabric.messages.expert import ExpertCall, ExpertResult
 
 try:
     import msgspec
@@ -43,6 +47,9 @@ except ImportError:  # pragma: no cover - the GPU image's Python has only the ba
 available = msgspec is not None
 DEPTH = 3  # the deepest header here: a map holding a tensor's [dtype, shape, frame] holding its shape
 _LEN = struct.Struct("<Q")  # the frame table of a message with one frame
+# The kinds this codec carries (fabric/messages/expert.py), named here: that module imports torch, which a
+# control-plane process (the orchestrator, a gateway) never does, and each makes tcp connections.
+CALL, RESULT = "expert_call", "expert_result"
 
 if msgspec is not None:
     # A tensor in a header: [dtype name, shape, frame index], here always frame 0 (each message has one).
@@ -50,7 +57,7 @@ if msgspec is not None:
 
     # The header of each message, as the generic codec writes it: "kind" first, then the fields in order. No
     # field is optional, and no other key is taken, as there.
-    class _CallHead(msgspec.Struct, tag_field="kind", tag=ExpertCall.kind, forbid_unknown_fields=True):
+    class _CallHead(msgspec.Struct, tag_field="kind", tag=CALL, forbid_unknown_fields=True):
         call_id: int
         epoch: int
         layer: int
@@ -60,7 +67,7 @@ if msgspec is not None:
         replay: bool
         pads: bool
 
-    class _ResultHead(msgspec.Struct, tag_field="kind", tag=ExpertResult.kind, forbid_unknown_fields=True):
+    class _ResultHead(msgspec.Struct, tag_field="kind", tag=RESULT, forbid_unknown_fields=True):
         call_id: int
         y: _Tensor
         others: bool
@@ -72,23 +79,16 @@ if msgspec is not None:
 def encode(msg: Message) -> bytes | None:
     """The whole message (prefix, frame table, header, frame) as one buffer; None for any other message, or a
     tensor this codec does not send (on a device, not contiguous)."""
-    if msgspec is None:
+    if msgspec is None or msg.kind not in (CALL, RESULT):
         return None
-    kind = type(msg)
-    t: torch.Tensor
-    if kind is ExpertCall:
-        call: ExpertCall = msg  # type: ignore[assignment]
-        t = call.x
-        head: Any = _CallHead(call.call_id, call.epoch, call.layer, call.experts, call.counts,
-                              (_torch_names()[t.dtype], list(t.shape), 0), call.replay, call.pads)
-    elif kind is ExpertResult:
-        result: ExpertResult = msg  # type: ignore[assignment]
-        t = result.y
-        head = _ResultHead(result.call_id, (_torch_names()[t.dtype], list(t.shape), 0), result.others)
-    else:
-        return None
+    call: ExpertCall = msg  # type: ignore[assignment]
+    result: ExpertResult = msg  # type: ignore[assignment]
+    t = call.x if msg.kind == CALL else result.y
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
+    meta: Any = (_torch_names()[t.dtype], list(t.shape), 0)
+    head: Any = (_CallHead(call.call_id, call.epoch, call.layer, call.experts, call.counts, meta, call.replay, call.pads)
+                 if msg.kind == CALL else _ResultHead(result.call_id, meta, result.others))
     try:
         packed = _encoder.encode(head)
     except (msgspec.EncodeError, TypeError, OverflowError):  # a value msgpack cannot carry: the generic codec says
@@ -98,9 +98,17 @@ def encode(msg: Message) -> bytes | None:
     return b"".join((PREFIX.pack(MAGIC, len(packed), 1, 8 + len(packed) + n), _LEN.pack(n), packed, frame))
 
 
+def decode_body(body: bytes | bytearray | memoryview, header_len: int, n_frames: int, limits: WireLimits) -> Message:
+    """The message of a body (what follows its prefix, which the caller checked against `limits`): a call or a
+    result by this codec, any other by the generic one, which also gives every refusal (`ProtocolError`)."""
+    msg = decode(body, header_len, n_frames, limits)
+    if msg is None:
+        msg = decode_message(*parse_body(body, header_len, n_frames, limits))
+    return msg
+
+
 def decode(body: bytes | bytearray | memoryview, header_len: int, n_frames: int, limits: WireLimits) -> Message | None:
-    """A call or a result from a message's body (what follows its prefix, which the caller checked against
-    `limits`); None for anything the generic decoder must look at."""
+    """A call or a result from a message's body; None for anything the generic decoder must look at."""
     if msgspec is None or n_frames != 1 or limits.max_depth < DEPTH:
         return None
     view = memoryview(body)
@@ -110,17 +118,15 @@ def decode(body: bytes | bytearray | memoryview, header_len: int, n_frames: int,
         return None  # the generic decoder's verdict stands
     (n,) = _LEN.unpack_from(view)
     start = 8 + header_len
-    if start + n != view.nbytes:
+    cls = message_class(CALL if type(head) is _CallHead else RESULT)  # (None where expert.py is not imported)
+    if start + n != view.nbytes or cls is None:
         return None
     if type(head) is _CallHead:
         x = _tensor(head.x, view, start, n)
-        if x is None:
-            return None
-        return ExpertCall(head.call_id, head.epoch, head.layer, head.experts, head.counts, x, head.replay, head.pads)
+        return None if x is None else cls(head.call_id, head.epoch, head.layer, head.experts, head.counts, x,  # type: ignore[call-arg]
+                                          head.replay, head.pads)
     y = _tensor(head.y, view, start, n)
-    if y is None:
-        return None
-    return ExpertResult(head.call_id, y, head.others)
+    return None if y is None else cls(head.call_id, y, head.others)  # type: ignore[call-arg]
 
 
 def _tensor(meta: tuple[str, list[int], int], body: memoryview, start: int, n: int) -> torch.Tensor | None:

@@ -22,8 +22,9 @@ from typing import Any
 
 from fabric import auth
 from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
+from fabric.messages import fast
 from fabric.messages.base import Frames, Message, decode_message, encode_message
-from fabric.wire import DEFAULT_LIMITS, Frame, WireLimits, parse_body, parse_prefix
+from fabric.wire import DEFAULT_LIMITS, Frame, WireLimits, parse_prefix
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,8 @@ class Connection(abc.ABC):
             prefix = await self._read_prefix()
             header_len, n_frames, body_len = parse_prefix(prefix, self.limits)
             if self.frames_device is None:
-                body = await self._read_body(body_len)
-                header, frames = parse_body(body, header_len, n_frames, self.limits)
-            else:
-                header, frames = await self._read_device_frames(header_len, n_frames, body_len)
+                return fast.decode_body(await self._read_body(body_len), header_len, n_frames, self.limits)
+            header, frames = await self._read_device_frames(header_len, n_frames, body_len)
             return decode_message(header, frames)
         except ProtocolError:
             await self.close()

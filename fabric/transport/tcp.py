@@ -27,7 +27,7 @@ import numpy as np
 
 from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
 from fabric.messages import fast
-from fabric.messages.base import Message, decode_message
+from fabric.messages.base import Message
 from fabric.tls import Tls
 from fabric.transport import same_host
 from fabric.transport.base import (
@@ -40,7 +40,7 @@ from fabric.transport.base import (
     guarded,
 )
 from fabric.transport.tcp_pipe import DIRECT_BYTES, SCRATCH_BYTES, Pipe
-from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode, parse_body, parse_prefix
+from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode, parse_prefix
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,7 @@ class TcpConnection(Connection):
                             self._body = pipe.fill(body_len)
                         break
                 self._want = None
-                msg = fast.decode(body, header_len, n_frames, self.limits)  # a call or a result, else None
-                if msg is None:
-                    header, frames = parse_body(body, header_len, n_frames, self.limits)
-                    msg = decode_message(header, frames)
-                self._hand_on(self._on_message, msg)
+                self._hand_on(self._on_message, fast.decode_body(body, header_len, n_frames, self.limits))
         except ProtocolError as exc:  # malformed, or refused by the handler
             log.error("closing connection from %s: %s", self.peer, exc)
             self._end(exc)

@@ -147,10 +147,9 @@ class Pipe(asyncio.BufferedProtocol):
         if fd < 0:
             return
         try:
-            while exc is not None and not self.stalled:  # (not after a local close, nor one the send deadline cut)
-                data = os.read(fd, SCRATCH_BYTES)
-                if not data:
-                    break
+            if exc is None or self.stalled:  # a clean end (all was read) or one the send deadline cut
+                return
+            while data := os.read(fd, SCRATCH_BYTES):  # (b"" at the peer's close)
                 self._direct = False
                 self._scratch[:len(data)] = data
                 self._place(len(data))

@@ -22,11 +22,9 @@ def generic_bytes(msg: Message) -> bytes:
 
 
 def through_fast(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Message:
-    """What a tcp connection hands on for `data`: the fast decoder's message, else the generic one's."""
+    """What a connection hands on for `data` (`fast.decode_body`): the fast decoder's message, else the generic one's."""
     header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE], limits)
-    body = bytearray(data[PREFIX_SIZE:])
-    msg = fast.decode(body, header_len, n_frames, limits)
-    return msg if msg is not None else decode_message(*decode_bytes(data, limits))
+    return fast.decode_body(bytearray(data[PREFIX_SIZE:]), header_len, n_frames, limits)
 
 
 def outcome(decode: Any, data: bytes) -> tuple[Any, ...]:

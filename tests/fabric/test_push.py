@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from importlib.util import find_spec
 
 import pytest
@@ -168,7 +167,6 @@ def test_what_a_peer_sent_before_closing_arrives_though_a_write_to_it_failed_fir
         served = await asyncio.wait_for(accepted.get(), 30)
         go.set()
         thread.join(30)  # (this loop waits here, blocked: the peer's bytes and its close wait unread)
-        time.sleep(0.05)
         try:
             served.send_nowait(Pong(0))
         except PeerDeadError:

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", ["orchestrator.main", "gateway.main", "launch.supervisor"])
+# (fabric.transport.tcp: what each of them loads once it makes its first connection)
+@pytest.mark.parametrize("module", ["orchestrator.main", "gateway.main", "launch.supervisor", "fabric.transport.tcp"])
 def test_the_orchestrator_the_gateway_and_the_supervisor_import_no_torch(module: str) -> None:
     code = f"import sys, launch.cli, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)

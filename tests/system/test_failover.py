@@ -14,14 +14,10 @@ import pytest
 
 from fabric.transport import same_host
 from tests.conftest import running_fabric
-from tests.helpers import get_json
+from tests.helpers import get_json, same_host_on
 from tests.load import kill_mid_decode
 
 LINKS = ["tcp", "unix"]
-
-
-def links_over(links: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(same_host.ENABLE, "1" if links == "unix" else "0")
 
 
 def assert_links_over(links: str, cluster: dict) -> None:  # type: ignore[type-arg]
@@ -35,7 +31,7 @@ def assert_links_over(links: str, cluster: dict) -> None:  # type: ignore[type-a
 @pytest.mark.parametrize("links", LINKS)
 def test_attention_worker_death_resumes_every_stream(links: str, hf_models: dict[str, Path], tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    links_over(links, monkeypatch)
+    same_host_on(links, monkeypatch)
     with running_fabric(hf_models["qwen3_moe"], tmp_path, aws=2, ews=2) as fabric:
         assert_links_over(links, fabric.cluster())
         reference, outputs, pid = kill_mid_decode(fabric, "attention-worker-0")
@@ -49,7 +45,7 @@ def test_attention_worker_death_resumes_every_stream(links: str, hf_models: dict
 @pytest.mark.parametrize("links", LINKS)
 def test_expert_worker_death_loses_nothing(links: str, hf_models: dict[str, Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    links_over(links, monkeypatch)
+    same_host_on(links, monkeypatch)
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
         assert fabric.cluster()["epoch"] == 1
         assert_links_over(links, fabric.cluster())
