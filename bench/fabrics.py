@@ -78,9 +78,11 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
     with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL."""
     port = free_port()
     log = open(Path(log_root) / f"baseline-{transport}.log", "wb")  # noqa: SIM115
-    # Its packages before this checkout's, and its own kernel build (the build directory is keyed
+    # Its packages, not this checkout's, and its own kernel build (the build directory is keyed
     # by the environment, which both share; one source replacing the other's build would rebuild).
-    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
+    # Other PYTHONPATH entries stay (packages installed beside the image's, as on a GPU machine), but no checkout.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "fabric").is_dir()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *kept]), "XDG_CACHE_HOME": str(tree / ".cache")}
     module = "launch.cli" if (tree / "launch" / "cli.py").exists() else "fabric.cli"
     proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
                              "--expert-workers", "2", "--transport", transport, "--port", str(port), *(flags or [])],

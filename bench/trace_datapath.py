@@ -123,8 +123,10 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
     ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
+    ap.add_argument("--kernel", default="auto", help="the workers' --kernel (auto, torch, triton)")
     args = ap.parse_args()
-    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim, device=args.device)
+    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim, device=args.device,
+                                 kernel=args.kernel)
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     windows: list[tuple[int, int, int]] = []
     with tempfile.TemporaryDirectory(prefix="trace-") as where:

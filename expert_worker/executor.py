@@ -1,8 +1,9 @@
 """Runs a gathered batch, with rows grouped by (layer, expert) across calls and each expert run once.
 
-Experts live on the worker's device (`--device`). Calls arrive and results leave in host memory.
-With `--kernel triton`, a layer's hosted experts are stacked as [E', D, 2I] and [E', I, D]. A batch
-then runs each layer's experts in one fused launch (fabric/kernels/triton_moe.py).
+Experts live on the worker's device (`--device`). Calls arrive and results leave in host memory; on a GPU a
+batch's rows go to it in one copy and come back in one. With `--kernel triton` (and `auto` on a GPU), a layer's
+hosted experts are stacked as [E', D, 2I] and [E', I, D], and a batch runs each layer's experts in one fused
+launch (fabric/kernels/triton_moe.py); on a GPU a layer's batch is a CUDA graph of it (expert_worker/graphs.py).
 
 Legend: R rows of one call, N rows of one expert across calls, D hidden, I intermediate, E' the
 experts of a layer this worker hosts.
@@ -16,13 +17,14 @@ from pathlib import Path
 import torch
 
 from expert_worker.gather import PendingCall
+from expert_worker.graphs import BatchGraphs
 from fabric import device as dev
 from fabric.kernels import choose, skinny
 from fabric.messages.expert import ExpertCall
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
 from fabric.model.expert_weights import ExpertTensors, expert_kernel, expert_names, prepare_expert
-from fabric.model.ops import swiglu_ffn_t
+from fabric.model.ops import swiglu_ffn_t_into
 from fabric.model.weight_store import MappedStore
 
 
@@ -40,10 +42,14 @@ class LayerStack:
 
 
 class ExpertExecutor:
-    def __init__(self, cfg: ModelConfig, kernel: str = "auto", device: str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, kernel: str = "auto", device: str = "cpu", graphs: int = 0) -> None:
         self.cfg = cfg
         self.device = torch.device(device)  # resolved and checked by the worker (fabric/device.py)
+        kernel = choose.expert_ffn(kernel, self.device)  # (auto on a GPU: the fused kernel)
         self.triton = choose.triton_module("triton_moe", self.device) if kernel == "triton" else None
+        # On a GPU with the fused kernel: one layer's batch of up to `graphs` rows as a CUDA graph (`use_graphs`).
+        self.graphs: BatchGraphs | None = None
+        self.use_graphs(graphs)
         self.stacks: dict[int, LayerStack] = {}  # --kernel triton: layer -> its hosted experts, stacked
         # (layer, expert) -> (gate_up_t, down_t) in their serving layout (fabric/model/expert_weights.py)
         self.experts: dict[tuple[int, int], ExpertTensors] = {}
@@ -169,6 +175,14 @@ class ExpertExecutor:
             for layer in {lyr for lyr, _ in scratch}:
                 self.stacks.pop(layer, None)
 
+    def use_graphs(self, max_rows: int, capture: bool = True) -> None:
+        """Runs one layer's batch of up to `max_rows` rows from host memory as a CUDA graph: on a GPU with the fused
+        kernel, else nothing changes. `capture=False` (the tests', on the CPU): the same launches, not captured."""
+        if self.triton is None or max_rows <= 0 or (capture and self.device.type != "cuda"):
+            return
+        self.graphs = BatchGraphs(self.triton, self.cfg.hidden_size, self.cfg.expert_intermediate, self.cfg.torch_dtype,
+                                  self.device, max_rows, capture)
+
     def missing(self, call_layer: int, experts: list[int]) -> list[int]:
         return [e for e in experts if (call_layer, e) not in self.experts]
 
@@ -189,56 +203,89 @@ class ExpertExecutor:
                 if n:
                     groups.setdefault((p.call.layer, e), []).append((ci, start, n))
                 start += n
-        units = list(groups)
-        for unit in units:
-            self.tokens_by_expert[unit] = self.tokens_by_expert.get(unit, 0) + sum(n for _, _, n in groups[unit])
+        for unit, parts in groups.items():
+            self.tokens_by_expert[unit] = self.tokens_by_expert.get(unit, 0) + sum(n for _, _, n in parts)
         if self.gemm is not None:  # (the CPU's) one call for the batch: every expert, its rows gathered and scattered
+            units = list(groups)
             segments = [v for unit in units for part in groups[unit] for v in part]
             ends = list(itertools.accumulate(len(groups[unit]) for unit in units))
             return self.gemm.swiglu_calls([p.call.x for p in batch], segments, ends,
                                           [self.experts[u][0] for u in units], [self.experts[u][1] for u in units])
-        outs = [torch.empty_like(p.call.x) for p in batch]
-        xs = []  # [N, D] per unit
-        for unit in units:
-            x = [batch[ci].call.x[s : s + n] for ci, s, n in groups[unit]]
-            xs.append(dev.to_device(x[0] if len(x) == 1 else torch.cat(x), self.device))
-        if self.triton is not None:
-            ys = self._fused(units, xs)
+        return self._grouped(batch, groups)
+
+    def _grouped(self, batch: list[PendingCall], groups: dict[tuple[int, int], list[tuple[int, int, int]]]
+                 ) -> list[torch.Tensor]:
+        """The torch and Triton paths: the batch's rows in one buffer, sorted by (layer, expert).
+
+        On a GPU, calls in host memory go to it in one copy from pinned memory, and the results come back in one,
+        with one wait. Each expert runs on its slice of the buffer, into its slice of one output; the fused kernel
+        runs a layer's slice in one launch. The rows then go back into call order. A single call's rows, sorted
+        by expert as an AW sends them, are in that order already."""
+        units = sorted(groups)  # a layer's experts in its stack's order
+        sizes = [p.rows for p in batch]
+        first = list(itertools.accumulate(sizes, initial=0))
+        order = [first[ci] + s + j for u in units for ci, s, n in groups[u] for j in range(n)]  # [N] joined-call row
+        perm = None if all(i == r for i, r in enumerate(order)) else torch.tensor(order)
+        joined = batch[0].call.x if len(batch) == 1 else torch.cat([p.call.x for p in batch])  # [N, D]
+        staged = self.device.type == "cuda" and joined.device.type == "cpu"
+        counts = [sum(n for _, _, n in groups[u]) for u in units]
+        if staged:
+            x = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            if perm is None:
+                x.copy_(joined)
+            else:
+                torch.index_select(joined, 0, perm, out=x)
         else:
-            ys = [swiglu_ffn_t(x, *self.experts[u]) for x, u in zip(xs, units)]
-        # Whether the calls came as host memory. Over UCX with CUDA, they come as the GPU's.
-        on_host = not outs or outs[0].device.type == "cpu"
-        if on_host:
-            ys = dev.to_host_all(*ys)  # (on a GPU one wait for every expert's result, not one each)
-        for unit, y in zip(units, ys):  # y [N, D]
-            offset = 0
-            for ci, s, n in groups[unit]:
-                outs[ci][s : s + n] = y[offset : offset + n]
-                offset += n
-        # The results leave as device memory, which the transport reads outside the stream's order.
-        if not on_host:
+            x = joined if perm is None else joined.index_select(0, perm.to(joined.device))
+        # One layer's batch from host memory as a CUDA graph (on the CPU: the tests' graphs, not captured).
+        replayed = self._replayed(units, counts, x) if staged or self.device.type == "cpu" else None
+        if replayed is not None:
+            y = replayed if staged else replayed.clone()  # (the graph's buffer, overwritten by its next batch)
+        else:
+            if staged:
+                x = x.to(self.device, non_blocking=True)
+            y = torch.empty_like(x)  # [N, D]
+            if self.triton is not None:
+                self._fused(units, counts, x, y)
+            else:
+                row = 0
+                for unit, n in zip(units, counts):
+                    swiglu_ffn_t_into(x[row : row + n], *self.experts[unit], out=y[row : row + n])
+                    row += n
+        if staged:
+            y = dev.to_host_all(y)[0]  # pinned, after one wait
+        elif self.device.type == "cuda":
+            # The results leave as device memory, which the transport reads outside the stream's order.
             torch.cuda.current_stream(self.device).synchronize()
-        return outs
+        if perm is not None:
+            y = torch.empty_like(y).index_copy_(0, perm.to(y.device), y)  # call order
+        return list(y.split(sizes))
 
-    def _fused(self, units: list[tuple[int, int]], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Runs each layer's rows through one fused launch over its stacked experts.
+    def _replayed(self, units: list[tuple[int, int]], counts: list[int], x: torch.Tensor) -> torch.Tensor | None:
+        """One layer's batch, x [N, D] in host memory (pinned on a GPU), through its CUDA graph: the results [N, D]
+        on the device, in the graph's buffer; None where the batch is not one for a graph (expert_worker/graphs.py)."""
+        layer = units[0][0] if units else -1
+        if self.graphs is None or not self.graphs.takes(x.shape[0]) or units[-1][0] != layer:
+            return None
+        stack = self.stacks[layer]
+        per = [0] * len(stack.order)
+        for (_, e), n in zip(units, counts):
+            per[stack.index[e]] = n
+        return self.graphs.run(layer, stack, per, x)
 
-        Returns one [N, D] per unit.
-        """
+    def _fused(self, units: list[tuple[int, int]], counts: list[int], x: torch.Tensor, y: torch.Tensor) -> None:
+        """Runs each layer's rows, x's slice, through one fused launch over its stacked experts, into y's slice.
+
+        `units` are sorted, so a layer's rows are contiguous and in its stack's order."""
         assert self.triton is not None
-        ys: list[torch.Tensor | None] = [None] * len(units)
-        for layer in sorted({lyr for lyr, _ in units}):
-            stack = self.stacks[layer]
-            mine = sorted((stack.index[e], j) for j, (lyr, e) in enumerate(units) if lyr == layer)  # stack order
-            counts = [0] * len(stack.order)
-            for i, j in mine:
-                counts[i] = xs[j].shape[0]
-            y = self.triton.fused_moe(torch.cat([xs[j] for _, j in mine]), counts, stack.gate_up, stack.down)
-            y = y.to(self.cfg.torch_dtype)  # the kernel accumulates and returns fp32
-            start = 0
-            for i, j in mine:
-                ys[j] = y[start : start + counts[i]]
-                start += counts[i]
-        done = [y for y in ys if y is not None]
-        assert len(done) == len(units), "a unit of the batch got no rows back"
-        return done
+        row, i = 0, 0
+        while i < len(units):
+            layer, stack = units[i][0], self.stacks[units[i][0]]
+            per = [0] * len(stack.order)
+            start = row
+            while i < len(units) and units[i][0] == layer:
+                per[stack.index[units[i][1]]] = counts[i]
+                row += counts[i]
+                i += 1
+            # The kernel accumulates and returns fp32: the copy casts to the batch's dtype.
+            y[start:row].copy_(self.triton.fused_moe(x[start:row], per, stack.gate_up, stack.down))

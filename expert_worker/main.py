@@ -57,7 +57,7 @@ class ExpertWorker(Service):
         self.cfg = cfg
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.executor = (SimExecutor(self.model, cfg.sim_expert_ms, cfg.sim_expert_row_us) if cfg.compute == "sim"
-                         else ExpertExecutor(self.model, cfg.kernel, str(device.resolve(cfg.device))))
+                         else ExpertExecutor(self.model, cfg.kernel, str(device.resolve(cfg.device)), cfg.cuda_graphs))
         self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms, self.model.num_layers)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)

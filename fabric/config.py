@@ -117,7 +117,8 @@ class WorkerConfig(RoleConfig):
     threads: int = opt(1, "torch intra-op threads")
     kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
                       "lm_head) and the AW's decode attention over its paged KV cache: auto (on the CPU the fabric's "
-                      "AVX-512 kernels for fp32 where the CPU has AVX-512 and they build, else torch), torch, or "
+                      "AVX-512 kernels for fp32 where the CPU has AVX-512 and they build, else torch; on a GPU "
+                      "Triton's for the EW's experts and, with CUDA graphs, the AW's decode attention), torch, or "
                       "triton (the EW's fused MoE and the AW's paged decode attention in Triton: on a CUDA device, "
                       "or on the CPU under TRITON_INTERPRET=1, for tests)", choices=KERNELS)
     weight_store: str | None = opt(None, "map weights from this host's weight store (`moe-fabric weight-store --dir`) "
@@ -170,6 +171,9 @@ class ExpertWorkerConfig(WorkerConfig):
     max_wait_ms: float = opt(20.0, "the longest a call waits for the others of its batch")
     sim_expert_ms: float = opt(0.85, "--compute sim: what one layer's batch of experts costs (Tarragon: 0.85 ms)")
     sim_expert_row_us: float = opt(0.0, "--compute sim: and per row of that batch")
+    cuda_graphs: int = opt(512, "on a GPU with --kernel triton, run one layer's batch of at most this many rows as a "
+                                "CUDA graph (the fused kernel's launches as one, captured per layer and bucket of "
+                                "rows on first use); 0: op by op")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,8 +181,8 @@ class ExpertWorkerConfig(WorkerConfig):
             raise ConfigError(f"unknown gather policy {self.gather!r}; choose sync or threshold")
         if self.max_wait_ms < 0 or self.min_batch_tokens < 1:
             raise ConfigError("max_wait_ms must be >= 0 and min_batch_tokens >= 1")
-        if self.sim_expert_ms < 0 or self.sim_expert_row_us < 0:
-            raise ConfigError("sim_expert_ms and sim_expert_row_us must be >= 0")
+        if self.sim_expert_ms < 0 or self.sim_expert_row_us < 0 or self.cuda_graphs < 0:
+            raise ConfigError("sim_expert_ms, sim_expert_row_us and cuda_graphs must be >= 0")
 
 
 @dataclass(frozen=True)

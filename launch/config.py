@@ -78,6 +78,7 @@ class ServeConfig:
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
     max_batch_tokens: int = like(AttentionWorkerConfig, "max_batch_tokens")
     cuda_graphs: int = like(AttentionWorkerConfig, "cuda_graphs")
+    expert_cuda_graphs: int = like(ExpertWorkerConfig, "cuda_graphs")
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
     send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
@@ -197,7 +198,8 @@ class ServeConfig:
                 supervisor_fd=0 if self.provisioner == "auto" else None,  # the real fd is known at spawn time
                 recovery_grace_s=self.recovery_grace_s, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                 tls_cert=self.tls_cert, tls_key=self.tls_key),
-            expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms),
+            expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms,
+                                      cuda_graphs=self.expert_cuda_graphs),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
                                             max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs,
                                             sim_attention_ms=self.sim_attention_ms, **probes),

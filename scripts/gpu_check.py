@@ -5,8 +5,9 @@ tree on PYTHONPATH). On a machine without a GPU it runs its CPU part (`--device 
 what needs a GPU.
 
     1. kernels    the Triton kernels against torch (tests/fabric/test_triton_kernels.py: compiled on a
-                  GPU, under Triton's interpreter on the CPU), and the moves between host and device
-                  memory (tests/fabric/test_device_moves.py)
+                  GPU, under Triton's interpreter on the CPU), the moves between host and device
+                  memory (tests/fabric/test_device_moves.py), and an EW's batches, op by op and as
+                  CUDA graphs (tests/expert_worker/test_executor.py)
     2. parity     greedy output against transformers on the same device, both test architectures,
                   the default kernels (on a GPU: CUDA graphs of decode steps, the Triton paged
                   attention), torch's and the Triton ones (on the CPU: torch only; the interpreter's
@@ -65,7 +66,7 @@ def kernels(device: str, out: Path) -> list[Row]:
     except ImportError:
         return [{"check": "Triton kernels", "result": "skipped", "detail": "no triton here"}]
     code, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fabric/test_triton_kernels.py",
-                      "tests/fabric/test_device_moves.py"], 300, out / "kernels.log", env)
+                      "tests/fabric/test_device_moves.py", "tests/expert_worker/test_executor.py"], 300, out / "kernels.log", env)
     where = "compiled for the GPU" if device != "cpu" else "under the interpreter"
     return [{"check": f"Triton kernels {where} = torch; the host-device moves", "result": "pass" if code == 0 else "FAIL",
              "detail": f"{secs:.0f} s, log {out / 'kernels.log'}"}]

@@ -2,8 +2,9 @@
 
 On the CPU it runs the AVX-512 module (skinny.py, with the GEMM and paged decode attention) or torch. `triton`
 runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which
-is how the tests run them. On a GPU otherwise it runs torch, but for an AW's decode attention where the AW runs
-CUDA graphs (attention_worker/cuda_graphs.py): Triton's paged kernel, as a graph needs a paged attention."""
+is how the tests run them. On a GPU `auto` runs an EW's experts with the fused Triton kernel as CUDA graphs
+(expert_worker/graphs.py), and an AW's decode attention with Triton's paged kernel where the AW runs CUDA graphs
+(attention_worker/cuda_graphs.py), as a graph needs a paged attention; torch's ops otherwise."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def triton_module(name: str, device: torch.device) -> Any:
         return importlib.import_module(f"fabric.kernels.{name}")
     except ImportError as exc:
         raise ConfigError(f"--kernel triton needs the triton package (pip install 'moe-fabric[gpu]'): {exc}") from None
+
+
+def expert_ffn(kernel: str, device: torch.device) -> str:
+    """The kernel an EW runs its experts with: `auto` on a GPU is the fused Triton kernel where triton is installed,
+    a layer's batch as one CUDA graph (expert_worker/graphs.py; 1.07x to 1.14x the tokens a second of torch's ops
+    on one H200, docs/performance.md); `kernel` itself otherwise (on the CPU: the skinny GEMM where it fits)."""
+    if kernel == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return kernel
 
 
 def gemm(kernel: str, device: torch.device, dtype: torch.dtype) -> skinny.SkinnyGemm | None:

@@ -89,6 +89,36 @@ def tiles(counts: list[int], block_m: int = BLOCK_M) -> tuple[list[int], list[in
     return experts, starts, ends
 
 
+def tile_meta(counts: list[int], width: int | None = None) -> torch.Tensor:
+    """[3, tiles] int32 on the host: each tile's expert, first row and end row (`tiles`), padded to `width` tiles
+    with empty ones (first row = end row = 0: their programs load and store nothing), as a CUDA graph's fixed grid
+    needs."""
+    te, ts, tn = tiles(counts)
+    pad = 0 if width is None else width - len(te)
+    if pad < 0:
+        raise ValueError(f"tile_meta: {len(te)} tiles do not fit in {width}")
+    return torch.tensor([te + [0] * pad, ts + [0] * pad, tn + [0] * pad], dtype=torch.int32)
+
+
+def most_tiles(rows: int, experts: int, block_m: int = BLOCK_M) -> int:
+    """The most tiles `rows` rows over `experts` experts make: a tile per expert with rows, and a tile more per
+    block_m rows past each expert's first (sum ceil(n_e / BM) = k + sum floor((n_e - 1) / BM), k <= min(rows, E))."""
+    return min(rows, experts) + rows // block_m
+
+
+def launch(x: torch.Tensor, meta: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor, h: torch.Tensor,
+           y: torch.Tensor) -> None:
+    """The two launches over the tiles of `meta` [3, tiles] (int32, on x's device), nothing allocated: x [N, D]
+    -> y [N, D] (fp32) through h [N, I] (fp32), all contiguous. A CUDA graph captures it over fixed buffers."""
+    d, inter, grid = x.shape[1], down_t.shape[1], meta.shape[1]
+    ieee = gate_up_t.dtype == torch.float32
+    te, ts, tn = meta.unbind(0)
+    _gate_up_swiglu[(grid, triton.cdiv(inter, BLOCK_N))](x, gate_up_t, h, te, ts, tn, d, inter,
+                                                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee)
+    _down[(grid, triton.cdiv(d, BLOCK_N))](h, down_t, y, te, ts, tn, inter, d, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                                           IEEE=ieee)
+
+
 def fused_moe(x: torch.Tensor, counts: list[int], gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
     """SwiGLU FFN of every row by its expert: x [N, D] -> [N, D] (fp32).
 
@@ -99,16 +129,12 @@ def fused_moe(x: torch.Tensor, counts: list[int], gate_up_t: torch.Tensor, down_
     if len(counts) != e or sum(counts) != n or gate_up_t.shape[1] != d or tuple(down_t.shape) != (e, inter, d):
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, counts {counts}, gate_up_t {tuple(gate_up_t.shape)}, "
                          f"down_t {tuple(down_t.shape)} do not fit")
-    y = torch.zeros((n, d), dtype=torch.float32, device=x.device)
+    y = torch.empty((n, d), dtype=torch.float32, device=x.device)  # every row is in one tile: all written
     if n == 0:
         return y
-    te, ts, tn = tiles(counts)
-    meta = [torch.tensor(v, dtype=torch.int32, device=x.device) for v in (te, ts, tn)]
+    meta = tile_meta(counts)
+    if x.device.type != "cpu":  # one copy, queued from pinned memory
+        meta = meta.pin_memory()
     h = torch.empty((n, inter), dtype=torch.float32, device=x.device)
-    x, gate_up_t, down_t = x.contiguous(), gate_up_t.contiguous(), down_t.contiguous()
-    ieee = gate_up_t.dtype == torch.float32
-    _gate_up_swiglu[(len(te), triton.cdiv(inter, BLOCK_N))](x, gate_up_t, h, *meta, d, inter,
-                                                            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee)
-    _down[(len(te), triton.cdiv(d, BLOCK_N))](h, down_t, y, *meta, inter, d, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                                              IEEE=ieee)
+    launch(x.contiguous(), meta.to(x.device, non_blocking=True), gate_up_t.contiguous(), down_t.contiguous(), h, y)
     return y

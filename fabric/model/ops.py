@@ -45,6 +45,12 @@ def swiglu_ffn_t(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor)
     return (F.silu(gate) * up) @ down_t
 
 
+def swiglu_ffn_t_into(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`swiglu_ffn_t` written into `out` [T, D], a slice of a batch's output: the same products, bit for bit."""
+    gate, up = (x @ gate_up_t).chunk(2, dim=-1)  # [T, I] each
+    return torch.matmul(F.silu(gate) * up, down_t, out=out)
+
+
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] float32, experts [T, k] int64), as both architectures route."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU speed check, sized for a lent GPU machine's few minutes: the Triton kernels and the expert worker's batch
+# against torch, the datapath against transformers `generate` (with a baseline checkout side by side where one is
+# given, and the workers on the Triton kernels too: the expert batch as CUDA graphs), where a layer's time goes on
+# the Triton kernels (the trace), and an EW SIGINT on them. Each step has a cap; the output says each step's exit
+# code and seconds. Wheels in .whl/ (msgspec, py-spy: what the image lacks) are installed first, for this tree and
+# the baseline alike. `bench/profile_datapath.py --device cuda --py-spy` says where the workers' CPU goes.
+# Usage: [REPEATS=2] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]}"
+base="${2:-}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+step() {
+  local cap=$1 t0=$SECONDS
+  shift
+  echo "== $* (cap ${cap} s)"
+  timeout "$cap" "$@"
+  echo "== rc $? in $((SECONDS - t0)) s"
+}
+"$python" -c 'import torch, msgspec; print(torch.__version__, torch.cuda.get_device_name(0), "msgspec", msgspec.__version__)'
+step 90 "$python" -m pytest -q -p no:cacheprovider tests/expert_worker/test_executor.py \
+  tests/fabric/test_triton_kernels.py tests/fabric/test_device_moves.py
+step 240 "$python" bench/bench_datapath.py --device cuda --transports tcp --concurrency 1,16,64 --tokens 64 \
+  --repeats "${REPEATS:-2}" --triton ${base:+--baseline-tree "$base" --baseline-flags "--device cuda"} --out "$out/datapath"
+step 70 "$python" bench/trace_datapath.py --device cuda --kernel triton --concurrency 1,64 --seconds 5 --out "$out/trace"
+step 60 "$python" -m launch.cli experiment failover --role expert --signal INT --concurrency 8 --duration 12 --at 4 \
+  --tokens 48 --device cuda --kernel triton --out "$out/failover-ew-triton"
