@@ -1,9 +1,11 @@
 """Expert worker process.
 
 Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
-over the rows of all calls in the batch -> send each AW its results.
+over the rows of all calls in the batch -> send each AW its results. The read callback of a call
+takes that turn itself (`_turn`): the batch the call completes runs there, sparing a hop through the
+main loop.
 
-Connection handlers only validate and enqueue. The AWs' control channels carry their probes and
+Connection handlers validate and enqueue, and take that turn. The AWs' control channels carry their probes and
 whether they have a batch running. They and the orchestrator link are served on the control
 plane's loop (fabric/runtime.py). That loop never waits for a batch, however long it takes. The
 data path does not need the orchestrator.
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from expert_worker import loading
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
 from expert_worker.sim_executor import SimExecutor
@@ -39,7 +42,6 @@ from fabric.messages.control import (
 from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
 from fabric.messages.liveness import AwActivity, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
-from fabric.model.weight_store import MappedStore, open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
@@ -67,6 +69,7 @@ class ExpertWorker(Service):
         self.loaded = False
         self.pending: list[PendingCall] = []
         self.computing: list[PendingCall] = []  # the batch under way
+        self.failed: Exception | None = None  # what a batch run from a read callback raised
         self.active_aws: set[str] = set()
         self.not_padding: set[str] = set()  # AWs whose last call said they do not pad (`ExpertCall.pads`)
         self.empty_calls = 0
@@ -221,36 +224,10 @@ class ExpertWorker(Service):
         return self.busy_for(), held
 
     def _premap(self) -> None:
-        self.executor.choose_kernel()
-        store = self._store()
-        if store is not None:
-            t0 = time.perf_counter()
-            cfg = self.model
-            self.executor.premap(store, [(lyr, e) for lyr in cfg.moe_layers for e in range(cfg.num_experts)])
-            log.info("a standby: mapped all %d experts of the weight store ahead (%.1f MiB) in %.3fs",
-                     len(self.executor.premapped), store.bytes_mapped / 2**20, time.perf_counter() - t0)
-            store.close()
-
-    def _store(self) -> MappedStore | None:
-        if self.cfg.compute == "sim":
-            return None
-        assert isinstance(self.executor, ExpertExecutor)
-        # The store must have the kernel's layout, on this device.
-        self.executor.choose_kernel()
-        return open_store(self.cfg.weight_store, self.cfg.model, self.model.torch_dtype, self.executor.gemm,
-                          self.cfg.weight_store_wait_s)
+        loading.premap_all(self.cfg, self.model, self.executor)
 
     def _load(self, units: list[tuple[int, int]]) -> None:
-        """Loads experts from the host's weight store where it has them, else from the checkpoint.
-
-        Runs in a thread.
-        """
-        store = self._store() if any(u not in self.executor.premapped for u in units) else None
-        try:
-            self.executor.load(self.cfg.model, units, store)
-        finally:
-            if store is not None:
-                store.close()
+        loading.load(self.cfg, self.model, self.executor, units)
 
     def stats(self) -> WorkerStats:
         rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
@@ -309,7 +286,7 @@ class ExpertWorker(Service):
             return
         if not isinstance(msg, ExpertCall):
             raise ProtocolError(f"unexpected {msg.kind} on the data channel")
-        self._validate(msg)
+        msg.check(self.model.hidden_size, self.model.torch_dtype)
         if msg.epoch < self.epoch:
             self.stale_calls += 1  # routed by an older table: served all the same if hosted here
         self.epoch = max(self.epoch, msg.epoch)
@@ -325,56 +302,64 @@ class ExpertWorker(Service):
         self.empty_calls += not msg.counts
         trace.stamp("arrive", aw_id, msg.call_id)
         self.pending.append(PendingCall(aw_id, conn, msg))
-        self.wakeup.set()
-
-    def _validate(self, call: ExpertCall) -> None:
-        x = call.x
-        if len(call.experts) != len(call.counts) or any(n < 0 for n in call.counts):
-            raise ProtocolError("expert_call: experts and counts disagree")
-        if x.dim() != 2 or x.shape[1] != self.model.hidden_size or x.dtype != self.model.torch_dtype:
-            raise ProtocolError(f"expert_call: x has shape {tuple(x.shape)} {x.dtype}")
-        if sum(call.counts) != x.shape[0]:
-            raise ProtocolError("expert_call: counts do not add up to the rows of x")
+        if not self.computing and self.failed is None:
+            try:
+                self._turn()  # the batch this call completes, here
+            except Exception as exc:  # the worker's failure, not this AW's: the main loop raises it
+                self.failed = exc
+        if self.pending or self.failed is not None:
+            self.wakeup.set()
 
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            replays = [p for p in self.pending if p.call.replay]
-            # Replayed work from a dead EW's AWs goes first, whatever the policy says.
-            if replays:
-                batch, wait = replays, None
-            else:
-                batch, wait = self.policy.select(self.pending, self._awaited(), time.monotonic())
-            if not batch:
-                self.wakeup.clear()
-                # A timer, not wait_for, which would wrap the wait in a task of its own every layer.
-                timer = asyncio.get_running_loop().call_later(wait if wait is not None else 1.0, self.wakeup.set)
-                try:
-                    await self.wakeup.wait()
-                finally:
-                    timer.cancel()
+            if self.failed is not None:
+                raise self.failed  # (a batch run from a read callback)
+            ran, wait = self._turn()
+            if ran:
                 continue
-            chosen = {id(p) for p in batch}
-            self.computing = batch  # before it leaves `pending`: the control loop counts it held throughout (`load`)
-            self.pending = [p for p in self.pending if id(p) not in chosen]
-            t0 = time.perf_counter()
+            self.wakeup.clear()
+            # A timer, not wait_for, which would wrap the wait in a task of its own every layer.
+            timer = asyncio.get_running_loop().call_later(wait if wait is not None else 1.0, self.wakeup.set)
             try:
-                outputs = self.clock.run(self._run, batch)
+                await self.wakeup.wait()
             finally:
-                self.computing = []
-            self.compute_s += time.perf_counter() - t0
-            self.batches += 1
-            self.mixed_batches += len({p.call.layer for p in batch}) > 1
-            for p, y in zip(batch, outputs):
-                if not p.rows:
-                    # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
-                    continue
-                try:
-                    # Never wait on one slow AW.
-                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws)))
-                    trace.stamp("sent", p.aw_id, p.call.call_id)
-                except PeerDeadError:
-                    pass  # that AW is gone; nobody waits for these rows
+                timer.cancel()
+
+    def _turn(self) -> tuple[bool, float | None]:
+        """Runs and answers the batch the policy picks now, if any: (whether one ran, seconds until the policy's
+        next time-based decision). The main loop takes turns, and so does the read callback of a call that
+        completes a batch, sparing the hop through the main loop."""
+        replays = [p for p in self.pending if p.call.replay]
+        # Replayed work from a dead EW's AWs goes first, whatever the policy says.
+        if replays:
+            batch, wait = replays, None
+        else:
+            batch, wait = self.policy.select(self.pending, self._awaited(), time.monotonic())
+        if not batch:
+            return False, wait
+        chosen = {id(p) for p in batch}
+        self.computing = batch  # before it leaves `pending`: the control loop counts it held throughout (`load`)
+        self.pending = [p for p in self.pending if id(p) not in chosen]
+        t0 = time.perf_counter()
+        try:
+            outputs = self.clock.run(self._run, batch)
+        finally:
+            self.computing = []
+        self.compute_s += time.perf_counter() - t0
+        self.batches += 1
+        self.mixed_batches += len({p.call.layer for p in batch}) > 1
+        for p, y in zip(batch, outputs):
+            if not p.rows:
+                # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
+                continue
+            try:
+                # Never wait on one slow AW.
+                p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws)))
+                trace.stamp("sent", p.aw_id, p.call.call_id)
+            except PeerDeadError:
+                pass  # that AW is gone; nobody waits for these rows
+        return True, None
 
     def _awaited(self) -> set[str]:
         """The AWs a sync gather waits for: those with a batch running whose last call said they pad.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fabric.errors import ProtocolError
 from fabric.messages.base import Message, register
 
 
@@ -28,6 +29,16 @@ class ExpertCall(Message):
     # Whether this AW sends the EW an empty call at each layer it has no rows for, so that its sync gather may
     # wait for this AW. It says so in every message, and stops only after one that says it stops.
     pads: bool = True
+
+    def check(self, hidden: int, dtype: torch.dtype) -> None:
+        """Raises a ProtocolError where the call does not fit a model of this hidden size and dtype."""
+        x = self.x
+        if len(self.experts) != len(self.counts) or any(n < 0 for n in self.counts):
+            raise ProtocolError("expert_call: experts and counts disagree")
+        if x.dim() != 2 or x.shape[1] != hidden or x.dtype != dtype:
+            raise ProtocolError(f"expert_call: x has shape {tuple(x.shape)} {x.dtype}")
+        if sum(self.counts) != x.shape[0]:
+            raise ProtocolError("expert_call: counts do not add up to the rows of x")
 
 
 @register
