@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fabric.transport import same_host
+
 SCRATCH_BYTES = 256 << 10
 SPILL_BYTES = 1 << 20
 # Reads at least this large fill their buffer straight from the socket.
@@ -80,6 +82,8 @@ class Pipe(asyncio.BufferedProtocol):
             # connection unread. Over TCP that write succeeds and what the peer sent before its FIN is read first. A
             # second descriptor of the socket lets `connection_lost` read those bytes all the same (`_drain_unread`).
             self._unread_fd = os.dup(sock.fileno())
+            # A Unix socket's writes are bounded by its sender's buffer alone (fabric/transport/same_host.py).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, same_host.SNDBUF)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         # A large read fills its target straight from the socket. A small one (a prefix, a small body) takes
