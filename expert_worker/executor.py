@@ -1,7 +1,7 @@
 """Runs a gathered batch, with rows grouped by (layer, expert) across calls and each expert run once.
 
 Experts live on the worker's device (`--device`). Calls arrive and results leave in host memory; on a GPU a
-batch's rows go to it in one copy and come back in one. With `--kernel triton` (and `auto` on a GPU), a layer's
+batch's rows go to it in one copy and come back in one. With `--kernel triton` (and `auto` on a GPU for fp32), a layer's
 hosted experts are stacked as [E', D, 2I] and [E', I, D], and a batch runs each layer's experts in one fused
 launch (fabric/kernels/triton_moe.py); on a GPU a layer's batch is a CUDA graph of it (expert_worker/graphs.py).
 
@@ -45,7 +45,7 @@ class ExpertExecutor:
     def __init__(self, cfg: ModelConfig, kernel: str = "auto", device: str = "cpu", graphs: int = 0) -> None:
         self.cfg = cfg
         self.device = torch.device(device)  # resolved and checked by the worker (fabric/device.py)
-        kernel = choose.expert_ffn(kernel, self.device)  # (auto on a GPU: the fused kernel)
+        kernel = choose.expert_ffn(kernel, self.device, cfg.torch_dtype)  # (auto on a GPU, fp32: the fused kernel)
         self.triton = choose.triton_module("triton_moe", self.device) if kernel == "triton" else None
         # On a GPU with the fused kernel: one layer's batch of up to `graphs` rows as a CUDA graph (`use_graphs`).
         self.graphs: BatchGraphs | None = None
@@ -174,6 +174,8 @@ class ExpertExecutor:
                 self.experts.pop(u, None)
             for layer in {lyr for lyr, _ in scratch}:
                 self.stacks.pop(layer, None)
+                if self.graphs is not None:
+                    self.graphs.forget(layer)  # (graphs of the scratch stacks, which hold their experts)
 
     def use_graphs(self, max_rows: int, capture: bool = True) -> None:
         """Runs one layer's batch of up to `max_rows` rows from host memory as a CUDA graph: on a GPU with the fused

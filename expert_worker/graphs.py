@@ -1,4 +1,4 @@
-"""CUDA graphs of an expert worker's batch, on a GPU with the fused kernel (`--kernel triton`).
+"""CUDA graphs of an expert worker's batch, on a GPU with the fused kernel (`--kernel triton`; `auto` for fp32).
 
 On one H200 at one stream an EW's batch took ~570 µs of a 1.7 ms layer (docs/performance.md), nearly all of it its
 CPU launching a dozen small ops. A graph launches a batch as one: `BatchGraphs` captures, per layer and bucket of B
@@ -38,6 +38,8 @@ class Stack(Protocol):
 
 
 class BatchGraphs:
+    """An EW's graphs, per (layer, bucket of rows), over one set of buffers: batches run one at a time."""
+
     def __init__(self, kernels: Any, hidden: int, inter: int, dtype: torch.dtype, device: torch.device,
                  max_rows: int, capture: bool = True) -> None:
         self.kernels = kernels  # fabric.kernels.triton_moe
@@ -63,6 +65,11 @@ class BatchGraphs:
 
     def takes(self, rows: int) -> bool:
         return self.failed is None and 0 < rows <= self.buckets[-1]
+
+    def forget(self, layer: int) -> None:
+        """Drops a layer's graphs, and with them the stack they hold."""
+        for key in [k for k in self.graphs if k[0] == layer]:
+            del self.graphs[key]
 
     def run(self, layer: int, stack: Stack, counts: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """x [N, D] (host memory, pinned on a GPU; rows sorted by expert in the stack's order, counts[i] of

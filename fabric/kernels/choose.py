@@ -2,7 +2,7 @@
 
 On the CPU it runs the AVX-512 module (skinny.py, with the GEMM and paged decode attention) or torch. `triton`
 runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which
-is how the tests run them. On a GPU `auto` runs an EW's experts with the fused Triton kernel as CUDA graphs
+is how the tests run them. On a GPU `auto` runs an EW's fp32 experts with the fused Triton kernel as CUDA graphs
 (expert_worker/graphs.py), and an AW's decode attention with Triton's paged kernel where the AW runs CUDA graphs
 (attention_worker/cuda_graphs.py), as a graph needs a paged attention; torch's ops otherwise."""
 
@@ -38,11 +38,14 @@ def triton_module(name: str, device: torch.device) -> Any:
         raise ConfigError(f"--kernel triton needs the triton package (pip install 'moe-fabric[gpu]'): {exc}") from None
 
 
-def expert_ffn(kernel: str, device: torch.device) -> str:
-    """The kernel an EW runs its experts with: `auto` on a GPU is the fused Triton kernel where triton is installed,
-    a layer's batch as one CUDA graph (expert_worker/graphs.py; 1.07x to 1.14x the tokens a second of torch's ops
-    on one H200, docs/performance.md); `kernel` itself otherwise (on the CPU: the skinny GEMM where it fits)."""
-    if kernel == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+def expert_ffn(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel an EW runs its experts with: `auto` on a GPU, for fp32, is the fused Triton kernel where triton is
+    installed, a layer's batch as one CUDA graph (expert_worker/graphs.py; 1.07x to 1.14x the tokens a second of
+    torch's ops on one H200, greedy output as equal to transformers', docs/performance.md). bf16 stays on torch's
+    ops: the kernel keeps SwiGLU's product in fp32 where torch rounds it to bf16, and that was not measured against
+    transformers. `kernel` itself otherwise (on the CPU: the skinny GEMM where it fits)."""
+    if (kernel == "auto" and device.type == "cuda" and dtype == torch.float32
+            and importlib.util.find_spec("triton") is not None):
         return "triton"
     return kernel
 

@@ -129,3 +129,16 @@ def test_a_layers_batch_replays_its_graph_as_the_fused_kernel_runs_it(hf_models:
     same(calls((1, [1, 2], [3, 4])))
     now = ex.graphs.graphs[(1, 8)][0]
     assert ex.graphs.replays == 4 and now is not before and now is ex.stacks[1]
+
+
+def test_auto_runs_fp32_experts_on_a_gpu_with_the_fused_kernel() -> None:
+    """`--kernel auto` on a GPU: the fused kernel (with its graphs) for fp32, where triton is installed; torch's ops
+    for bf16, whose products against transformers' were not measured; the CPU's choice stays the CPU's."""
+    from importlib.util import find_spec
+
+    from fabric.kernels.choose import expert_ffn
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert expert_ffn("auto", gpu, torch.float32) == ("triton" if find_spec("triton") else "auto")
+    assert expert_ffn("auto", gpu, torch.bfloat16) == "auto" and expert_ffn("torch", gpu, torch.float32) == "torch"
+    assert expert_ffn("auto", cpu, torch.float32) == "auto" and expert_ffn("triton", cpu, torch.float32) == "triton"
