@@ -81,7 +81,8 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
     # Its packages, not this checkout's, and its own kernel build (the build directory is keyed
     # by the environment, which both share; one source replacing the other's build would rebuild).
     # Other PYTHONPATH entries stay (packages installed beside the image's, as on a GPU machine), but no checkout.
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "fabric").is_dir()]
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "launch" / "cli.py").exists()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *kept]), "XDG_CACHE_HOME": str(tree / ".cache")}
     module = "launch.cli" if (tree / "launch" / "cli.py").exists() else "fabric.cli"
     proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
