@@ -12,6 +12,7 @@ experts of a layer this worker hosts.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -239,8 +240,7 @@ class ExpertExecutor:
                 torch.index_select(joined, 0, perm, out=x)
         else:
             x = joined if perm is None else joined.index_select(0, perm.to(joined.device))
-        # One layer's batch from host memory as a CUDA graph (on the CPU: the tests' graphs, not captured).
-        replayed = self._replayed(units, counts, x) if staged or self.device.type == "cpu" else None
+        replayed = self._replayed(units, counts, x)  # one layer's batch from host memory as a CUDA graph
         if replayed is not None:
             y = replayed if staged else replayed.clone()  # (the graph's buffer, overwritten by its next batch)
         else:
@@ -265,29 +265,30 @@ class ExpertExecutor:
 
     def _replayed(self, units: list[tuple[int, int]], counts: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """One layer's batch, x [N, D] in host memory (pinned on a GPU), through its CUDA graph: the results [N, D]
-        on the device, in the graph's buffer; None where the batch is not one for a graph (expert_worker/graphs.py)."""
-        layer = units[0][0] if units else -1
-        if self.graphs is None or not self.graphs.takes(x.shape[0]) or units[-1][0] != layer:
+        on the device, in the graph's buffer; None where the batch is not one for a graph (expert_worker/graphs.py).
+        (On the CPU only the tests have graphs, not captured.)"""
+        if (self.graphs is None or x.device.type != "cpu" or not self.graphs.takes(x.shape[0])
+                or units[0][0] != units[-1][0]):
             return None
-        stack = self.stacks[layer]
-        per = [0] * len(stack.order)
-        for (_, e), n in zip(units, counts):
-            per[stack.index[e]] = n
+        ((layer, stack, _, _, per),) = self._layers(units, counts)
         return self.graphs.run(layer, stack, per, x)
 
     def _fused(self, units: list[tuple[int, int]], counts: list[int], x: torch.Tensor, y: torch.Tensor) -> None:
-        """Runs each layer's rows, x's slice, through one fused launch over its stacked experts, into y's slice.
-
-        `units` are sorted, so a layer's rows are contiguous and in its stack's order."""
+        """Runs each layer's rows, x's slice, through one fused launch over its stacked experts, into y's slice."""
         assert self.triton is not None
-        row, i = 0, 0
-        while i < len(units):
-            layer, stack = units[i][0], self.stacks[units[i][0]]
-            per = [0] * len(stack.order)
-            start = row
-            while i < len(units) and units[i][0] == layer:
-                per[stack.index[units[i][1]]] = counts[i]
-                row += counts[i]
-                i += 1
+        for _, stack, start, end, per in self._layers(units, counts):
             # The kernel accumulates and returns fp32: the copy casts to the batch's dtype.
-            y[start:row].copy_(self.triton.fused_moe(x[start:row], per, stack.gate_up, stack.down))
+            y[start:end].copy_(self.triton.fused_moe(x[start:end], per, stack.gate_up, stack.down))
+
+    def _layers(self, units: list[tuple[int, int]], counts: list[int]
+                ) -> Iterator[tuple[int, LayerStack, int, int, list[int]]]:
+        """Each layer of a batch whose `units` are sorted, so that a layer's rows are contiguous and in its stack's
+        order: (layer, its stack, first row, end row, rows of each stacked expert)."""
+        row = 0
+        for layer, group in itertools.groupby(zip(units, counts), key=lambda unit_rows: unit_rows[0][0]):
+            stack = self.stacks[layer]
+            per, start = [0] * len(stack.order), row
+            for (_, e), n in group:
+                per[stack.index[e]] = n
+                row += n
+            yield layer, stack, start, row, per

@@ -28,8 +28,7 @@ def open_weight_store(cfg: ExpertWorkerConfig, model: ModelConfig,
 
 def premap_all(cfg: ExpertWorkerConfig, model: ModelConfig, executor: ExpertExecutor | SimExecutor) -> None:
     """A standby's mappings of every expert in the weight store, made ahead (page tables only)."""
-    executor.choose_kernel()
-    store = open_weight_store(cfg, model, executor)
+    store = open_weight_store(cfg, model, executor)  # (the kernel chosen first: the store has its layout)
     if store is None:
         return
     t0 = time.perf_counter()
