@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,11 +36,11 @@ from fabric.transport.base import Transport
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`.
 
-    It is the expert's `part`-th share when the expert is spread over several replicas."""
+    It is the expert's `part`-th share when the expert is spread over several replicas. (A tuple: a layer makes
+    one per expert, and a frozen dataclass costs ~1 µs to make.)"""
 
     expert: int
     start: int
@@ -94,6 +94,10 @@ class ForwardingEngine:
         self.links = EwLinks(aw_id, transport, control_transport, probe_interval, probe_misses, on_suspect, device,
                              self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
+        # Each layer's expert -> the one EW that serves it now (None: spread over several, or no live copy), for
+        # the table and the EWs routed around that it was worked out for (`_ews_of`).
+        self._routes: dict[int, list[str | None]] = {}
+        self._routes_for: tuple[RoutingTable | None, set[str]] = (None, set())
         # Expert calls sent and not yet answered (the link's idle gap).
         self.in_flight = 0
         self.replays = 0
@@ -208,6 +212,24 @@ class ForwardingEngine:
         plan = plan_layer(layer, x, experts, weights, self.table.num_experts)
         return combine(plan, await self.run_plan(plan), x)
 
+    def _ews_of(self, layer: int, excluded: set[str]) -> list[str | None]:
+        """Expert -> the one EW serving it at `layer` under the current table with `excluded` routed around; None
+        where its rows are spread over several replicas or it has no live copy (those take the general way).
+
+        Worked out once per layer, table and set of excluded EWs, instead of two table lookups per expert a layer."""
+        table = self.table
+        assert table is not None
+        if self._routes_for[0] is not table or self._routes_for[1] != excluded:
+            self._routes, self._routes_for = {}, (table, set(excluded))
+        ews = self._routes.get(layer)
+        if ews is None:
+            ews = self._routes[layer] = [None] * table.num_experts
+            for e in range(table.num_experts):
+                serving = table.serving(layer, e, excluded)
+                if len(serving) == 1 and table.active_of(layer, e) <= 1:
+                    ews[e] = serving[0]
+        return ews
+
     def _pieces(self, layer: int, spans: dict[int, tuple[int, int]]) -> list[Piece]:
         """Each expert's rows as one piece, or as k pieces for a hot expert.
 
@@ -215,8 +237,11 @@ class ForwardingEngine:
         near-equal pieces, one per replica, which spreads its load (expert load balancing). A row's
         result does not depend on its batch, so the tokens stay the same."""
         assert self.table is not None
-        out: list[Piece] = []
         excluded = self.links.excluded
+        ews = self._ews_of(layer, excluded)
+        if all(ews[e] is not None for e in spans):  # no expert spread (the usual case): a piece each
+            return [Piece(e, start, n, 0) for e, (start, n) in sorted(spans.items())]
+        out: list[Piece] = []
         for e, (start, n) in sorted(spans.items()):
             k = min(n, len(self.table.serving(layer, e, excluded))) if self.table.active_of(layer, e) > 1 else 1
             if k <= 1:
@@ -235,6 +260,12 @@ class ForwardingEngine:
         A piece goes to its part's replica among the expert's reachable serving replicas. It waits,
         bounded, for experts that have none."""
         assert self.table is not None
+        one = self._ews_of(layer, self.links.excluded)
+        if all(one[p.expert] is not None for p in pieces):  # one live EW each (the usual case)
+            route: dict[str, list[int]] = {}
+            for j, p in enumerate(pieces):
+                route.setdefault(one[p.expert], []).append(j)  # type: ignore[arg-type]  # (not None: checked)
+            return route
         while True:
             for p in pieces:
                 if self.table.primary(layer, p.expert, self.links.excluded) is None:

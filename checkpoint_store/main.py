@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError, as_array
 from fabric import faults
 from fabric.config import CheckpointStoreConfig
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
@@ -207,11 +207,10 @@ class CheckpointStore(Service):
         for start, count in zip(msg.starts, msg.counts):
             self._check_span(start, count)
         self._owned_again(bucket, msg.request_ids)
-        col = 0
+        col, k, v = 0, as_array(msg.k), as_array(msg.v)  # (numpy's slices: ~0.2 µs each, torch's ~2)
         for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
             try:
-                bucket.append_layers(rid, msg.layer, start, msg.seq_no, msg.k[:, col:col + count],
-                                     msg.v[:, col:col + count])
+                bucket.append_layers(rid, msg.layer, start, msg.seq_no, k[:, col:col + count], v[:, col:col + count])
             except StoreFullError as exc:
                 self.full_errors += 1
                 log.warning("%s: %s", rid, exc)

@@ -13,7 +13,9 @@ closed is read all the same (fabric/transport/tcp_pipe.py, `Pipe._drain_unread`)
 buffer below SNDBUF (net.core.wmem_max), they are off: see SNDBUF.
 
 The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory. A directory that another
-user owns or can write into disables same-host sockets (TCP only).
+user owns or can write into disables same-host sockets (TCP only). A process killed outright leaves its socket file
+behind: a dialer that finds it uses TCP, a listener that gets the port again replaces it, and the first listener of
+each process removes the files of listeners that are gone (`sweep`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import stat
 import tempfile
+import time
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +97,68 @@ def path(host: str, port: int) -> str | None:
 def remove(p: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(p)
+
+
+# A socket file younger than this is left alone by `sweep`: its listener may be between bind and listen.
+STALE_AFTER_S = 10.0
+_ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's flags: a listening socket
+
+
+def listening() -> set[str] | None:
+    """The paths of the Unix sockets that listen in this network namespace; None where /proc does not say."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    out = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[3], 16) & _ACCEPTING:
+            out.add(fields[7])
+    return out
+
+
+def _refused(p: str) -> bool:
+    """Whether connecting to the socket at `p` is refused (nobody listens there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(p)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # (a full backlog, a file that is not a socket: not known to be dead)
+            return False
+    return False
+
+
+def sweep() -> int:
+    """Removes the socket files in this user's directory whose listeners are gone; returns how many.
+
+    A file goes where no socket in this network namespace listens on it, it is older than STALE_AFTER_S, and a
+    connection to it is refused (so a listener in another namespace that shares the directory keeps its file)."""
+    d = directory()
+    live = listening() if d is not None else None
+    if d is None or live is None:
+        return 0
+    removed = 0
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if p in live or not stat.S_ISSOCK(st.st_mode) or time.time() - st.st_mtime < STALE_AFTER_S:
+            continue
+        if _refused(p):
+            remove(p)
+            removed += 1
+    if removed:
+        log.info("removed %d socket files of listeners that are gone from %s", removed, d)
+    return removed
+
+
+@functools.cache
+def sweep_once() -> int:
+    """`sweep`, the first time a process asks (its first same-host listener)."""
+    return sweep()

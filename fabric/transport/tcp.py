@@ -274,6 +274,7 @@ class TcpTransport(Transport):
         servers, bound = [server], server.sockets[0].getsockname()[1]
         path = same_host.path(host, bound) if self.same_host else None
         if path is not None:
+            same_host.sweep_once()  # the files that killed processes left
             same_host.remove(path)  # a dead process's, on a port the kernel gave again
             servers.append(await loop.create_unix_server(_ServerPipe, path, backlog=LISTEN_BACKLOG))
             os.chmod(path, 0o600)

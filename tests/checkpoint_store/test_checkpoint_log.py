@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError, as_array
 
 LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 SEG = LAYOUT.segment_bytes  # 2 * 2 * 4 * 4 = 64
@@ -184,3 +184,22 @@ def test_chunks_cover_the_committed_tokens_in_order_within_the_byte_bound() -> N
     assert list(req.chunks(0, 1)) == []
     with pytest.raises(ValueError):
         next(req.chunks(n + 1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_spans_are_stored_bit_for_bit_in_every_kv_dtype(dtype: torch.dtype) -> None:
+    """The log writes a span's bytes through numpy (bfloat16 as int16): every value comes back exactly,
+    whether the span came as a tensor or as the store's array of a message's columns."""
+    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=dtype)
+    bucket = AwBucket("aw-0", layout, 1 << 20)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(3, 40, 2, 4, generator=g).to(dtype)  # [L, n, K, d]: 40 tokens, over two blocks
+    v = torch.randn(3, 40, 2, 4, generator=g).to(dtype)
+    bucket.put_tokens("r", 0, k[:, :7], v[:, :7])
+    ka, va = as_array(k), as_array(v)
+    for t in range(7, 40):  # decode steps, as the store's `_append` passes them: a message's columns as arrays
+        bucket.append_layers("r", 0, t, t, ka[:, t:t + 1], va[:, t:t + 1])
+    kk, vv = bucket.requests["r"].kv(40)
+    assert kk.dtype == dtype and torch.equal(kk.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                             k.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(vv, v) and bucket.requests["r"].frontier == 40

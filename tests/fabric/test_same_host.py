@@ -6,7 +6,9 @@ dialers use TCP."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,34 @@ def test_where_the_kernel_caps_socket_buffers_low_connections_are_tcp(monkeypatc
         assert all(p.startswith("tcp://") for p in asyncio.run(main()))
     finally:
         same_host.buffers_can_grow.cache_clear()
+
+
+def test_the_socket_files_of_listeners_that_are_gone_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed outright leaves its socket file: a sweep removes it once it is older than STALE_AFTER_S
+    and refuses connections; a live listener's file, and a fresh one, stay."""
+    d = tmp_path / "socks"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("MOE_FABRIC_SOCKET_DIR", str(d))
+    same_host.directory.cache_clear()
+    try:
+        def bound(name: str, listen: bool) -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / name))
+            if listen:
+                s.listen(1)
+            return s
+
+        live = bound("127.0.0.1_1.sock", listen=True)
+        dead = bound("127.0.0.1_2.sock", listen=True)
+        dead.close()  # as a killed process's: the file stays, nobody listens
+        fresh = bound("127.0.0.1_3.sock", listen=False)  # between bind and listen
+        fresh.close()
+        (d / "notes.txt").write_text("not a socket")
+        old = time.time() - 2 * same_host.STALE_AFTER_S
+        for name in ("127.0.0.1_1.sock", "127.0.0.1_2.sock", "notes.txt"):
+            os.utime(d / name, (old, old))
+        assert same_host.sweep() == 1
+        assert sorted(p.name for p in d.iterdir()) == ["127.0.0.1_1.sock", "127.0.0.1_3.sock", "notes.txt"]
+        live.close()
+    finally:
+        same_host.directory.cache_clear()
