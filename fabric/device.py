@@ -11,6 +11,7 @@ import asyncio
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from fabric.config_fields import check_device
@@ -59,6 +60,15 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     It is `t` itself where it is there already. Else it is a copy in pinned memory, made before this returns. The
     copy is a DMA at the bus's speed, not staged through a pageable buffer. torch caches the pinned blocks."""
     return t if t.device.type == "cpu" else to_host_all(t)[0]
+
+
+def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A host tensor's memory as a numpy array of its shape, no copy (bfloat16 as int16: for moving its bytes).
+
+    The checkpoint store writes spans through it: numpy's slicing costs ~1 µs where torch's indexing costs ~5."""
+    if isinstance(t, np.ndarray):
+        return t
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def to_host_all(*ts: torch.Tensor) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError, as_array
+from checkpoint_store.log import AwBucket, CheckpointLog, KvLayout, StoreFullError
+from fabric.device import host_array
 
 LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 SEG = LAYOUT.segment_bytes  # 2 * 2 * 4 * 4 = 64
@@ -196,7 +197,7 @@ def test_spans_are_stored_bit_for_bit_in_every_kv_dtype(dtype: torch.dtype) -> N
     k = torch.randn(3, 40, 2, 4, generator=g).to(dtype)  # [L, n, K, d]: 40 tokens, over two blocks
     v = torch.randn(3, 40, 2, 4, generator=g).to(dtype)
     bucket.put_tokens("r", 0, k[:, :7], v[:, :7])
-    ka, va = as_array(k), as_array(v)
+    ka, va = host_array(k), host_array(v)
     for t in range(7, 40):  # decode steps, as the store's `_append` passes them: a message's columns as arrays
         bucket.append_layers("r", 0, t, t, ka[:, t:t + 1], va[:, t:t + 1])
     kk, vv = bucket.requests["r"].kv(40)

@@ -4,6 +4,8 @@ the experts that ran, and survive an EW's and an AW's death token for token."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import shutil
 import signal
@@ -14,8 +16,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
+import pytest
 import torch
 
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.glue import TorchGlue
+from attention_worker.kv_cache import KVCache
+from attention_worker.layer_plan import LayerPlan, Part
+from attention_worker.model_runner import Chunk
+from attention_worker.request import Sequence
+from attention_worker.sim_runner import SimRunner
 from expert_worker.gather import PendingCall
 from expert_worker.sim_executor import SimExecutor, sim_factor
 from fabric.config import OrchestratorConfig
@@ -48,6 +58,47 @@ def test_a_sim_expert_worker_scales_each_row_by_its_experts_factor(hf_models: di
     assert torch.equal(y[:2], x[:2] * sim_factor(1, 2)) and torch.equal(y[2:], x[2:] * sim_factor(1, 5))
     assert sim_factor(1, 2) != sim_factor(1, 5) and ex.tokens_by_expert == {(1, 2): 2, (1, 5): 3}
     assert ex.experts.keys() == {(1, 2), (1, 5)} and ex.bytes_read == ex.bytes_mapped == 0
+    bf16 = ExpertCall(call_id=2, layer=1, epoch=1, experts=[5, 2], counts=[1, 0], x=x[:1].bfloat16())
+    (z,) = ex.run([PendingCall("aw-0", None, bf16)])  # type: ignore[arg-type]
+    assert z.dtype == torch.bfloat16 and torch.equal(z, bf16.x * torch.tensor([sim_factor(1, 5)], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: dict[str, Path], dtype: str) -> None:
+    """The sim AW writes each layer's stand-in K and V into its caches: what its checkpointer
+    is handed for a layer is what that layer's cache holds at the step's slots, and nothing else changes."""
+    cfg = dataclasses.replace(ModelConfig.from_dir(hf_models["mixtral"]), dtype=dtype)
+    kv = KVCache(cfg, 4, 1 << 20)
+    runner = SimRunner(cfg, kv, cast(ForwardingEngine, NoExperts()), 0.0, glue=TorchGlue(cfg.rms_norm_eps))
+    seen: list[tuple[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor]] = []
+    runner.kv_sink = lambda layer, spans, k, v: seen.append((layer, spans, k, v))
+    seqs = [Sequence(f"r{i}", p, [], 4, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate([[5], [7, 8, 9]])]
+    for _ in range(3):
+        before = [t.clone() for t in kv.k + kv.v]
+        seen.clear()
+        chunks = [Chunk(q, q.num_computed, q.num_tokens - q.num_computed) for q in seqs]
+        for c in chunks:
+            assert kv.blocks.grow(c.seq.block_table, c.start + c.n)
+        logits, _ = asyncio.run(runner.forward(chunks))
+        slots = torch.tensor([s for c in chunks for s in kv.slots(c.seq.block_table, c.start, c.start + c.n)])
+        assert sorted(layer for layer, *_ in seen) == list(range(cfg.num_layers))
+        for layer, _, k, v in seen:
+            assert k.dtype == kv.k[layer].dtype and torch.equal(kv.k[layer][slots], k)
+            assert torch.equal(kv.v[layer][slots], v)
+            for cache, old in ((kv.k[layer], before[layer]), (kv.v[layer], before[cfg.num_layers + layer])):
+                untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+                untouched[slots] = False
+                assert torch.equal(cache[untouched], old[untouched])
+        for c, token in zip(chunks, logits.argmax(-1).tolist()):
+            c.seq.num_computed += c.n
+            c.seq.append(token)
+
+
+class NoExperts:
+    """A REFE whose experts add nothing."""
+
+    async def run_plan(self, plan: LayerPlan) -> list[Part]:
+        return [(slice(0, plan.xs.shape[0]), torch.zeros_like(plan.xs))]
 
 
 def test_a_sim_fabric_survives_ew_and_aw_deaths_token_for_token(hf_models: dict[str, Path], tmp_path: Path) -> None:
