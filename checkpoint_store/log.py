@@ -51,6 +51,11 @@ class KvLayout:
         """Bytes of one token's k and v for one layer (asked for each span stored: worked out once)."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @functools.cached_property
+    def array_dtype(self) -> np.dtype:
+        """The numpy dtype of the blocks' arrays (`host_array`: bfloat16 as int16)."""
+        return host_array(torch.empty(0, dtype=self.dtype)).dtype
+
     def empty_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [L, 0, K, d]: no tokens."""
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_dim)
@@ -133,6 +138,8 @@ class RequestLog:
         Returns the bytes added. Segments already held are duplicates, which are ignored and counted.
         """
         k, v = host_array(k), host_array(v)
+        if k.dtype != self.layout.array_dtype or v.dtype != k.dtype:  # numpy would convert the values, or their bits
+            raise TypeError(f"a span of {k.dtype} / {v.dtype} where the log holds {self.layout.dtype}")
         m, n = k.shape[0], k.shape[1]
         if seq_no < self.last_seq:
             self.out_of_order += 1

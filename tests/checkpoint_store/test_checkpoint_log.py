@@ -204,3 +204,6 @@ def test_spans_are_stored_bit_for_bit_in_every_kv_dtype(dtype: torch.dtype) -> N
     assert kk.dtype == dtype and torch.equal(kk.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                              k.view(torch.int16 if dtype != torch.float32 else torch.int32))
     assert torch.equal(vv, v) and bucket.requests["r"].frontier == 40
+    with pytest.raises(TypeError):  # another dtype's values are refused, not converted
+        other = torch.float16 if dtype == torch.float32 else torch.float32
+        bucket.append_layers("r", 0, 40, 41, torch.zeros(3, 1, 2, 4, dtype=other), torch.zeros(3, 1, 2, 4, dtype=other))
