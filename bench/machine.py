@@ -52,6 +52,17 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / tick
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds this process has used so far, all its threads; (0, 0) once it is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
     """Best bytes/s of a large tensor copy (a read and a write of every byte)."""
     src = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)

@@ -1,5 +1,6 @@
 """Where the data path's time goes: a fabric (2 AWs + 2 EWs) under a closed loop of C streams;
-CPU seconds per 1000 output tokens of every process (from /proc), each EW's batches (and how many
+CPU seconds per 1000 output tokens of every process (from /proc), and its user and system CPU per token and
+layer (at one stream, per layer), each EW's batches (and how many
 held calls for more than one layer, each layer's experts read apart), and, with `--py-spy`, the
 functions that take each attention and expert worker's CPU and gateway-0's (py-spy samples, by
 own time and by total time). `--device cuda` runs the workers on a GPU.
@@ -20,9 +21,10 @@ import time
 from pathlib import Path
 
 from fabrics import profiled_fabric
-from machine import cpu_seconds
+from machine import cpu_split
 from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
 
+from fabric.model.config import ModelConfig
 from launch.local import Fabric
 
 
@@ -80,7 +82,7 @@ def main() -> None:
                 spies.append((name, out, subprocess.Popen(
                     [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),
                      "-o", str(out), "-p", str(procs[name].pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
-        before = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
+        before = {n: cpu_split(p.pid) for n, p in procs.items()}
         tokens = [0]
         stop = threading.Event()
 
@@ -96,19 +98,22 @@ def main() -> None:
         stop.set()
         runner.join()
         wall = time.perf_counter() - t
-        after = {n: cpu_seconds([p.pid]) for n, p in procs.items()}
+        after = {n: cpu_split(p.pid) for n, p in procs.items()}
         ews_after = _ew_batches(fabric)
         for _, _, p in spies:
             p.wait(60)
     n = tokens[0]
     print(f"\n{n} tokens in {wall:.1f} s ({n / wall:.0f} tok/s) at C={args.concurrency}, {args.transport}\n")
-    print("| process | CPU s | CPU s / 1k tokens | share of the fabric's CPU |")
-    print("|---|---:|---:|---:|")
-    used = {name: after[name] - before[name] for name in procs}
+    layers = n * ModelConfig.from_dir(args.model_dir).num_layers  # token-layers served
+    print("| process | CPU s | CPU s / 1k tokens | share of the fabric's CPU | user / system µs a token-layer |")
+    print("|---|---:|---:|---:|---:|")
+    split = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in procs}
+    used = {name: u + k for name, (u, k) in split.items()}
     total = sum(used.values())
     for name, s in sorted(used.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {s:.2f} | {s / n * 1000:.2f} | {s / total:.0%} |")
-    print(f"| all | {total:.2f} | {total / n * 1000:.2f} | 100% |")
+        u, k = split[name]
+        print(f"| {name} | {s:.2f} | {s / n * 1000:.2f} | {s / total:.0%} | {u / layers * 1e6:.1f} / {k / layers * 1e6:.1f} |")
+    print(f"| all | {total:.2f} | {total / n * 1000:.2f} | 100% | {total / layers * 1e6:.1f} |")
     for ew, (b, m) in sorted(ews_after.items()):
         b0, m0 = ews_before.get(ew, (0, 0))
         print(f"{ew}: {b - b0} batches, {m - m0} of them with calls for more than one layer")
