@@ -103,17 +103,14 @@ def test_the_socket_files_of_listeners_that_are_gone_are_swept(tmp_path: Path, m
                 s.listen(1)
             return s
 
-        live = bound("127.0.0.1_1.sock", listen=True)
-        dead = bound("127.0.0.1_2.sock", listen=True)
-        dead.close()  # as a killed process's: the file stays, nobody listens
-        fresh = bound("127.0.0.1_3.sock", listen=False)  # between bind and listen
-        fresh.close()
-        (d / "notes.txt").write_text("not a socket")
-        old = time.time() - 2 * same_host.STALE_AFTER_S
-        for name in ("127.0.0.1_1.sock", "127.0.0.1_2.sock", "notes.txt"):
-            os.utime(d / name, (old, old))
-        assert same_host.sweep() == 1
-        assert sorted(p.name for p in d.iterdir()) == ["127.0.0.1_1.sock", "127.0.0.1_3.sock", "notes.txt"]
-        live.close()
+        with bound("127.0.0.1_1.sock", listen=True):  # a live listener, closed however the test ends
+            bound("127.0.0.1_2.sock", listen=True).close()  # as a killed process's: the file stays, nobody listens
+            bound("127.0.0.1_3.sock", listen=False).close()  # between bind and listen
+            (d / "notes.txt").write_text("not a socket")
+            old = time.time() - 2 * same_host.STALE_AFTER_S
+            for name in ("127.0.0.1_1.sock", "127.0.0.1_2.sock", "notes.txt"):
+                os.utime(d / name, (old, old))
+            assert same_host.sweep() == 1
+            assert sorted(p.name for p in d.iterdir()) == ["127.0.0.1_1.sock", "127.0.0.1_3.sock", "notes.txt"]
     finally:
         same_host.directory.cache_clear()
