@@ -61,6 +61,7 @@ class Chunk:
 @dataclass
 class StepMeta:
     ids: torch.Tensor  # [T]
+    pos: torch.Tensor  # [T] positions
     cos: torch.Tensor  # [T, d]
     sin: torch.Tensor  # [T, d]
     slots: torch.Tensor  # [T] flat cache slots of the new tokens
@@ -170,6 +171,11 @@ class ModelRunner:
         return torch.where(valid, blocks * bs + pos % bs, 0), mask[:, None, None, :]
 
     def prepare(self, chunks: list[Chunk]) -> StepMeta:
+        """The step's metadata, built on the host.
+
+        A decode chunk (one token) takes a few list appends; the lists become tensors in two calls, the rows of a
+        [3, T] and the pieces of one flat tensor (a torch call costs a few µs, a step's metadata ~10 of them)."""
+        bs = self.kv.blocks.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -181,34 +187,40 @@ class ModelRunner:
         score_rows: list[int] = []
         for c in chunks:
             row = len(ids)
-            ids.extend(c.seq.token_at(p) for p in range(c.start, c.start + c.n))
-            positions.extend(range(c.start, c.start + c.n))
-            slots.extend(self.kv.slots(c.seq.block_table, c.start, c.start + c.n))
-            end = c.start + c.n
-            if c.n == 1:
+            seq, start, n = c.seq, c.start, c.n
+            end = start + n
+            if n == 1:
+                ids.append(seq.token_at(start))
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
                 dec_rows.append(row)
                 dec_lens.append(end)
-                dec_tables.append(c.seq.block_table)
-            elif self.attends:
-                kv_slots = torch.tensor(self.kv.slots(c.seq.block_table, 0, end), dtype=torch.long)
-                prefills.append((row, c.n, kv_slots, self._mask(torch.arange(c.start, end), end)))
-            if c.samples:
-                sample_rows.append(row + c.n - 1)
-            score_rows.extend(row + p - c.start for p in c.seq.scores(c.start, c.n))
-        pos = torch.tensor(positions, dtype=torch.long)
+                dec_tables.append(seq.block_table)
+            else:
+                ids.extend(seq.token_at(p) for p in range(start, end))
+                positions.extend(range(start, end))
+                slots.extend(self.kv.slots(seq.block_table, start, end))
+                if self.attends:
+                    kv_slots = torch.tensor(self.kv.slots(seq.block_table, 0, end), dtype=torch.long)
+                    prefills.append((row, n, kv_slots, self._mask(torch.arange(start, end), end)))
+            if end == seq.num_tokens:  # (`c.samples`)
+                sample_rows.append(row + n - 1)
+            score_rows.extend(row + p - start for p in seq.scores(start, n))
+        tok = torch.tensor([ids, positions, slots], dtype=torch.long).view(3, len(ids))  # [3, T]
+        pos = tok[1]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype) if self.attends else (pos, pos)
         widest = max((len(t) for t in dec_tables), default=0)
         tables = torch.tensor([t + [-1] * (widest - len(t)) for t in dec_tables], dtype=torch.long).view(len(dec_tables), widest)
-        lens = torch.tensor(dec_lens, dtype=torch.long)  # [Bd]
+        rows = torch.tensor(dec_lens + dec_rows + sample_rows + score_rows, dtype=torch.long)
+        bd, s = len(dec_rows), len(sample_rows)
+        lens = rows[:bd]  # [Bd]
         dec_kv = dec_mask = None
         # Torch's path: every decode token's slots and mask, padded to the longest.
         if self.paged is None and self.attends:
             dec_kv, dec_mask = self._dense_decode(tables, lens)
         return StepMeta(
-            torch.tensor(ids, dtype=torch.long), cos, sin, torch.tensor(slots, dtype=torch.long),
-            torch.tensor(dec_rows, dtype=torch.long), tables, lens, dec_kv,
-            dec_mask, prefills, len(dec_rows) == len(ids),
-            torch.tensor(sample_rows, dtype=torch.long), torch.tensor(score_rows, dtype=torch.long),
+            tok[0], pos, cos, sin, tok[2], rows[bd : 2 * bd], tables, lens, dec_kv,
+            dec_mask, prefills, bd == len(ids), rows[2 * bd : 2 * bd + s], rows[2 * bd + s :],
             [(c.seq.request_id, c.start, c.n) for c in chunks],
         )
 

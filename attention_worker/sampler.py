@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from fabric.logprobs import finite
@@ -28,13 +29,29 @@ def token_seed(seed: int, index: int) -> int:
 
 def greedy(logits: torch.Tensor) -> int:
     """argmax, NaN counting as the lowest value."""
-    return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))).item())
+    return greedy_rows(logits[None])[0]
 
 
 def greedy_rows(logits: torch.Tensor) -> list[int]:
-    """`greedy` of every row of logits [S, V] at once -> S token ids."""
+    """`greedy` of every row of logits [S, V] at once -> S token ids.
+
+    On the host in numpy's argmax: torch's reads a row of this CPU's at ~1 ns a value (280 µs for 32 rows of 8192
+    on this machine, 20 in numpy). numpy's counts NaN as the highest value, so a row whose pick is NaN (and only
+    such a row has one) is done again with NaN made -inf. Ties go to the lowest id in both."""
     if not logits.shape[0]:
         return []
+    if logits.device.type != "cpu":
+        return _greedy_torch(logits)
+    a = logits.detach().float().numpy()  # [S, V]
+    picked = np.argmax(a, axis=1)  # [S]
+    nan = np.isnan(a[np.arange(a.shape[0]), picked])
+    if nan.any():
+        rows = torch.from_numpy(np.flatnonzero(nan))
+        picked[nan] = _greedy_torch(logits[rows])
+    return picked.tolist()
+
+
+def _greedy_torch(logits: torch.Tensor) -> list[int]:
     return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1).tolist()
 
 

@@ -71,7 +71,7 @@ class SimRunner(ModelRunner):
     def _begin(self, chunks: list[Chunk]) -> StepState:
         cfg = self.cfg
         meta = self.prepare(chunks)
-        pos = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])  # [T]
+        pos = meta.pos  # [T]
         h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
         t = meta.ids.numel()
         # Every layer's routing, made once a step: its top-k, largest first (a row's scores are distinct).
@@ -80,7 +80,7 @@ class SimRunner(ModelRunner):
         experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
         # The stand-in K and V rows of every layer (written to the cache layer by layer, as attention would).
         kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).to(cfg.torch_dtype)
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), pos=pos, experts=torch.from_numpy(experts),
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), experts=torch.from_numpy(experts),
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
 
     def _advance(self, step: StepState) -> StepState:
@@ -111,7 +111,6 @@ class SimRunner(ModelRunner):
 
 @dataclass
 class SimStep(StepState):
-    pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T] positions
     experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [L, T, k] each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
     stand_in_kv: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, K, d] every layer's K and V

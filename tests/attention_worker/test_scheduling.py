@@ -161,15 +161,20 @@ def test_routing_table_and_balanced_placement() -> None:
 
 
 def test_greedy_rows_equal_greedy_row_by_row() -> None:
-    """A step's greedy tokens in one argmax equal each row's: ties to the lowest id, NaN lowest,
-    inf highest, a row of -inf its first id."""
+    """A step's greedy tokens in one argmax equal each row's and torch's argmax with NaN made -inf: ties to the
+    lowest id, NaN lowest, inf highest, a row of -inf or of NaN its first id."""
     torch.manual_seed(0)
     for _ in range(100):
-        logits = torch.randn(7, 50)
+        logits = torch.randn(9, 50)
         logits[0, 3] = float("nan")
         logits[1] = float("nan")
         logits[2] = 1.0
         logits[3, 5] = float("inf")
         logits[4] = float("-inf")
-        assert greedy_rows(logits) == [greedy(row) for row in logits]
+        logits[5, torch.randint(0, 50, (3,))] = float("nan")  # NaN ahead of and behind the largest
+        logits[6, 7] = logits[6, 40] = logits[6].max() + 1  # a tie, not at the front
+        want = torch.argmax(torch.nan_to_num(logits, nan=float("-inf")), dim=1).tolist()
+        assert greedy_rows(logits) == [greedy(row) for row in logits] == want
+        half = logits.to(torch.bfloat16)
+        assert greedy_rows(half) == torch.argmax(torch.nan_to_num(half, nan=float("-inf")), dim=1).tolist()
     assert greedy_rows(torch.zeros(0, 50)) == []
