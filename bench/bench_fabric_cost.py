@@ -2,8 +2,8 @@
 --sim-expert-ms 0`, 2 AWs + 2 EWs, the bench model's shape) decodes C streams; every µs of its time
 between tokens is the fabric's (scheduler, expert calls, gather, sampling, gateway). Beside it, in
 the same run, the floor: one layer's round trip over the bare transport (an AW's rows to two echo
-processes and back, the fabric's own connections and wire, authenticated), and over plain blocking
-sockets.
+processes and back, the fabric's own connections and wire, authenticated, used as the fabric uses them: calls
+sent without waiting, results taken in the read callbacks), and over plain blocking sockets.
 
     python bench/bench_fabric_cost.py --concurrency 1,16,64 --tokens 64 --repeats 3
 
@@ -38,7 +38,7 @@ SECRET = b"bench-fabric-cost-secret-0123456789"
 
 # -- the floor: the bare transport --------------------------------------------------------------
 def _echo_server(port_q: mp.Queue, transport: str) -> None:
-    """An EW with no experts: answers every ExpertCall with its rows."""
+    """An EW with no experts: answers every ExpertCall with its rows, from its read callback as an EW does."""
     from fabric.messages.expert import ExpertCall, ExpertResult
     from fabric.transport import make_transport
 
@@ -46,10 +46,14 @@ def _echo_server(port_q: mp.Queue, transport: str) -> None:
         t = make_transport(transport, secret=SECRET)
 
         async def handle(conn):  # type: ignore[no-untyped-def]
-            while True:
-                msg = await conn.recv()
+            ended = asyncio.get_running_loop().create_future()
+
+            def echo(msg):  # type: ignore[no-untyped-def]
                 assert isinstance(msg, ExpertCall)
                 conn.send_nowait(ExpertResult(msg.call_id, msg.x))
+
+            conn.deliver(echo, lambda _exc: ended.done() or ended.set_result(None))
+            await ended
 
         lis = await t.listen("127.0.0.1", 0, handle)
         port_q.put(lis.port)
@@ -113,14 +117,23 @@ def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
         x = torch.randn(half, hidden)
 
         async def fabric_wire(same_host: bool) -> float:
+            """As an AW's layer goes: both calls out (`send_nowait`), the results taken in the read callbacks."""
             t = TcpTransport(secret=SECRET, same_host_sockets=same_host)
             conns = [await t.connect("127.0.0.1", port) for port in ports]
+            loop = asyncio.get_running_loop()
+            waiting: dict[int, asyncio.Future] = {}
+            for c in conns:
+                c.deliver(lambda msg: waiting.pop(msg.call_id).set_result(msg), lambda _exc: None)
             times = []
             for i in range(iters + 20):
                 t0 = time.perf_counter()
-                for c in conns:
-                    await c.send(ExpertCall(i, 1, 0, [0], [half], x))
-                await asyncio.gather(*(c.recv() for c in conns))
+                futs = []
+                for j, c in enumerate(conns):
+                    fut = waiting[2 * i + j] = loop.create_future()
+                    futs.append(fut)
+                    c.send_nowait(ExpertCall(2 * i + j, 1, 0, [0], [half], x))
+                for fut in futs:
+                    await fut
                 times.append(time.perf_counter() - t0)
             for c in conns:
                 await c.close()
