@@ -13,6 +13,7 @@ import torch
 from fabric.errors import ProtocolError
 from fabric.messages import fast
 from fabric.messages.base import Message, decode_message, encode_message
+from fabric.messages.client import StepOutput, TokenOut
 from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
 from fabric.wire import DEFAULT_LIMITS, MAGIC, PREFIX, PREFIX_SIZE, WireLimits, decode_bytes, encode_bytes, parse_prefix
 
@@ -50,7 +51,14 @@ def messages(rng: random.Random) -> list[Message]:
                               experts, [rng.randint(0, 300) for _ in experts], x, rng.random() < 0.5,
                               rng.random() < 0.5))
         out.append(ExpertResult(rng.randint(0, 2**33), x, rng.random() < 0.5))
+        out.append(StepOutput([_token(rng) for _ in range(rng.choice([0, 1, 3, 32]))], rng.choice([0, 7, 2**40])))
     return out
+
+
+def _token(rng: random.Random) -> TokenOut:
+    top = rng.choice([None, [], [[rng.randint(0, 150_000), -rng.random() * 20] for _ in range(rng.randint(1, 5))]])
+    return TokenOut(rng.choice(["r-1", "chatcmpl-ünï", "x" * 40]), rng.randint(0, 2**31), rng.choice([None, "stop", "length"]),
+                    rng.choice([None, -rng.random() * 20, 0.0, float("-inf")]), top)
 
 
 def test_the_fast_codec_is_in_use_here() -> None:
@@ -63,14 +71,12 @@ def test_same_bytes_and_same_messages_as_the_generic_codec() -> None:
         assert data == generic_bytes(msg)
         assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
         assert type(through_fast(data)) is type(msg)
+        header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+        assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, DEFAULT_LIMITS) is not None  # its own decoder
 
 
-def test_other_messages_and_tensors_are_left_to_the_generic_codec() -> None:
-    assert fast.encode(ExpertError(3, "not hosted")) is None
-    assert fast.encode(ExpertResult(1, torch.randn(4, 6).t())) is None  # not contiguous
-    data = generic_bytes(ExpertError(3, "not hosted"))
-    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
-    assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, WireLimits()) is None
+_DROP = object()
+_FRAME = torch.arange(8, dtype=torch.float32).numpy().tobytes()
 
 
 def _with_header(header: dict[str, Any], frames: list[bytes]) -> bytes:
@@ -81,15 +87,61 @@ def _with_header(header: dict[str, Any], frames: list[bytes]) -> bytes:
     return PREFIX.pack(MAGIC, len(head), len(frames), len(body)) + body
 
 
+def _step_header(**change: Any) -> dict[str, Any]:
+    header = {"kind": "step_output", "outputs": [["r-1", 5, None, -0.5, [[5, -0.5], [9, -2.0]]], ["r-2", 7, "stop", None, None]],
+              "load": 3}
+    header.update(change)
+    return {k: v for k, v in header.items() if v is not _DROP}
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"load": _DROP}, {"outputs": []}, {"extra": 1}, {"outputs": _DROP}, {"load": True}, {"load": 1.5},
+    {"outputs": [["r", 5, None, -1, None]]},  # an integer logprob stays one
+    {"outputs": [["r", True, None, None, None]]}, {"outputs": [["r", 5.0, None, None, None]]},
+    {"outputs": [[5, 5, None, None, None]]}, {"outputs": [["r", 5, 3, None, None]]},
+    {"outputs": [["r", 5, None, None]]}, {"outputs": [["r", 5, None, None, None, None]]},
+    {"outputs": [["r", 5, None, None, [["a", "b"]]]]},  # values the generic codec takes as they come
+    {"outputs": [["r", 5, None, None, [[1, [2, [3]]]]]]}, {"outputs": [["r", 5, None, None, [1, 2]]]},
+    {"outputs": [["r", 5, None, None, {"a": 1}]]}, {"outputs": {"r": 1}}, {"kind": "expert_result"},
+    {"outputs": [["r", 5, None, None, [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]},  # deeper than the depth limit
+])
+def test_any_step_header_gets_the_generic_codecs_verdict(change: dict[str, Any]) -> None:
+    for header in (_step_header(**change), dict(reversed(list(_step_header(**change).items())))):
+        data = _with_header(header, [])
+        fast_msg, generic = outcome(through_fast, data), outcome(lambda d: decode_message(*decode_bytes(d)), data)
+        assert fast_msg == generic
+        if fast_msg != ("refused",):  # and each value of the same type (3 == 3.0 in the comparison above)
+            assert [type(v) for row in through_fast(data).outputs for v in row] == \
+                [type(v) for row in decode_message(*decode_bytes(data)).outputs for v in row]  # type: ignore[attr-defined]
+
+
+def test_steps_with_frames_or_deeper_than_a_limit_get_the_generic_codecs_verdict() -> None:
+    for frames in ([b"xy"], [b"", b""]):
+        data = _with_header(_step_header(), frames)
+        assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
+    data = fast.encode(StepOutput([TokenOut("r", 1, None, -0.1, [[1, -0.1]])], 2)) or b""
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+    for depth in range(1, fast.STEP_DEPTH + 2):
+        limits = WireLimits(max_depth=depth)
+        fast_verdict = outcome(lambda d, lim=limits: through_fast(d, lim), data)
+        assert fast_verdict == outcome(lambda d, lim=limits: decode_message(*decode_bytes(d, lim)), data)
+        assert (fast.decode(data[PREFIX_SIZE:], header_len, n_frames, limits) is None) == (depth < fast.STEP_DEPTH)
+        assert (fast_verdict == ("refused",)) == (depth < fast.STEP_DEPTH)
+
+
+def test_other_messages_and_tensors_are_left_to_the_generic_codec() -> None:
+    assert fast.encode(ExpertError(3, "not hosted")) is None
+    assert fast.encode(ExpertResult(1, torch.randn(4, 6).t())) is None  # not contiguous
+    data = generic_bytes(ExpertError(3, "not hosted"))
+    header_len, n_frames, _ = parse_prefix(data[:PREFIX_SIZE])
+    assert fast.decode(data[PREFIX_SIZE:], header_len, n_frames, WireLimits()) is None
+
+
 def _call_header(**change: Any) -> dict[str, Any]:
     header = {"kind": "expert_call", "call_id": 9, "epoch": 2, "layer": 1, "experts": [3, 4], "counts": [1, 1],
               "x": ["float32", [2, 4], 0], "replay": False, "pads": True}
     header.update(change)
     return {k: v for k, v in header.items() if v is not _DROP}
-
-
-_DROP = object()
-_FRAME = torch.arange(8, dtype=torch.float32).numpy().tobytes()
 
 
 @pytest.mark.parametrize("change", [
@@ -115,16 +167,19 @@ def test_frame_tables_it_does_not_take_go_to_the_generic_codec() -> None:
         assert outcome(through_fast, data) == outcome(lambda d: decode_message(*decode_bytes(d)), data)
 
 
-def test_random_corruption_gets_the_generic_codecs_verdict() -> None:
-    """Bytes of a real call's header and frame table flipped at random: the two decoders agree on each."""
+@pytest.mark.parametrize("kind", ["call", "step"])
+def test_random_corruption_gets_the_generic_codecs_verdict(kind: str) -> None:
+    """Bytes of a real call's (or step's) header and frame table flipped at random: the two decoders agree on each."""
     rng = random.Random(1)
-    base = bytearray(fast.encode(ExpertCall(77, 3, 5, [1, 6], [1, 1], torch.randn(2, 4))) or b"")
-    header_len, _, _ = parse_prefix(bytes(base[:PREFIX_SIZE]))
+    msg = ExpertCall(77, 3, 5, [1, 6], [1, 1], torch.randn(2, 4)) if kind == "call" else \
+        StepOutput([TokenOut("r-1", 77, None, -0.25, [[77, -0.25], [3, -1.5]]), TokenOut("r-2", 5, "stop", None, None)], 9)
+    base = bytearray(fast.encode(msg) or b"")
+    header_len, n_frames, _ = parse_prefix(bytes(base[:PREFIX_SIZE]))
     agreed = refused = 0
     for _ in range(3000):
         data = bytearray(base)
         for _ in range(rng.randint(1, 3)):
-            data[PREFIX_SIZE + rng.randrange(8 + header_len)] = rng.randrange(256)
+            data[PREFIX_SIZE + rng.randrange(8 * n_frames + header_len)] = rng.randrange(256)
         try:
             parse_prefix(bytes(data[:PREFIX_SIZE]))
         except ProtocolError:
