@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,49 @@ async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]],
         head = f"id: {event_id}\n" if event_id is not None and ids else ""
         await resp.write(f"{head}data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
+    if chat:
+        for c in choices:
+            if pos.counts[c.index] == 0:
+                pos.counts[c.index] = 1
+                await send(fmt.chunk(c.index, None, first=True), pos.event_id())
+    merged = _merged(gens)
+    try:
+        async for i, item in merged:
+            if isinstance(item, GenerationError):
+                metrics.errors.labels(str(item.status)).inc()
+                await send({"error": {"message": str(item), "type": "server_error", "param": None,
+                                      "code": item.status}}, pos.event_id())
+                break
+            pos.counts[i] = item.index + 1 + (1 if chat else 0)
+            await send(fmt.chunk(i, item), pos.event_id())
+        else:
+            if fmt.params.include_usage and not pos.usage_sent:
+                pos.usage_sent = True
+                await send(fmt.usage_chunk(sum(len(ids) for ids in prompts), choices), pos.event_id())
+        await send("[DONE]")
+        await resp.write_eof()
+    finally:
+        await merged.aclose()
+    return resp
+
+
+async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncGenerator[tuple[int, Delta | GenerationError], None]:
+    """(choice, delta) as the choices make them, up to each one's end or its GenerationError.
+
+    One choice (the usual request) is read in place: a token costs no hop through a task and a queue (two
+    wake-ups of the loop). Closed early, it closes that choice's generator, as cancelling its pump would."""
+    if len(gens) == 1:
+        gen = gens[0]
+        try:
+            async for d in gen:
+                yield 0, d
+        except GenerationError as exc:
+            yield 0, exc
+        finally:
+            close = getattr(gen, "aclose", None)
+            if close is not None:
+                await close()
+        return
     queue: asyncio.Queue[tuple[int, Delta | GenerationError | None]] = asyncio.Queue()
 
     async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
@@ -99,34 +142,16 @@ async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]],
         except GenerationError as exc:
             await queue.put((i, exc))
 
-    if chat:
-        for c in choices:
-            if pos.counts[c.index] == 0:
-                pos.counts[c.index] = 1
-                await send(fmt.chunk(c.index, None, first=True), pos.event_id())
     pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        open_choices = len(choices)
+        open_choices = len(gens)
         while open_choices:
             i, item = await queue.get()
-            if isinstance(item, GenerationError):
-                metrics.errors.labels(str(item.status)).inc()
-                await send({"error": {"message": str(item), "type": "server_error", "param": None,
-                                      "code": item.status}}, pos.event_id())
-                break
             if item is None:
                 open_choices -= 1
                 continue
-            pos.counts[i] = item.index + 1 + (1 if chat else 0)
-            await send(fmt.chunk(i, item), pos.event_id())
-        else:
-            if fmt.params.include_usage and not pos.usage_sent:
-                pos.usage_sent = True
-                await send(fmt.usage_chunk(sum(len(ids) for ids in prompts), choices), pos.event_id())
-        await send("[DONE]")
-        await resp.write_eof()
+            yield i, item
     finally:
         for t in pumps:
             t.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-    return resp
