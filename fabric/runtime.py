@@ -61,7 +61,7 @@ from fabric.messages.control import (
     WorkerStats,
 )
 from fabric.notify import notifier
-from fabric.process import fatal_on_error, mark_failed
+from fabric.process import fatal_on_error, freeze_heap, heap_report, mark_failed
 from fabric.transport import make_transport, resolve_transport_name
 from fabric.transport.base import Transport
 
@@ -216,6 +216,7 @@ class Runtime:
         """Tells the supervisor, once, that the worker serves."""
         if not self._ready:
             self._ready = True
+            freeze_heap(collect=False)  # (what came since the start's; a woken standby's first step waits for none)
             notifier().send("READY=1")
 
     def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
@@ -294,6 +295,7 @@ class Runtime:
             now = time.monotonic()
             if stats is None or not self.link.connected.is_set():
                 continue
+            stats.report.update(heap_report())
             if stats == last and now - last_at < STATS_REFRESH and registrations == self.link.registrations:
                 continue
             last, last_at, registrations = stats, now, self.link.registrations
@@ -347,6 +349,7 @@ class Runtime:
             self.port = await self.service.start(self)
             self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
                                                                                        self.cfg.control_port))
+            freeze_heap()  # loaded: a full collection now, before anyone probes this worker, and never again
         except BaseException:
             # A start that failed half-way. What it opened is closed, and the thread joined.
             with contextlib.suppress(Exception):

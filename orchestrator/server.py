@@ -16,6 +16,7 @@ from fabric import auth
 from fabric.config import OrchestratorConfig
 from fabric.messages.control import Role
 from fabric.notify import notifier
+from fabric.process import freeze_heap
 from fabric.transport.base import LISTEN_BACKLOG
 from orchestrator.balancer import balance_loop
 from orchestrator.main import Orchestrator
@@ -102,6 +103,7 @@ async def serve(cfg: OrchestratorConfig, stop: asyncio.Event) -> None:
         tasks.append(asyncio.create_task(balance_loop(orch)))
     log.info("orchestrator generation %d on http://%s:%d (expecting %d expert workers; recovering for up to %.1f s)",
              orch.generation, cfg.host, port, cfg.expert_workers, cfg.recovery_grace_s)
+    freeze_heap(collect=False)  # (a new orchestrator's recovery waits for no collection)
     notifier().send("READY=1")
     try:
         await stop.wait()
