@@ -216,7 +216,8 @@ class Runtime:
         """Tells the supervisor, once, that the worker serves."""
         if not self._ready:
             self._ready = True
-            freeze_heap(collect=False)  # (what came since the start's; a woken standby's first step waits for none)
+            if self.control.separate:
+                freeze_heap(collect=False)  # (what came since the start's; a woken standby's first step waits for none)
             notifier().send("READY=1")
 
     def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
@@ -349,7 +350,8 @@ class Runtime:
             self.port = await self.service.start(self)
             self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
                                                                                        self.cfg.control_port))
-            freeze_heap()  # loaded: a full collection now, before anyone probes this worker, and never again
+            if self.control.separate:  # (not for simulated workers sharing a process, which come and go)
+                freeze_heap()  # loaded: a full collection now, before anyone probes this worker, and never again
         except BaseException:
             # A start that failed half-way. What it opened is closed, and the thread joined.
             with contextlib.suppress(Exception):
