@@ -191,10 +191,10 @@ def freeze_heap(collect: bool = True) -> None:
     A full collection walks every tracked object, ~200,000 in a worker with torch loaded: 0.1-0.2 s here, with the
     GIL held, so nothing else of the process runs meanwhile, its control loop included. A serving AW and gateway
     each took one early in their life, a stall of every stream they hold. Frozen (`gc.freeze`, CPython's advice for
-    servers), those objects are never walked again; what the service makes from then on is collected as before.
-    `collect` first frees what is garbage already (that ~0.1 s; the role runtime does it once its service has
-    started, before it registers); without, the freeze alone is a few µs (where a stall would show: at ready, a
-    woken standby's first step)."""
+    servers), those objects are never walked again; what the process makes from then on is collected as before.
+    `collect` first frees what is garbage already (that 0.1-0.2 s): the fork server does it once, before it forks
+    (launch/zygote.py); a role process freezes without, a few µs, once its service has started and again at ready,
+    where a collection would hold up a replacement or a woken standby (its garbage of start-up then stays, once)."""
     if collect:
         gc.collect()
     gc.freeze()

@@ -217,7 +217,7 @@ class Runtime:
         if not self._ready:
             self._ready = True
             if self.control.separate:
-                freeze_heap(collect=False)  # (what came since the start's; a woken standby's first step waits for none)
+                freeze_heap(collect=False)  # (what came since; a woken standby's first step waits for nothing)
             notifier().send("READY=1")
 
     def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
@@ -351,7 +351,7 @@ class Runtime:
             self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
                                                                                        self.cfg.control_port))
             if self.control.separate:  # (not for simulated workers sharing a process, which come and go)
-                freeze_heap()  # loaded: a full collection now, before anyone probes this worker, and never again
+                freeze_heap(collect=False)  # loaded (a collection here would hold a replacement up 0.1-0.2 s)
         except BaseException:
             # A start that failed half-way. What it opened is closed, and the thread joined.
             with contextlib.suppress(Exception):

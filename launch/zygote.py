@@ -33,7 +33,7 @@ import traceback
 
 from fabric.messages.base import decode_message, encode_message
 from fabric.messages.supervisor import Fork, Forked, ForkReady
-from fabric.process import die_with_parent
+from fabric.process import die_with_parent, freeze_heap
 from fabric.wire import decode_bytes, encode_bytes
 
 PRELOAD = ("numpy", "torch", "msgpack", "aiohttp", "uvloop", "safetensors")
@@ -79,6 +79,9 @@ def main() -> int:
     if torch is not None and torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
         print("fork server: CUDA was initialised on import; not forking", file=sys.stderr)
         return 1
+    # What every forked process inherits, collected once here and frozen (fabric/process.py `freeze_heap`): no
+    # process's GC walks it again, and a collection does not write to the pages they share with this one.
+    freeze_heap()
     try:
         sock.send(encode_bytes(*encode_message(ForkReady(os.getpid()))))
     except OSError:
