@@ -12,10 +12,11 @@ The bytes are the generic codec's, byte for byte (tests/fabric/test_fast_codec.p
 either. What this decoder accepts, the generic one accepts as the same message. Anything else (another kind,
 an unknown or missing field, a wrong type, a tensor whose shape does not match its frame, an unusual frame
 table) it leaves to the generic decoder, which then accepts it or raises its usual `ProtocolError`. A header's
-depth needs no walk here: its schema bounds it (`DEPTH`).
+depth needs no walk here: its schema bounds it (`DEPTH`, `STEP_DEPTH`; a lower limit leaves it to the generic
+decoder).
 
 Every connection reads a host message's body through `decode_body` (this codec, else the generic one); tcp also
-writes calls and results through `encode`. msgspec is a dependency of the package. Where it is missing (an image with only the base packages), `available`
+writes calls, results and steps' tokens through `encode`. msgspec is a dependency of the package. Where it is missing (an image with only the base packages), `available`
 is False and every message takes the generic codec.
 """
 
