@@ -193,21 +193,21 @@ def freeze_heap(collect: bool = True) -> None:
     each took one early in their life, a stall of every stream they hold. Frozen (`gc.freeze`, CPython's advice for
     servers), those objects are never walked again; what the process makes from then on is collected as before.
     `collect` first frees what is garbage already (that 0.1-0.2 s): the fork server does it once, before it forks
-    (launch/zygote.py); a role process freezes without, a few µs, at ready (fabric/runtime.py), where a collection
-    would hold up a replacement or a woken standby (its garbage of start-up then stays, once)."""
-    global _full_at_freeze
+    (launch/zygote.py); a role process freezes without, a few µs, once its service has started and again at ready,
+    where a collection would hold up a replacement or a woken standby (its garbage of start-up then stays, once)."""
     if collect:
         gc.collect()
     gc.freeze()
-    _full_at_freeze = gc.get_stats()[2]["collections"]
+    _full_at_freeze[:] = [gc.get_stats()[2]["collections"]]
 
 
-_full_at_freeze = 0  # full collections before the last freeze
+_full_at_freeze: list[int] = []  # full collections before the freeze
 
 
 def heap_report() -> dict[str, int]:
     """What a worker's stats say of its heap: objects frozen (0 before it serves) and full collections since."""
-    return {"gc_frozen": gc.get_freeze_count(), "gc_full_collections": gc.get_stats()[2]["collections"] - _full_at_freeze}
+    full = gc.get_stats()[2]["collections"]
+    return {"gc_frozen": gc.get_freeze_count(), "gc_full_collections": full - (_full_at_freeze or [0])[0]}
 
 
 _failed = threading.Event()  # set when the process must exit non-zero after its cleanup

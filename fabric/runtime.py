@@ -216,8 +216,8 @@ class Runtime:
         """Tells the supervisor, once, that the worker serves."""
         if not self._ready:
             self._ready = True
-            if self.control.separate:  # (not simulated workers sharing a process: they come and go)
-                freeze_heap(collect=False)  # loaded; no collection, which a replacement's or woken standby's first step would wait for
+            if self.control.separate:
+                freeze_heap(collect=False)  # (what came since; a woken standby's first step waits for nothing)
             notifier().send("READY=1")
 
     def report_dead(self, peer: str, reason: str, closed: bool = False) -> None:
@@ -350,6 +350,8 @@ class Runtime:
             self.port = await self.service.start(self)
             self.control_port_number = await self.control.run(self.control_port.listen(self.cfg.host,
                                                                                        self.cfg.control_port))
+            if self.control.separate:  # (not for simulated workers sharing a process, which come and go)
+                freeze_heap(collect=False)  # loaded (a collection here would hold a replacement up 0.1-0.2 s)
         except BaseException:
             # A start that failed half-way. What it opened is closed, and the thread joined.
             with contextlib.suppress(Exception):
