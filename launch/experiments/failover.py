@@ -169,6 +169,13 @@ class Injection:
     async def inject(self, at: float) -> None:
         run, args = self.run, self.exp.args
         await asyncio.sleep(max(0.0, at - run.now()))
+        # A kill with no stream decoding interrupts none, and measures no stall: the signal waits for one (up to the
+        # run's end; an open loop's arrivals can leave gaps of a few hundred ms where nothing is in flight).
+        while not any(s.times and not s.done for s in run.streams) and run.now() < args.duration:
+            await asyncio.sleep(0.005)
+        if run.now() - at > 0.01:
+            say("failover", f"{run.name}: no stream was decoding at t={at:.2f} s; the signal waited "
+                            f"{(run.now() - at) * 1e3:.0f} ms for one")
         name = args.node_of if args.role == "node" else VICTIMS[args.role]
         victim = next(p for n, p in self.exp.fabric.procs if n == name)
         sig = signal.Signals[f"SIG{args.signal}"]
