@@ -175,7 +175,6 @@ class ModelRunner:
 
         A decode chunk (one token) takes a few list appends; the lists become tensors in two calls, the rows of a
         [3, T] and the pieces of one flat tensor (a torch call costs a few µs, a step's metadata ~10 of them)."""
-        bs = self.kv.blocks.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -189,21 +188,20 @@ class ModelRunner:
             row = len(ids)
             seq, start, n = c.seq, c.start, c.n
             end = start + n
+            slots.extend(self.kv.slots(seq.block_table, start, end))
             if n == 1:
                 ids.append(seq.token_at(start))
                 positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
                 dec_rows.append(row)
                 dec_lens.append(end)
                 dec_tables.append(seq.block_table)
             else:
                 ids.extend(seq.token_at(p) for p in range(start, end))
                 positions.extend(range(start, end))
-                slots.extend(self.kv.slots(seq.block_table, start, end))
                 if self.attends:
                     kv_slots = torch.tensor(self.kv.slots(seq.block_table, 0, end), dtype=torch.long)
                     prefills.append((row, n, kv_slots, self._mask(torch.arange(start, end), end)))
-            if end == seq.num_tokens:  # (`c.samples`)
+            if c.samples:
                 sample_rows.append(row + n - 1)
             score_rows.extend(row + p - start for p in seq.scores(start, n))
         tok = torch.tensor([ids, positions, slots], dtype=torch.long).view(3, len(ids))  # [3, T]

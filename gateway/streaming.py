@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ class Position:
 
 
 async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]], choices: list[Choice],
-                 gens: list[AsyncIterator[Delta]], pos: Position, metrics: Metrics,
+                 gens: list[AsyncGenerator[Delta, None]], pos: Position, metrics: Metrics,
                  headers: dict[str, str]) -> web.StreamResponse:
     """Streams every choice's deltas, then usage and [DONE], each event with its id.
 
@@ -115,7 +115,7 @@ async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]],
     return resp
 
 
-async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncGenerator[tuple[int, Delta | GenerationError], None]:
+async def _merged(gens: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[tuple[int, Delta | GenerationError], None]:
     """(choice, delta) as the choices make them, up to each one's end or its GenerationError.
 
     One choice (the usual request) is read in place: a token costs no hop through a task and a queue (two
@@ -128,13 +128,11 @@ async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncGenerator[tuple[int,
         except GenerationError as exc:
             yield 0, exc
         finally:
-            close = getattr(gen, "aclose", None)
-            if close is not None:
-                await close()
+            await gen.aclose()
         return
     queue: asyncio.Queue[tuple[int, Delta | GenerationError | None]] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[Delta, None]) -> None:
         try:
             async for d in gen:
                 await queue.put((i, d))
