@@ -36,7 +36,7 @@ from attention_worker.request import Sequence, check_submit
 from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
-from fabric import faults, grammar
+from fabric import faults, grammar, trace
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import (
@@ -265,6 +265,7 @@ class AttentionWorker:
                 continue
             self._score(chunks, scored)
             self._emit(chunks, logits, masks.result() if masks is not None else None)
+            trace.stamp("emitted", "", self.steps)  # (its tokens are on their way to the gateways)
             self.ckpt.step_done(self.scheduler.running)
             await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 

@@ -25,6 +25,7 @@ from attention_worker.glue import TorchGlue
 from attention_worker.kv_cache import KVCache
 from attention_worker.layer_plan import LayerPlan, Part
 from attention_worker.request import Sequence
+from fabric import trace
 from fabric.device import to_device_all, to_host
 from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
@@ -228,7 +229,9 @@ class ModelRunner:
         The first are for the chunks that sample [S, V], the second for the rows that score prompt
         tokens [R, V]."""
         t0 = time.perf_counter()
+        trace.stamp("step", "", 0)
         step = self.clock.run(self._first, chunks)
+        trace.stamp("begun", "", 0)  # (metadata, embeddings, the layers up to the first plan)
         while True:
             await self._pace(step)
             self._sink(step)
@@ -239,6 +242,7 @@ class ModelRunner:
             self.expert_wait_s += time.perf_counter() - t1
             step = self.clock.run(self._resume, step, parts)
         self.forward_s += time.perf_counter() - t0
+        trace.stamp("logits", "", 0)
         assert step.logits is not None and step.scored is not None
         return step.logits, step.scored
 

@@ -7,8 +7,12 @@ layer's time split along its critical path, the call whose result came last:
     the EW encodes and writes the result | back to the AW's read callback | the AW's step resumes (a loop hop) |
     the AW's work up to the next layer's first call (the combine, attention or its stand-in, routing, the plan)
 
-The parts add up to the layer (means; medians are shown too). Layers across a step boundary (sampling,
-scheduling, emitting tokens) are counted apart.
+The parts add up to the layer (means; medians are shown too). Layers across a step boundary are counted apart,
+split the same way along the AW's step stamps:
+
+    the last layers and the logits | sampling, the tokens to the gateways | the step's bookkeeping and the next
+    step's scheduling | the step's metadata, embeddings and layers up to the first plan | routing and writing the
+    first call
 
     python bench/trace_datapath.py --concurrency 1,16 --seconds 10 --sim
 """
@@ -44,9 +48,32 @@ PARTS = [
     ("aw_work", "AW: work up to the next layer's first call"),
 ]
 
+STEP_KINDS = ("logits", "emitted", "step", "begun")  # an AW's step: logits made, tokens sent, begins, first plan
+STEP_PARTS = [
+    ("to_logits", "AW: the last layers and the logits"),
+    ("emit", "AW: sampling, the tokens to the gateways"),
+    ("schedule", "AW: bookkeeping, the next step scheduled"),
+    ("begin", "AW: metadata, embeddings, layers up to the first plan"),
+    ("first_call", "AW: routes and posts the first call"),
+]
 
-def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int]], list[int]]:
-    """Each layer's critical-path parts (ns), and the gaps across step boundaries, from the trace files."""
+
+def _boundary(stamps: list[tuple[int, str]], resumed: int, first_post: int) -> dict[str, int] | None:
+    """A step boundary's parts (ns) from the AW's step stamps between the last layer's resumption and the next
+    step's first call; None where one is missing."""
+    at: dict[str, int] = {}
+    for t, k in stamps:
+        if resumed <= t <= first_post and k not in at:
+            at[k] = t
+    if len(at) != len(STEP_KINDS) or not at["logits"] <= at["emitted"] <= at["step"] <= at["begun"]:
+        return None
+    return {"to_logits": at["logits"] - resumed, "emit": at["emitted"] - at["logits"],
+            "schedule": at["step"] - at["emitted"], "begin": at["begun"] - at["step"],
+            "first_call": first_post - at["begun"], "layer": first_post - resumed}
+
+
+def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+    """Each layer's critical-path parts (ns), and each step boundary's, from the trace files."""
     calls: dict[tuple[str, int], dict[str, int]] = {}
     aw_streams: list[list[tuple[int, str, str, int]]] = []
     for path in files:
@@ -69,10 +96,11 @@ def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int
             if k == "run":
                 open_run.append((a, c))
     out: list[dict[str, int]] = []
-    step_gaps: list[int] = []
+    steps: list[dict[str, int]] = []
     for events in aw_streams:
         groups: list[tuple[int, list[tuple[str, int]], int]] = []  # (layer, calls, resumed at)
         pending: list[tuple[str, int]] = []
+        stamps = [(t, k) for t, k, _, _ in events if k in STEP_KINDS]
         for t, k, a, c in events:
             if k == "post":
                 pending.append((a, c))
@@ -85,7 +113,9 @@ def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int
             if not full or len(full) != len(group) or nxt_first is None or not since <= resumed <= until:
                 continue
             if nxt_layer != layer + 1:
-                step_gaps.append(nxt_first - resumed)
+                gap = _boundary(stamps, resumed, nxt_first)
+                if gap is not None:
+                    steps.append(gap)
                 continue
             crit = max(full, key=lambda e: e["result"])
             out.append({"post_others": crit["post"] - min(e["post"] for e in full),
@@ -94,24 +124,32 @@ def layers(files: list[str], since: int, until: int) -> tuple[list[dict[str, int
                         "ew_send": crit["sent"] - crit["ran"], "to_aw": crit["result"] - crit["sent"],
                         "aw_resume": resumed - crit["result"], "aw_work": nxt_first - resumed,
                         "layer": nxt_first - min(e["post"] for e in full)})
-    return out, step_gaps
+    return out, steps
 
 
-def report(c: int, rows: list[dict[str, int]], step_gaps: list[int]) -> None:
-    if not rows:
-        print(f"\n{c} streams: no complete layers traced")
-        return
+def _table(rows: list[dict[str, int]], parts: list[tuple[str, str]], what: str) -> None:
     total = statistics.fmean(r["layer"] for r in rows)
-    print(f"\n{c} streams: {len(rows)} layers; a layer {total / 1e3:.0f} µs (mean), "
-          f"{statistics.median(r['layer'] for r in rows) / 1e3:.0f} µs (median); across a step boundary "
-          f"{statistics.median(step_gaps) / 1e3 if step_gaps else 0:.0f} µs (median) before the first layer's calls")
-    print("| part | mean µs | p10 µs | median µs | p90 µs | share of the layer (means) |")
+    print(f"| part | mean µs | p10 µs | median µs | p90 µs | share of {what} (means) |")
     print("|---|---:|---:|---:|---:|---:|")
-    for key, label in PARTS:
+    for key, label in parts:
         vals = sorted(r[key] for r in rows)
         p10, p50, p90 = (vals[int(q * (len(vals) - 1))] / 1e3 for q in (0.1, 0.5, 0.9))
         print(f"| {label} | {statistics.fmean(vals) / 1e3:.0f} | {p10:.0f} | {p50:.0f} | {p90:.0f} | "
               f"{statistics.fmean(vals) / total:.0%} |")
+
+
+def report(c: int, rows: list[dict[str, int]], steps: list[dict[str, int]]) -> None:
+    if not rows:
+        print(f"\n{c} streams: no complete layers traced")
+        return
+    print(f"\n{c} streams: {len(rows)} layers; a layer {statistics.fmean(r['layer'] for r in rows) / 1e3:.0f} µs "
+          f"(mean), {statistics.median(r['layer'] for r in rows) / 1e3:.0f} µs (median)")
+    _table(rows, PARTS, "the layer")
+    if steps:
+        print(f"\n{c} streams: {len(steps)} step boundaries, from the last layer's results to the next step's "
+              f"first call: {statistics.fmean(r['layer'] for r in steps) / 1e3:.0f} µs (mean), "
+              f"{statistics.median(r['layer'] for r in steps) / 1e3:.0f} µs (median)")
+        _table(steps, STEP_PARTS, "the boundary")
 
 
 def main() -> None:
