@@ -44,10 +44,10 @@ def greedy_rows(logits: torch.Tensor) -> list[int]:
         return _greedy_torch(logits)
     a = logits.detach().float().numpy()  # [S, V]
     picked = np.argmax(a, axis=1)  # [S]
-    nan = np.isnan(a[np.arange(a.shape[0]), picked])
-    if nan.any():
-        rows = torch.from_numpy(np.flatnonzero(nan))
-        picked[nan] = _greedy_torch(logits[rows])
+    # Rows whose pick is NaN, in Python: a row's numpy calls cost more than S comparisons (21 µs in place for one).
+    nan = [i for i, v in enumerate(a[np.arange(a.shape[0]), picked].tolist()) if v != v]
+    if nan:
+        picked[nan] = _greedy_torch(logits[nan])
     return picked.tolist()
 
 
