@@ -19,7 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None, help="a Ray cluster to run on (default: a loopback one of 3 nodes)")
     p.add_argument("--node-of", default="attention-worker-0",
                    help="--role node: the process whose node dies (e.g. orchestrator, gateway-1)")
-    p.add_argument("--at", type=float, default=5.0, help="seconds into the failure run to send the signal (or, if no stream is decoding then, as soon as one is)")
+    p.add_argument("--at", type=float, default=5.0,
+                   help="seconds into the failure run to send the signal (or, if no stream is decoding then, as soon "
+                        "as one is)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds during which requests are issued")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default 4)")
