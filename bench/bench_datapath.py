@@ -44,7 +44,7 @@ import torch
 from common import scan_logs  # bench/ is on sys.path when run as a script
 from fabrics import FabricSpec, baseline_fabric, running_fabric
 from machine import copy_bandwidth, cpu_seconds, matmul_gflops, step_bytes, tree_pids
-from rounds import Stats, fabric_round, make_prompts, summarize
+from rounds import Stats, fabric_round, in_turn, make_prompts, summarize
 from vllm_server import VLLM_VERSION, vllm_server
 
 from fabric.config_fields import auto_sched
@@ -284,7 +284,8 @@ def main() -> None:
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", flush=True)
             for c in concs:
-                order = [HF, *urls] if rep % 2 == 0 else [*urls, HF]  # alternate who goes first
+                served = in_turn(list(urls), rep)  # each server takes each place in turn
+                order = [HF, *served] if rep % 2 == 0 else [*served, HF]  # transformers first or last
                 done: dict[str, Stats] = {}
                 for name in order:
                     procs = pids.get(name, lambda: [])()

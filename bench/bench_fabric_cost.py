@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common import bench_parser, ensure_bench_model, save_figure
 from fabrics import baseline_fabric
-from rounds import fabric_round, make_prompts
+from rounds import fabric_round, in_turn, make_prompts
 
 from fabric.model.config import ModelConfig
 from launch.config import ServeConfig
@@ -193,14 +193,14 @@ def this_fabric(model: Path, log_root: str, expert_workers: int = 2) -> Iterator
 
 def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, repeats: int,
                   vocab: int) -> dict[str, dict[int, list[dict]]]:
-    """Rounds alternating between the fabrics, every concurrency in each repeat."""
+    """Rounds alternating between the fabrics, every concurrency in each repeat, who goes first in turn."""
     out: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
     for url in urls.values():
         asyncio.run(fabric_round(url, make_prompts(8, 16, vocab, 99), 16))  # warm
     for r in range(repeats):
         for c in concurrency:
-            for name, url in urls.items():
-                st = asyncio.run(fabric_round(url, make_prompts(c, 16, vocab, r), tokens))
+            for name in in_turn(list(urls), r):
+                st = asyncio.run(fabric_round(urls[name], make_prompts(c, 16, vocab, r), tokens))
                 st.pop("ids")
                 out[name][c].append(st)
                 print(f"  round {r + 1} {name:>8} {c:>3} streams: TBT p50 {st['tbt_p50_ms']:.2f} ms, "

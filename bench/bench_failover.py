@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rounds import in_turn  # bench/ is on sys.path when run as a script
+
 from fabric.model.demo import write_demo_model
 from launch.experiments import timeline as tl
 
@@ -150,11 +152,13 @@ def main() -> None:
     if args.baseline_tree is not None:
         trees.append((f" @ {args.baseline_tree.name}", args.baseline_tree.resolve()))
     # (a baseline tree runs only the scenarios whose flags it has: --pin-workers is newer than most)
-    plan = [(name + suffix, name, tree) for name in chosen for suffix, tree in trees
-            if tree is None or "--pin-workers" not in SCENARIOS[name]]
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan}
+    def plan(rep: int) -> list[tuple[str, str, Path | None]]:  # each tree first in turn
+        return [(name + suffix, name, tree) for name in chosen for suffix, tree in in_turn(trees, rep)
+                if tree is None or "--pin-workers" not in SCENARIOS[name]]
+
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan(0)}
     for rep in range(args.repeats):
-        for label, name, tree in plan:
+        for label, name, tree in plan(rep):
             out = (args.out / f"{label.replace(' ', '').replace('/', '-').replace('@', '-')}-{rep}").resolve()
             cmd = [sys.executable, "-m", "launch.cli", "experiment", "failover", *SCENARIOS[name],
                    "--model", str(args.model_dir.resolve()), "--out", str(out), *shlex.split(args.workload)]

@@ -8,6 +8,7 @@ import asyncio
 import json
 import statistics
 import time
+from typing import TypeVar
 
 import aiohttp
 import torch
@@ -16,6 +17,15 @@ from common import percentile
 from fabric.tls import Tls
 
 Stats = dict[str, float]
+T = TypeVar("T")
+
+
+def in_turn(items: list[T], rep: int) -> list[T]:
+    """`items` rotated by `rep`, so that across repeats each system of a side-by-side run takes each place in a
+    round. The place biases a round on this VM: whichever of two trees ran second was ~5 % faster, either way round
+    (docs/performance.md, 2026-11-28 afternoon)."""
+    k = rep % len(items) if items else 0
+    return items[k:] + items[:k]
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
