@@ -5,7 +5,8 @@
 # the Triton kernels (the trace), and an EW SIGINT on them. Each step has a cap; the output says each step's exit
 # code and seconds. Wheels in .whl/ (msgspec, py-spy: what the image lacks) are installed first, for this tree and
 # the baseline alike. `bench/profile_datapath.py --device cuda --py-spy` says where the workers' CPU goes.
-# Usage: [REPEATS=2] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
+# Usage: [REPEATS=2] [STEPS=kernels,datapath,trace,failover] [TRITON=1] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
+# (STEPS: the steps to run; TRITON=0: the datapath without its extra `--kernel triton` fabric.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]}"
@@ -17,18 +18,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+steps=",${STEPS:-kernels,datapath,trace,failover},"
 step() {
-  local cap=$1 t0=$SECONDS
-  shift
+  local name=$1 cap=$2 t0=$SECONDS
+  shift 2
+  [[ $steps == *",$name,"* ]] || return 0
   echo "== $* (cap ${cap} s)"
   timeout "$cap" "$@"
   echo "== rc $? in $((SECONDS - t0)) s"
 }
 "$python" -c 'import torch, msgspec; print(torch.__version__, torch.cuda.get_device_name(0), "msgspec", msgspec.__version__)'
-step 90 "$python" -m pytest -q -p no:cacheprovider tests/expert_worker/test_executor.py \
+step kernels 90 "$python" -m pytest -q -p no:cacheprovider tests/expert_worker/test_executor.py \
   tests/fabric/test_triton_kernels.py tests/fabric/test_device_moves.py
-step 240 "$python" bench/bench_datapath.py --device cuda --transports tcp --concurrency 1,16,64 --tokens 64 \
-  --repeats "${REPEATS:-2}" --triton ${base:+--baseline-tree "$base" --baseline-flags "--device cuda"} --out "$out/datapath"
-step 70 "$python" bench/trace_datapath.py --device cuda --kernel triton --concurrency 1,64 --seconds 5 --out "$out/trace"
-step 60 "$python" -m launch.cli experiment failover --role expert --signal INT --concurrency 8 --duration 12 --at 4 \
+step datapath 240 "$python" bench/bench_datapath.py --device cuda --transports tcp --concurrency 1,16,64 --tokens 64 \
+  --repeats "${REPEATS:-2}" $([ "${TRITON:-1}" = 0 ] || echo --triton) ${base:+--baseline-tree "$base" --baseline-flags "--device cuda"} --out "$out/datapath"
+step trace 70 "$python" bench/trace_datapath.py --device cuda --kernel triton --concurrency 1,64 --seconds 5 --out "$out/trace"
+step failover 60 "$python" -m launch.cli experiment failover --role expert --signal INT --concurrency 8 --duration 12 --at 4 \
   --tokens 48 --device cuda --kernel triton --out "$out/failover-ew-triton"
