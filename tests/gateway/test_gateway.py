@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from fabric.faults import SLOW_ENV
 from fabric.model.demo import write_demo_model
 from launch.config import ServeConfig
 from launch.local import Fabric
@@ -28,13 +29,15 @@ GRACE = 1.0
 def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
     root = tmp_path_factory.mktemp("gw")
     model = write_demo_model(root / "demo", arch="qwen3_moe", seed=1)
-    # One gateway: /metrics is per gateway process. A short resume grace, so the tests see it end.
+    # One gateway: /metrics is per gateway process. A short resume grace, so the tests see it end. Every AW step 3 ms
+    # longer (the test-only slow-steps hook): a stream as long as the context allows outlasts the grace however fast
+    # the machine decodes the tiny model (without it, ~2000 tokens took ~1 s on a fast day).
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=2, gateways=1, transport="tcp",
                       port=free_port(), api_key=KEY, served_model_name="demo", ready_timeout=180,
                       stream_resume_grace_s=GRACE)
     logs = root / "logs"
     logs.mkdir()
-    f = Fabric(cfg, log_dir=str(logs))
+    f = Fabric(cfg, log_dir=str(logs), extra_env={f"attention-worker-{i}": {SLOW_ENV: "0,3"} for i in range(2)})
     try:
         f.start()
         f.wait_ready(180)
@@ -175,8 +178,8 @@ def test_disconnect_mid_stream_frees_everything(fabric: Fabric) -> None:
 
     expired = sum(s.get("expired", 0) for s in stats())
 
-    # As long as the context allows (~3 s of decoding the tiny model here): it must outlast the grace, which
-    # starts when the gateway finds its client gone, or it finishes instead of expiring.
+    # As long as the context allows (over 6 s with the fixture's slow steps): it must outlast the grace, which starts
+    # when the gateway finds its client gone, or it finishes instead of expiring.
     body = json.dumps({"prompt": "Serving language models", "max_tokens": 2000, "ignore_eos": True, "stream": True})
     with socket.create_connection(("127.0.0.1", fabric.port), timeout=30) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
