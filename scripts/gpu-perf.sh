@@ -19,6 +19,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 steps=",${STEPS:-kernels,datapath,trace,failover},"
+for name in ${steps//,/ }; do  # (a misspelt step would silently run nothing, on a GPU's few minutes)
+  case $name in kernels|datapath|trace|failover) ;; *) echo "unknown step $name in STEPS" >&2; exit 2 ;; esac
+done
 step() {
   local name=$1 cap=$2 t0=$SECONDS
   shift 2

@@ -37,7 +37,8 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
                       stream_resume_grace_s=GRACE)
     logs = root / "logs"
     logs.mkdir()
-    f = Fabric(cfg, log_dir=str(logs), extra_env={f"attention-worker-{i}": {SLOW_ENV: "0,3"} for i in range(2)})
+    slow = {f"attention-worker-{i}": {SLOW_ENV: "0,3"} for i in range(cfg.attention_workers)}
+    f = Fabric(cfg, log_dir=str(logs), extra_env=slow)
     try:
         f.start()
         f.wait_ready(180)
