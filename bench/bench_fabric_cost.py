@@ -8,6 +8,11 @@ sent without waiting, results taken in the read callbacks), and over plain block
     python bench/bench_fabric_cost.py --concurrency 1,16,64 --tokens 64 --repeats 3
 
 Per layer = the median time between a stream's tokens / the model's layers.
+
+The fabric's processes ask the kernel to keep idle CPUs polling while they serve (`--cpu-latency-us`,
+fabric/cpu_latency.py). The request is system-wide: a baseline tree's fabric up beside this one runs its rounds
+with it too. `--cpu-latency-ab` measures the request itself: one fabric that asks nothing, its rounds alternating
+between the request held by this script (as "this") and none (as "baseline").
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common import bench_parser, ensure_bench_model, save_figure
 from fabrics import baseline_fabric
 from rounds import fabric_round, in_turn, make_prompts
 
+from fabric import cpu_latency
 from fabric.model.config import ModelConfig
 from launch.config import ServeConfig
 from launch.local import Fabric, free_port
@@ -184,23 +190,27 @@ SIM_FLAGS = ["--compute", "sim", "--sim-attention-ms", "0", "--sim-expert-ms", "
 
 
 @contextlib.contextmanager
-def this_fabric(model: Path, log_root: str, expert_workers: int = 2) -> Iterator[str]:
+def this_fabric(model: Path, log_root: str, expert_workers: int = 2, cpu_latency_us: int = 0) -> Iterator[str]:
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=expert_workers, compute="sim",
-                      sim_attention_ms=0.0, sim_expert_ms=0.0, port=free_port(), ready_timeout=300)
+                      sim_attention_ms=0.0, sim_expert_ms=0.0, port=free_port(), ready_timeout=300,
+                      cpu_latency_us=cpu_latency_us)
     with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)):
         yield f"http://{cfg.host}:{cfg.port}/v1/completions"
 
 
-def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, repeats: int,
-                  vocab: int) -> dict[str, dict[int, list[dict]]]:
-    """Rounds alternating between the fabrics, every concurrency in each repeat, who goes first in turn."""
+def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, repeats: int, vocab: int,
+                  around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+                  ) -> dict[str, dict[int, list[dict]]]:
+    """Rounds alternating between the fabrics, every concurrency in each repeat, who goes first in turn; a name's
+    rounds run inside its `around` context where it has one."""
     out: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
     for url in urls.values():
         asyncio.run(fabric_round(url, make_prompts(8, 16, vocab, 99), 16))  # warm
     for r in range(repeats):
         for c in concurrency:
             for name in in_turn(list(urls), r):
-                st = asyncio.run(fabric_round(urls[name], make_prompts(c, 16, vocab, r), tokens))
+                with (around or {}).get(name, contextlib.nullcontext)():
+                    st = asyncio.run(fabric_round(urls[name], make_prompts(c, 16, vocab, r), tokens))
                 st.pop("ids")
                 out[name][c].append(st)
                 print(f"  round {r + 1} {name:>8} {c:>3} streams: TBT p50 {st['tbt_p50_ms']:.2f} ms, "
@@ -218,7 +228,16 @@ def main() -> None:
                     help="EWs of both fabrics (the floor stays two echo processes)")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run another checkout's fabric (a `git worktree` of an earlier commit), rounds alternating")
+    ap.add_argument("--cpu-latency-ab", action="store_true",
+                    help="one fabric that asks nothing of idle CPUs, its rounds alternating between idle CPUs polling "
+                         "(a request this script holds: 'this') and none ('baseline')")
     args = ap.parse_args()
+    if args.cpu_latency_ab and args.baseline_tree:
+        ap.error("--cpu-latency-ab compares one fabric with itself: no --baseline-tree")
+    if args.cpu_latency_ab:
+        with cpu_latency.held(0) as taken:
+            if not taken:
+                ap.error(f"--cpu-latency-ab needs write access to {cpu_latency.DEVICE}")
     args.model_dir = args.model_dir.resolve()  # (a baseline fabric runs in its own tree)
     vocab = ensure_bench_model(args.model_dir)
     cfg = ModelConfig.from_dir(args.model_dir)
@@ -226,25 +245,32 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log_root = tempfile.mkdtemp(prefix="fabric-cost-")
 
-    print("the floor: one layer's round trip to 2 echo processes", flush=True)
     floors = {}
-    for c in conc:
-        # An AW holds c/2 streams: c/2 tokens x top-k rows a layer, split over 2 EWs.
-        rows = max(1, c // 2) * cfg.top_k
-        floors[c] = floor_round_trips(rows, cfg.hidden_size, args.floor_iters)
-        print(f"  {c:>3} streams ({rows} rows): transport tcp {floors[c]['transport']:.0f} µs, "
-              f"unix {floors[c]['unix']:.0f} µs, "
-              f"socket {floors[c]['socket']:.0f} µs", flush=True)
+    with cpu_latency.held(0) as polling:  # the floor's idle CPUs as the fabric's default leaves them
+        print(f"the floor: one layer's round trip to 2 echo processes (idle CPUs {'polling' if polling else 'sleeping'})",
+              flush=True)
+        for c in conc:
+            # An AW holds c/2 streams: c/2 tokens x top-k rows a layer, split over 2 EWs.
+            rows = max(1, c // 2) * cfg.top_k
+            floors[c] = floor_round_trips(rows, cfg.hidden_size, args.floor_iters)
+            print(f"  {c:>3} streams ({rows} rows): transport tcp {floors[c]['transport']:.0f} µs, "
+                  f"unix {floors[c]['unix']:.0f} µs, socket {floors[c]['socket']:.0f} µs", flush=True)
 
     print("the fabric, zero compute", flush=True)
     with contextlib.ExitStack() as stack:
-        urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers))}
-        if args.baseline_tree:
+        urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
+                                                        -1 if args.cpu_latency_ab else 0))}
+        around = {"this": lambda: cpu_latency.held(0)} if args.cpu_latency_ab else None
+        if args.cpu_latency_ab:
+            urls["baseline"] = urls["this"]
+        elif args.baseline_tree:
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
                                                                    flags=[*SIM_FLAGS, "--expert-workers",
                                                                           str(args.expert_workers)]))
-        runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab)
+        runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab, around)
     rounds = runs["this"]
+    if args.cpu_latency_ab:
+        print("\nthis = idle CPUs polling (a request held for its rounds); baseline = the same fabric, no request")
 
     layers = cfg.num_layers
     rows = []
@@ -275,9 +301,9 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r["streams"] for r in rows]
-        ax.plot(xs, [r["us_per_layer"] for r in rows], "o-", label="fabric, zero compute")
+        ax.plot(xs, [r["us_per_layer"] for r in rows], "o-", label="fabric, zero compute" + (", idle CPUs polling" if args.cpu_latency_ab else ""))
         if base:
-            ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5, label="baseline tree")
+            ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5, label="idle CPUs sleeping" if args.cpu_latency_ab else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fabric.auth import load_secret
 from fabric.config_fields import (
+    CPU_LATENCY_HELP,
     KERNELS,
     PROBE_INTERVAL_HELP,
     PROBE_MISSES_HELP,
@@ -24,6 +25,7 @@ from fabric.config_fields import (
     TRANSPORTS,
     auto_sched,
     check_boot_nice,
+    check_cpu_latency,
     check_device,
     check_kernel,
     check_port,
@@ -62,6 +64,7 @@ class RoleConfig:
     sched: str = opt("auto", "CPU scheduling policy (Linux): batch = a peer this process wakes does not preempt it "
                              "mid-send; normal = the kernel's default; auto = batch with --transport tcp, else normal",
                      choices=SCHED_POLICIES)
+    cpu_latency_us: int = opt(0, CPU_LATENCY_HELP)
     send_timeout_ms: float = opt(1000.0, SEND_TIMEOUT_HELP)
     cluster_secret_file: str | None = opt(None, SECRET_HELP, metavar="PATH")
     tls_cert: str | None = opt(None, TLS_CERT_HELP, metavar="PATH")
@@ -81,6 +84,7 @@ class RoleConfig:
             raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
         if self.send_timeout_ms <= 0:
             raise ConfigError("send_timeout_ms must be > 0")
+        check_cpu_latency(self.cpu_latency_us)
 
     @cached_property
     def secret(self) -> bytes | None:

@@ -76,6 +76,11 @@ def check_boot_nice(nice: int, name: str) -> None:
         raise ConfigError(f"{name} must be in 0..20 (20: the idle class), got {nice}")
 
 
+def check_cpu_latency(us: int) -> None:
+    if us < -1:
+        raise ConfigError(f"cpu_latency_us must be >= 0 (µs), or -1 to ask nothing, got {us}")
+
+
 def check_port(port: int, name: str) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"{name} must be in 0..65535 (0 = any free port), got {port}")
@@ -96,5 +101,9 @@ SECRET_HELP = ("file holding the cluster secret (mode 0600) that every internal 
                "$MOE_FABRIC_CLUSTER_SECRET; with neither, nothing is authenticated and only loopback is allowed")
 TLS_CERT_HELP = "the cluster's TLS certificate (PEM): TCP links and HTTP servers use TLS (not with --transport ucx)"
 TLS_KEY_HELP = "the TLS certificate's private key (PEM)"
+CPU_LATENCY_HELP = ("while serving, ask the kernel that idle CPUs wake within this many µs (PM QoS, "
+                    "/dev/cpu_dma_latency: root, or a udev rule that lets this user write it): 0 keeps them polling, "
+                    "the quickest to run a woken peer (docs/performance.md), at the cost of power (a VM's host sees "
+                    "its vCPUs busy); -1 asks nothing")
 SEND_TIMEOUT_HELP = ("a peer that does not drain what this process sends for this long loses that connection "
                      "and is routed around (a stuck reader answers probes but blocks its senders)")

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
-from fabric import trace
+from fabric import cpu_latency, trace
 from fabric.config_fields import parse_cpus
 from fabric.errors import ConfigError
 from fabric.notify import notifier
@@ -293,13 +293,16 @@ ServeFn = Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]]
 def run_role(role: str, cfg: Any, load: Callable[[], ServeFn]) -> NoReturn:
     """A role process's whole life, up to its exit.
 
-    First come its scheduling class and CPUs, which threads started later inherit, and a watch on its
-    supervisor. Then `load()` imports the role, and its `serve(cfg, stop)` runs on an event loop. The role has
-    closed its links and listeners by the time `serve` returns. What is left is the interpreter tearing down
+    First come its scheduling class and CPUs, which threads started later inherit, its request that idle CPUs
+    wake quickly (fabric/cpu_latency.py), and a watch on its supervisor. Then `load()` imports the role, and its
+    `serve(cfg, stop)` runs on an event loop. The role has closed its links and listeners by the time `serve`
+    returns. What is left is the interpreter tearing down
     torch and every module. That took ~0.65 CPU s (1.2 s) on an AW here, CPU that a dying worker takes from the
     survivors in the middle of their failover. It is skipped."""
+    setup_logging(role)
     set_sched(getattr(cfg, "sched_policy", "normal"))
     pin_cpus(getattr(cfg, "cpus", None))
+    cpu_latency.hold(getattr(cfg, "cpu_latency_us", None))  # idle CPUs quick to wake, until this process ends
     watch_process(getattr(cfg, "watch_pid", None))
     serve = load()
     trace.start(role)

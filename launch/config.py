@@ -16,7 +16,16 @@ from fabric.config import (
     WeightStoreConfig,
     WorkerConfig,
 )
-from fabric.config_fields import SCHED_POLICIES, check_device, check_kernel, check_port, check_probes, like, opt
+from fabric.config_fields import (
+    SCHED_POLICIES,
+    check_cpu_latency,
+    check_device,
+    check_kernel,
+    check_port,
+    check_probes,
+    like,
+    opt,
+)
 from fabric.errors import ConfigError
 from fabric.messages.control import Role
 
@@ -82,6 +91,7 @@ class ServeConfig:
     probe_interval_ms: float = like(AttentionWorkerConfig, "probe_interval_ms")
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
     send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
+    cpu_latency_us: int = like(RoleConfig, "cpu_latency_us")
     pin_workers: bool = opt(False, "pin attention worker i and expert worker i to CPU i (--cluster local; modulo the "
                                    "CPUs this command may use; a replacement takes a dead one's CPU, standbys float): "
                                    "where a step's attention and expert halves take turns on few cores, two AWs or "
@@ -147,6 +157,7 @@ class ServeConfig:
         check_port(self.orchestrator_port, "orchestrator_port")
         if self.sched not in SCHED_POLICIES:
             raise ConfigError(f"unknown scheduling policy {self.sched!r}; choose auto, batch or normal")
+        check_cpu_latency(self.cpu_latency_us)
         if not 0 <= self.restart_boot_nice <= 20:
             raise ConfigError("restart_boot_nice must be in 0..20")
         if self.restart_delay_s < 0 or self.watchdog_s < 0 or self.recovery_grace_s < 0 or self.send_timeout_ms <= 0:
@@ -184,7 +195,7 @@ class ServeConfig:
         where given."""
         orch = f"{self.host}:{orchestrator_port}"
         common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
-                      send_timeout_ms=self.send_timeout_ms, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
+                      send_timeout_ms=self.send_timeout_ms, cpu_latency_us=self.cpu_latency_us, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
                       tls_cert=self.tls_cert, tls_key=self.tls_key)
         probes: dict[str, Any] = dict(probe_interval_ms=self.probe_interval_ms, probe_misses=self.probe_misses)
         workers: dict[str, Any] = dict(dtype=self.dtype, weight_store=weight_store_dir, compute=self.compute,

@@ -21,12 +21,14 @@ from launch.flags import add_flags, from_args, to_argv
 
 
 @pytest.mark.parametrize("cfg", [
-    AttentionWorkerConfig(model="/m", orchestrator="h:1", probe_misses=5, checkpoint="off", dtype="bfloat16"),
+    AttentionWorkerConfig(model="/m", orchestrator="h:1", probe_misses=5, checkpoint="off", dtype="bfloat16",
+                          cpu_latency_us=20),
     ExpertWorkerConfig(model="/m", orchestrator="h:1", gather="threshold", max_wait_ms=3.5, watch_pid=7, cpus="0-1,3"),
     GatewayConfig(model="/m", orchestrator="h:1", reuse_port=True, stream_resume_grace_s=0.0, port=0,
                   cluster_secret_file="/s", public_metrics=True, tls_cert="/c", tls_key="/k"),
     OrchestratorConfig(model="/m", expert_workers=3, recovery_grace_s=0.5, generation=9, cluster_secret_file="/s"),
-    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False, pin_workers=True, max_batch_tokens=128),
+    ServeConfig(gateways=3, provisioner="none", api_key="k", auth=False, pin_workers=True, max_batch_tokens=128,
+                cpu_latency_us=-1),
     ServeConfig(cluster_secret_file="/s", tls_cert="/c", tls_key="/k"),
 ], ids=["attention", "expert", "gateway", "orchestrator", "serve", "serve-secured"])
 def test_a_config_survives_its_flags(cfg: object) -> None:
