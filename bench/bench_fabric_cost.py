@@ -301,9 +301,12 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r["streams"] for r in rows]
-        ax.plot(xs, [r["us_per_layer"] for r in rows], "o-", label="fabric, zero compute" + (", idle CPUs polling" if args.cpu_latency_ab else ""))
+        ab = args.cpu_latency_ab
+        ax.plot(xs, [r["us_per_layer"] for r in rows], "o-",
+                label="fabric, zero compute" + (", idle CPUs polling" if ab else ""))
         if base:
-            ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5, label="idle CPUs sleeping" if args.cpu_latency_ab else "baseline tree")
+            ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5,
+                    label="idle CPUs sleeping" if ab else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")

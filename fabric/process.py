@@ -296,9 +296,9 @@ def run_role(role: str, cfg: Any, load: Callable[[], ServeFn]) -> NoReturn:
     First come its scheduling class and CPUs, which threads started later inherit, its request that idle CPUs
     wake quickly (fabric/cpu_latency.py), and a watch on its supervisor. Then `load()` imports the role, and its
     `serve(cfg, stop)` runs on an event loop. The role has closed its links and listeners by the time `serve`
-    returns. What is left is the interpreter tearing down
-    torch and every module. That took ~0.65 CPU s (1.2 s) on an AW here, CPU that a dying worker takes from the
-    survivors in the middle of their failover. It is skipped."""
+    returns. What is left is the interpreter tearing down torch and every module. That took ~0.65 CPU s (1.2 s)
+    on an AW here, CPU that a dying worker takes from the survivors in the middle of their failover. It is
+    skipped."""
     setup_logging(role)
     set_sched(getattr(cfg, "sched_policy", "normal"))
     pin_cpus(getattr(cfg, "cpus", None))

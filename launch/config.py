@@ -195,8 +195,8 @@ class ServeConfig:
         where given."""
         orch = f"{self.host}:{orchestrator_port}"
         common: dict[str, Any] = dict(model=model, orchestrator=orch, host=self.host, transport=transport, sched=self.sched,
-                      send_timeout_ms=self.send_timeout_ms, cpu_latency_us=self.cpu_latency_us, watch_pid=supervisor_pid, cluster_secret_file=secret_file,
-                      tls_cert=self.tls_cert, tls_key=self.tls_key)
+                      send_timeout_ms=self.send_timeout_ms, cpu_latency_us=self.cpu_latency_us, watch_pid=supervisor_pid,
+                      cluster_secret_file=secret_file, tls_cert=self.tls_cert, tls_key=self.tls_key)
         probes: dict[str, Any] = dict(probe_interval_ms=self.probe_interval_ms, probe_misses=self.probe_misses)
         workers: dict[str, Any] = dict(dtype=self.dtype, weight_store=weight_store_dir, compute=self.compute,
                                        device=self.device, kernel=self.kernel)
