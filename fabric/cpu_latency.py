@@ -3,7 +3,7 @@
 Every hop of the data path ends in a wake-up: an AW's call wakes an EW, its result wakes the AW. A CPU that idles
 in a deep state takes tens of µs to run the woken process. On bare metal that is a C-state's exit; in a VM it is a
 halted vCPU, whose host thread has gone to sleep and must be scheduled again (on the 2-vCPU VM this was measured
-on, with guest halt polling off: a 4 KiB round trip between two processes took 59 µs, 13 µs with idle CPUs kept
+on, with guest halt polling off: a 4 KiB round trip between two processes took 58 µs, 13 µs with idle CPUs kept
 polling; `bench/bench_wake.py`). Linux's PM QoS interface lets a process ask that no CPU enter an idle state whose
 exit latency is over N µs, for as long as it holds /dev/cpu_dma_latency open. With 0, an idle CPU polls: it runs
 the woken process at once. The kernel takes the lowest of all the requests held, and drops a request with its
