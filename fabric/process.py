@@ -241,8 +241,8 @@ async def fatal_on_error(coro: Coroutine[Any, Any, None], stop: asyncio.Event) -
 def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], role: str) -> int:
     """Runs `main(stop_event)` on uvloop; SIGINT/SIGTERM set the event. Returns an exit code.
 
-    While it runs, the event loop pings the supervisor's watchdog (fabric/notify.py)."""
-    setup_logging(role)
+    While it runs, the event loop pings the supervisor's watchdog (fabric/notify.py). Logging is set up by then
+    (`run_role`, first)."""
     log = logging.getLogger(role)
     try:
         import uvloop

@@ -40,19 +40,21 @@ def test_a_request_holds_while_its_process_lives_and_ends_with_it() -> None:
     before = cpu_latency.current()
     code = ("import sys; from fabric import cpu_latency as c; ok = c.hold(7); "
             "print(ok, c.current(), flush=True); sys.stdin.read()")
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        taken, now = child.stdout.readline().split()
-        assert holders(child.pid) == (1 if WRITABLE else 0)
-        if WRITABLE:
-            assert before is not None and taken == "True" and int(now) == min(before, 7)
-        else:
-            assert taken == "False"
-        child.stdin.close()
-        assert child.wait(30) == 0
-    finally:
-        child.kill()
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:  # (waited for on the way out, killed first where a check failed)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            taken, now = child.stdout.readline().split()
+            assert holders(child.pid) == (1 if WRITABLE else 0)
+            if WRITABLE:
+                assert before is not None and taken == "True" and int(now) == min(before, 7)
+            else:
+                assert taken == "False"
+            child.stdin.close()
+            assert child.wait(30) == 0
+        except BaseException:
+            child.kill()
+            raise
     if WRITABLE:
         assert cpu_latency.current() != 7  # the kernel dropped it with the process
 
