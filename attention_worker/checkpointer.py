@@ -257,8 +257,8 @@ class Checkpointer:
         for start in range(0, n, PUT_TOKENS):
             slots = torch.tensor(self.kv.slots(seq.block_table, start, min(n, start + PUT_TOKENS)), dtype=torch.long,
                                  device=self.kv.device)
-            k = to_host(torch.stack([layer.index_select(0, slots) for layer in self.kv.k]))  # [L, c, K, d]
-            v = to_host(torch.stack([layer.index_select(0, slots) for layer in self.kv.v]))
+            k = to_host(self.kv.k_all.index_select(1, slots))  # [L, c, K, d], every layer in one op
+            v = to_host(self.kv.v_all.index_select(1, slots))
             out.append(KvPut(next(self._seq), seq.request_id, start, k, v))
         return out
 
@@ -350,9 +350,8 @@ class Checkpointer:
         c = end - chunk.start
         slots = torch.tensor(self.kv.slots(seq.block_table, chunk.start, end), dtype=torch.long, device=self.kv.device)
         k, v = to_device(chunk.k[:, :c], self.kv.device), to_device(chunk.v[:, :c], self.kv.device)
-        for layer in range(self.cfg.num_layers):
-            self.kv.k[layer].index_copy_(0, slots, k[layer])
-            self.kv.v[layer].index_copy_(0, slots, v[layer])
+        self.kv.k_all.index_copy_(1, slots, k)  # every layer in one op
+        self.kv.v_all.index_copy_(1, slots, v)
         return c
 
     def stats(self) -> dict[str, Any]:

@@ -52,9 +52,13 @@ class KVCache:
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.torch_dtype.itemsize
         num_blocks = max(1, budget_bytes // per_block)
         self.blocks = BlockManager(num_blocks, block_size)
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # [B*S, K, d]
-        self.k = [torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # [L, B*S, K, d]
+        # Every layer's cache in one tensor, so a write to the same slots of all layers is one op (the simulator's
+        # stand-in K and V); `k[i]` and `v[i]` are layer i's [B*S, K, d], views of it.
+        self.k_all = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
+        self.v_all = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
+        self.k = list(self.k_all.unbind(0))
+        self.v = list(self.v_all.unbind(0))
 
     def slots(self, table: list[int], start: int, end: int) -> list[int]:
         s = self.blocks.block_size

@@ -78,9 +78,13 @@ class SimRunner(ModelRunner):
         key = (meta.ids.numpy() * 7919 + pos.numpy() * 104729 + self.layer_keys) % _P + 1  # [L, T]
         scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E]
         experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
-        # The stand-in K and V rows of every layer (written to the cache layer by layer, as attention would).
+        # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
+        # cost is not the fabric's) and handed to the checkpoints layer by layer, as attention would.
         kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).to(cfg.torch_dtype)
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), experts=torch.from_numpy(experts),
+        every = kv.expand(cfg.num_layers, *kv.shape)  # [L, T, K, d]
+        self.kv.k_all.index_copy_(1, meta.slots, every)
+        self.kv.v_all.index_copy_(1, meta.slots, every)
+        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), experts=torch.from_numpy(experts).unbind(0),
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
 
     def _advance(self, step: StepState) -> StepState:
@@ -92,8 +96,6 @@ class SimRunner(ModelRunner):
             if self.attention_s and self.blocking:
                 time.sleep(self.attention_s)  # the cost model, blocking as real compute does
             kv = step.stand_in_kv
-            self.kv.k[i].index_copy_(0, meta.slots, kv)
-            self.kv.v[i].index_copy_(0, meta.slots, kv)
             step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
@@ -103,15 +105,14 @@ class SimRunner(ModelRunner):
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
         picked = torch.floor(step.h[rows, :8].float() * 1000).long().sum(1).remainder(cfg.vocab_size)  # [S + R]
-        logits = torch.zeros(rows.numel(), cfg.vocab_size)
-        logits[torch.arange(rows.numel()), picked] = PEAK
+        logits = torch.zeros(rows.numel(), cfg.vocab_size).scatter_(1, picked[:, None], PEAK)
         step.logits, step.scored = logits[:s], logits[s:]
         return step
 
 
 @dataclass
 class SimStep(StepState):
-    experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [L, T, k] each layer's experts
+    experts: tuple[torch.Tensor, ...] = ()  # L x [T, k]: each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
     stand_in_kv: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, K, d] every layer's K and V
     # The first layer the last compute call ran, for the inline cost model's sleep.

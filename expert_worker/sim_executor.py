@@ -33,6 +33,7 @@ class SimExecutor(ExpertExecutor):
         self.expert_s = expert_ms / 1000
         self.row_s = expert_row_us / 1e6
         self.chosen = True
+        self._factors: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
     @property
     def kernel(self) -> str:
@@ -52,19 +53,32 @@ class SimExecutor(ExpertExecutor):
     def warm_up(self) -> int:
         return 0  # nothing cold: no kernels, no weights
 
+    def _factor(self, layer: int, expert: int, like: torch.Tensor) -> torch.Tensor:
+        """`sim_factor(layer, expert)` as a 0-dim tensor of `like`'s dtype and device, made once."""
+        key = (layer, expert, like.dtype, like.device)
+        f = self._factors.get(key)
+        if f is None:
+            f = self._factors[key] = torch.tensor(sim_factor(layer, expert), dtype=like.dtype, device=like.device)
+        return f
+
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         outs = []
         rows = 0
         for p in batch:
             c = p.call
-            factors: list[float] = []  # each row's: its expert's
+            n_rows = 0
             for e, n in zip(c.experts, c.counts):
-                factors += [sim_factor(c.layer, e)] * n
                 self.tokens_by_expert[(c.layer, e)] = self.tokens_by_expert.get((c.layer, e), 0) + n
-            # [R', D] * [R', 1]: every row scaled in one op
-            outs.append(c.x * torch.tensor(factors, dtype=c.x.dtype, device=c.x.device)[:, None] if factors
-                        else torch.empty_like(c.x))
-            rows += len(factors)
+                n_rows += n
+            if len(c.counts) == 1 and n_rows:  # one expert's rows (most calls at few streams): one op
+                outs.append(c.x * self._factor(c.layer, c.experts[0], c.x))
+            elif n_rows:
+                # [R', D] * [R', 1]: every row scaled by its expert's factor, in one op
+                factors = [sim_factor(c.layer, e) for e, n in zip(c.experts, c.counts) for _ in range(n)]
+                outs.append(c.x * torch.tensor(factors, dtype=c.x.dtype, device=c.x.device)[:, None])
+            else:
+                outs.append(torch.empty_like(c.x))
+            rows += n_rows
         cost = self.expert_s + rows * self.row_s
         # A sleep of 0 still costs ~90 us on the 2-core VM, so a zero-cost model does not sleep at all.
         if cost > 0:

@@ -5,8 +5,10 @@
 # the Triton kernels (the trace), and an EW SIGINT on them. Each step has a cap; the output says each step's exit
 # code and seconds. Wheels in .whl/ (msgspec, py-spy: what the image lacks) are installed first, for this tree and
 # the baseline alike. `bench/profile_datapath.py --device cuda --py-spy` says where the workers' CPU goes.
-# Usage: [REPEATS=2] [STEPS=kernels,datapath,trace,failover] [TRITON=1] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
-# (STEPS: the steps to run; TRITON=0: the datapath without its extra `--kernel triton` fabric.)
+# `mps`, run only where STEPS names it, is the trace again with the processes' CUDA contexts in one MPS server
+# (scripts/with-mps.sh): the workers share the one GPU, and without MPS their kernels take turns by time slice.
+# Usage: [REPEATS=2] [STEPS=kernels,datapath,trace,failover,mps] [TRITON=1] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
+# (STEPS: the steps to run, by default all but mps; TRITON=0: the datapath without its extra `--kernel triton` fabric.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]}"
@@ -20,7 +22,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 steps=",${STEPS:-kernels,datapath,trace,failover},"
 for name in ${steps//,/ }; do  # (a misspelt step would silently run nothing, on a GPU's few minutes)
-  case $name in kernels|datapath|trace|failover) ;; *) echo "unknown step $name in STEPS" >&2; exit 2 ;; esac
+  case $name in kernels|datapath|trace|failover|mps) ;; *) echo "unknown step $name in STEPS" >&2; exit 2 ;; esac
 done
 step() {
   local name=$1 cap=$2 t0=$SECONDS
@@ -38,3 +40,5 @@ step datapath 240 "$python" bench/bench_datapath.py --device cuda --transports t
 step trace 70 "$python" bench/trace_datapath.py --device cuda --kernel triton --concurrency 1,64 --seconds 5 --out "$out/trace"
 step failover 60 "$python" -m launch.cli experiment failover --role expert --signal INT --concurrency 8 --duration 12 --at 4 \
   --tokens 48 --device cuda --kernel triton --out "$out/failover-ew-triton"
+step mps 90 scripts/with-mps.sh "$out/mps" "$python" bench/trace_datapath.py --device cuda --kernel triton \
+  --concurrency 1,64 --seconds 5 --out "$out/trace-mps"
