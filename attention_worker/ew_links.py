@@ -76,8 +76,9 @@ class EwLinks:
 
     @property
     def excluded(self) -> set[str]:
-        """EWs routed around: declared dead, or unreachable from here."""
-        return self.dead | self.unreachable.keys()
+        """EWs routed around: declared dead, or unreachable from here. (Read it, do not change it: with none
+        unreachable, the usual case, it is `dead` itself, not a new set a call: a post and a layer's routes ask.)"""
+        return self.dead | self.unreachable.keys() if self.unreachable else self.dead
 
     def live(self, ew_id: str) -> EwLink | None:
         link = self.links.get(ew_id)

@@ -21,6 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,19 @@ class Piece(NamedTuple):
     start: int
     rows: int
     part: int
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call of a layer: to `ew`, the rows of `experts` (`counts` rows each, from `starts`), `rows` of the plan's
+    rows; `pieces` where the general way routed them (a replay keeps each piece's part), None in the usual case."""
+
+    ew: str
+    experts: list[int]
+    counts: list[int]
+    starts: list[int]
+    rows: Rows
+    pieces: list[Piece] | None = None
 
 
 def _rows_of(pieces: list[Piece]) -> Rows:
@@ -280,6 +294,43 @@ class ForwardingEngine:
             else:
                 return plan
 
+    def _usual_calls(self, plan: LayerPlan) -> list[_Call] | None:
+        """The layer's calls where every expert with rows has one live EW serving it alone (the usual case): an EW's
+        experts, their rows, one run of them where they are consecutive. None otherwise, for the general way
+        (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert."""
+        ews = self._ews_of(plan.layer, self.links.excluded)
+        by_ew: dict[str, _Call] = {}
+        last = -1
+        for e, (start, n) in plan.spans.items():
+            ew = ews[e]
+            if ew is None or start < last:  # (spread or gone; or spans out of row order, which the general way sorts)
+                return None
+            last = start
+            call = by_ew.get(ew)
+            if call is None:
+                by_ew[ew] = _Call(ew, [e], [n], [start], slice(start, start + n))
+                continue
+            call.experts.append(e)
+            call.counts.append(n)
+            call.starts.append(start)
+            rows = call.rows
+            if isinstance(rows, slice) and rows.stop == start:
+                call.rows = slice(rows.start, start + n)
+            else:  # not one run: the rows' indices [R']
+                call.rows = torch.tensor([r for s0, m in zip(call.starts, call.counts) for r in range(s0, s0 + m)],
+                                         dtype=torch.long)
+        return list(by_ew.values())
+
+    async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[_Call]:
+        """The general way: `todo`'s pieces routed to the EWs that serve them now (`_route`), a call per EW."""
+        route = await self._route(layer, todo)
+        calls = []
+        for ew, js in route.items():
+            pieces = [todo[j] for j in js]
+            calls.append(_Call(ew, [p.expert for p in pieces], [p.rows for p in pieces], [p.start for p in pieces],
+                               _rows_of(pieces), pieces))
+        return calls
+
     async def run_plan(self, plan: LayerPlan, pad: bool = True) -> list[Part]:
         """Runs the plan's rows on the reachable serving replicas of each expert.
 
@@ -291,24 +342,21 @@ class ForwardingEngine:
         gets an empty call. It does not answer, and it never waits for this AW in vain. With
         hundreds of EWs, `--gather threshold` spares those calls."""
         assert self.table is not None
-        todo = self._pieces(plan.layer, plan.spans)
+        calls = self._usual_calls(plan)
+        if calls is None:
+            calls = await self._routed_calls(plan.layer, self._pieces(plan.layer, plan.spans))
         parts: list[Part] = []
         replay = False
         while True:
-            route = await self._route(plan.layer, todo)
             if pad and not replay:
                 excluded = self.links.excluded
                 for ew, addr in self.table.expert_workers.items():
-                    if addr.sync and ew not in excluded and ew not in route:
+                    if addr.sync and ew not in excluded and all(c.ew != ew for c in calls):
                         self._pad(ew, plan)
-            ews = list(route)
-            idx = [_rows_of([todo[j] for j in route[ew]]) for ew in ews]
-            results: list[torch.Tensor | BaseException] = []
             futs: list[asyncio.Future[torch.Tensor]] = []
-            for ew, i in zip(ews, idx):  # every call out before the first wait
+            for c in calls:  # every call out before the first wait
                 try:
-                    futs.append(self.post(ew, plan, [todo[j].expert for j in route[ew]],
-                                          [todo[j].rows for j in route[ew]], i, replay))
+                    futs.append(self.post(c.ew, plan, c.experts, c.counts, c.rows, replay))
                 except PeerDeadError as exc:
                     futs.append(_failed(exc))
             self.in_flight += len(futs)
@@ -318,19 +366,20 @@ class ForwardingEngine:
                 self.in_flight -= len(futs)
             trace.stamp("resumed", self.aw_id, plan.layer)
             failed: list[Piece] = []
-            for ew, i, res in zip(ews, idx, results):
+            for c, res in zip(calls, results):
                 if isinstance(res, PeerDeadError):
-                    if ew not in self.links.excluded:
-                        log.warning("%s failed a call (%s); replaying its calls on the next replicas", ew, res)
-                        self.links.suspect(ew, str(res))
-                    failed.extend(todo[j] for j in route[ew])
+                    if c.ew not in self.links.excluded:
+                        log.warning("%s failed a call (%s); replaying its calls on the next replicas", c.ew, res)
+                        self.links.suspect(c.ew, str(res))
+                    failed.extend(c.pieces if c.pieces is not None else
+                                  [Piece(e, s0, n, 0) for e, s0, n in zip(c.experts, c.starts, c.counts)])
                 elif isinstance(res, BaseException):
                     raise res
                 else:
-                    parts.append((i, res))
+                    parts.append((c.rows, res))
             if not failed:
                 return parts
-            todo, replay = failed, True
+            calls, replay = await self._routed_calls(plan.layer, failed), True
             self.replays += 1
 
     async def close(self) -> None:
