@@ -300,6 +300,7 @@ class ForwardingEngine:
         (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert."""
         ews = self._ews_of(plan.layer, self.links.excluded)
         by_ew: dict[str, _Call] = {}
+        scattered: set[str] = set()  # EWs whose rows are not one run
         last = -1
         for e, (start, n) in plan.spans.items():
             ew = ews[e]
@@ -313,12 +314,15 @@ class ForwardingEngine:
             call.experts.append(e)
             call.counts.append(n)
             call.starts.append(start)
-            rows = call.rows
-            if isinstance(rows, slice) and rows.stop == start:
-                call.rows = slice(rows.start, start + n)
-            else:  # not one run: the rows' indices [R']
-                call.rows = torch.tensor([r for s0, m in zip(call.starts, call.counts) for r in range(s0, s0 + m)],
-                                         dtype=torch.long)
+            run = call.rows
+            if ew not in scattered and isinstance(run, slice) and run.stop == start:
+                call.rows = slice(run.start, start + n)
+            else:
+                scattered.add(ew)
+        for ew in scattered:  # their rows' indices [R'], made once
+            call = by_ew[ew]
+            call.rows = torch.tensor([r for s0, m in zip(call.starts, call.counts) for r in range(s0, s0 + m)],
+                                     dtype=torch.long)
         return list(by_ew.values())
 
     async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[_Call]:
