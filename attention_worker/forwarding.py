@@ -61,6 +61,12 @@ class _Call:
     rows: Rows
     pieces: list[Piece] | None = None
 
+    def as_pieces(self) -> list[Piece]:
+        """Its pieces: the general way's, or one whole piece an expert (the usual way)."""
+        if self.pieces is not None:
+            return self.pieces
+        return [Piece(e, start, n, 0) for e, start, n in zip(self.experts, self.starts, self.counts)]
+
 
 def _rows_of(pieces: list[Piece]) -> Rows:
     """The rows of `pieces`, in order.
@@ -320,9 +326,7 @@ class ForwardingEngine:
             else:
                 scattered.add(ew)
         for ew in scattered:  # their rows' indices [R'], made once
-            call = by_ew[ew]
-            call.rows = torch.tensor([r for s0, m in zip(call.starts, call.counts) for r in range(s0, s0 + m)],
-                                     dtype=torch.long)
+            by_ew[ew].rows = _rows_of(by_ew[ew].as_pieces())
         return list(by_ew.values())
 
     async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[_Call]:
@@ -354,8 +358,9 @@ class ForwardingEngine:
         while True:
             if pad and not replay:
                 excluded = self.links.excluded
+                called = {c.ew for c in calls}
                 for ew, addr in self.table.expert_workers.items():
-                    if addr.sync and ew not in excluded and all(c.ew != ew for c in calls):
+                    if addr.sync and ew not in excluded and ew not in called:
                         self._pad(ew, plan)
             futs: list[asyncio.Future[torch.Tensor]] = []
             for c in calls:  # every call out before the first wait
@@ -375,8 +380,7 @@ class ForwardingEngine:
                     if c.ew not in self.links.excluded:
                         log.warning("%s failed a call (%s); replaying its calls on the next replicas", c.ew, res)
                         self.links.suspect(c.ew, str(res))
-                    failed.extend(c.pieces if c.pieces is not None else
-                                  [Piece(e, s0, n, 0) for e, s0, n in zip(c.experts, c.starts, c.counts)])
+                    failed.extend(c.as_pieces())
                 elif isinstance(res, BaseException):
                     raise res
                 else:
