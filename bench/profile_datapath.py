@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--transport", default="tcp")
-    ap.add_argument("--py-spy", action="store_true", help="also sample every attention and expert worker and gateway-0")
+    ap.add_argument("--py-spy", action="store_true", help="also sample every attention and expert worker, the checkpoint store and gateway-0")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer): the fabric's own cost")
     ap.add_argument("--pinned", action="store_true",
@@ -77,7 +77,7 @@ def main() -> None:
         spies = []
         if args.py_spy:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            for name in sorted(n for n in procs if n.startswith(("attention-worker", "expert-worker", "gateway-0"))):
+            for name in sorted(n for n in procs if n.startswith(("attention-worker", "expert-worker", "gateway-0", "checkpoint-store"))):
                 out = args.out / f"{name}.txt"
                 spies.append((name, out, subprocess.Popen(
                     [spy, "record", "--format", "raw", "--nonblocking", "--rate", "200", "-d", str(int(args.seconds)),

@@ -2,12 +2,13 @@
 
 This is layer-wise batching (Tarragon §2.1). Calls for the same layer from different AWs run
 together, each expert once per batch. A policy only decides *which pending calls run now*. It
-never mutates.
+never changes the pending calls; the sync policy keeps what it measured of the waits and the batches.
 """
 
 from __future__ import annotations
 
 import abc
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ class PendingCall:
 
 
 class GatherPolicy(abc.ABC):
+    hurried = 0  # batches run without waiting for the AWs a sync gather waits for (stats)
+
     @abc.abstractmethod
     def select(self, pending: list[PendingCall], active_aws: set[str], now: float) -> tuple[list[PendingCall], float | None]:
         """Returns (calls to run now, seconds until the next time-based decision or None).
@@ -35,6 +38,9 @@ class GatherPolicy(abc.ABC):
         `active_aws` are the AWs alive and currently running a batch. A dead or idle AW is never
         waited for.
         """
+
+    def ran(self, seconds: float) -> None:  # noqa: B027 (a hook: most policies keep nothing)
+        """Told after each batch how long it took."""
 
 
 class SyncPolicy(GatherPolicy):
@@ -48,29 +54,63 @@ class SyncPolicy(GatherPolicy):
     (within `max_wait`). Layers are taken round the cycle of `num_layers`: the furthest behind is the
     layer after the widest gap (an AW at the last layer is just behind one at the first layer of its
     next step). Every EW sees the same layers and picks the same.
+
+    Waiting pays while it is shorter than the batch it saves: calls run together read each expert once, so the
+    most a wait can save is one batch. Where the experts cost less than the wait (a fast device, or no compute
+    at all), the early calls are better run at once and the AWs left to go at their own pace. So the policy
+    measures both: over a window of `WINDOW` batches run in step, the mean wait of a batch's first call
+    against the mean batch (what waiting costs and saves on average; a rare long wait counts). Where the wait is longer, the next `HURRY` batches run as their calls come, then
+    a window in step measures again (and brings the AWs back onto one layer, should the experts have grown
+    costly meanwhile). Where it is shorter, the next window runs in step too. Nothing changes for one AW alone,
+    which is never waited for.
     """
+
+    WINDOW = 16  # batches run in step whose waits and times decide what comes next
+    HURRY = 112  # batches run as their calls come before the next window (in step 1/8 of the time)
 
     def __init__(self, max_wait: float, num_layers: int = 0) -> None:
         self.max_wait = max_wait
         self.num_layers = num_layers
+        self.waits: list[float] = []  # this window's: how long each batch's first call waited
+        self.times: list[float] = []  # this window's batches, seconds each
+        self.hurry = 0  # batches left to run as their calls come
+        self.hurried = 0  # batches run so, all told (stats)
+
+    def ran(self, seconds: float) -> None:
+        if self.hurry:
+            self.hurry -= 1
+            self.hurried += 1
+            return
+        self.times.append(seconds)
+        if len(self.times) >= self.WINDOW:
+            if len(self.waits) >= self.WINDOW // 2 and statistics.fmean(self.waits) > statistics.fmean(self.times):
+                self.hurry = self.HURRY
+            self.waits, self.times = [], []
+
+    def _run(self, calls: list[PendingCall], now: float) -> tuple[list[PendingCall], None]:
+        self.waits.append(now - min(p.arrived for p in calls))
+        return calls, None
 
     def select(self, pending: list[PendingCall], active_aws: set[str], now: float) -> tuple[list[PendingCall], float | None]:
         if not pending:
             return [], None
+        if self.hurry:
+            return list(pending), None
         delivered = {p.aw_id for p in pending}
         oldest = min(p.arrived for p in pending)
         if now - oldest >= self.max_wait:
-            return list(pending), None
+            return self._run(list(pending), now)
         if not active_aws <= delivered:
             return [], oldest + self.max_wait - now
         layers = sorted({p.call.layer for p in pending})
         if len(layers) == 1 or self.num_layers <= 0:
-            return list(pending), None
+            return self._run(list(pending), now)
         behind = behind_layer(layers, self.num_layers)
         run: list[PendingCall] = []
         held: list[PendingCall] = []
         for p in pending:
             (run if p.call.layer == behind or p.aw_id not in active_aws else held).append(p)
+        self.waits.append(now - min(p.arrived for p in run))
         return run, (min(p.arrived for p in held) + self.max_wait - now) if held else None
 
 

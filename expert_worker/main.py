@@ -232,6 +232,7 @@ class ExpertWorker(Service):
     def stats(self) -> WorkerStats:
         rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
         return WorkerStats({"batches": self.batches, "mixed_batches": self.mixed_batches,
+                            "hurried_batches": self.policy.hurried,
                             "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
                             "stale_calls": self.stale_calls, "empty_calls": self.empty_calls,
                             "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
@@ -346,7 +347,9 @@ class ExpertWorker(Service):
             outputs = self.clock.run(self._run, batch)
         finally:
             self.computing = []
-        self.compute_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.compute_s += took
+        self.policy.ran(took)
         self.batches += 1
         self.mixed_batches += len({p.call.layer for p in batch}) > 1
         for p, y in zip(batch, outputs):

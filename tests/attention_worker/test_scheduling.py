@@ -132,6 +132,42 @@ def test_sync_policy_brings_the_aws_onto_one_layer() -> None:
     assert SyncPolicy(max_wait=0.05).select([a, b], aws, 100.02)[0] == [a, b]  # no layer count: as before
 
 
+def test_sync_policy_stops_waiting_where_a_wait_costs_more_than_the_batch_it_saves() -> None:
+    """A window of batches in step whose first calls waited longer, on average, than a batch took: the next
+    HURRY batches run as their calls come, then a window in step measures again. Waits shorter than the
+    batches keep every batch in step."""
+    policy = SyncPolicy(max_wait=0.05, num_layers=8)
+    aws = {"aw-0", "aw-1"}
+
+    def window(wait: float, took: float) -> None:
+        for _ in range(SyncPolicy.WINDOW):
+            a, b = pending("aw-0", 0, 2), pending("aw-1", 0, 2)
+            b.arrived = a.arrived + wait
+            assert policy.select([a], aws, a.arrived)[0] == []  # in step: the early call waits
+            assert policy.select([a, b], aws, b.arrived)[0] == [a, b]
+            policy.ran(took)
+
+    window(wait=0.0002, took=0.003)  # experts costly, the AWs close: in step
+    window(wait=0.0002, took=0.003)
+    lone = pending("aw-0", 1, 2)
+    assert policy.select([lone], aws, lone.arrived)[0] == [] and policy.hurried == 0
+    window(wait=0.0001, took=0.00003)  # experts cheap: 100 µs waits to save 30 µs batches
+    for _ in range(SyncPolicy.HURRY):
+        assert policy.select([lone], aws, lone.arrived) == ([lone], None)  # run as it comes
+        policy.ran(0.00003)
+    assert policy.hurried == SyncPolicy.HURRY
+    assert policy.select([lone], aws, lone.arrived)[0] == []  # a window in step again
+    # One straggler held to max_wait outweighs what the window's batches saved: 15 waits of 0.1 ms and one of
+    # 50, 3.2 ms on average, against 1 ms batches.
+    for i in range(SyncPolicy.WINDOW):
+        a, b = pending("aw-0", 0, 2), pending("aw-1", 0, 2)
+        b.arrived = a.arrived + (0.05 if i == 3 else 0.0001)
+        run = policy.select([a, b], aws, b.arrived if i != 3 else a.arrived + 0.05)[0]
+        assert run == [a, b]
+        policy.ran(0.001)
+    assert policy.select([lone], aws, lone.arrived) == ([lone], None)
+
+
 def test_the_layer_furthest_behind_is_after_the_widest_gap() -> None:
     assert behind_layer([3, 5], 8) == 3 and behind_layer([0, 7], 8) == 7 and behind_layer([1, 6], 8) == 6
     assert behind_layer([0, 4], 8) == 4  # a tie: the first widest gap, the same on every EW
