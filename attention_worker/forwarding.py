@@ -32,6 +32,7 @@ from fabric import trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
 from fabric.routing import RoutingTable
+from fabric.spin import Spin
 from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,12 @@ def _rows_of(pieces: list[Piece]) -> Rows:
     return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
 
 
-async def _settled(futs: list[asyncio.Future[torch.Tensor]]) -> list[torch.Tensor | BaseException]:
-    """Each future's result or exception, in order (as `gather(return_exceptions=True)`).
-
-    Awaited one by one: a future already done costs no wake-up, where gather costs two hops of the loop."""
+async def _settled(futs: list[asyncio.Future[torch.Tensor]], spin: Spin | None = None) -> list[torch.Tensor | BaseException]:
+    """Each future's result or exception, in order (as `gather(return_exceptions=True)`), awaited one by one: one done
+    costs no wake-up, where gather costs two hops of the loop. A usually short wait polls the loop first (`spin`)."""
+    t0 = time.perf_counter()
+    if spin is not None:
+        await spin.wait(lambda: all(f.done() for f in futs))
     out: list[torch.Tensor | BaseException] = []
     for i, fut in enumerate(futs):
         try:
@@ -92,6 +95,8 @@ async def _settled(futs: list[asyncio.Future[torch.Tensor]]) -> list[torch.Tenso
             raise
         except Exception as exc:
             out.append(exc)
+    if spin is not None:
+        spin.observe(time.perf_counter() - t0)
     return out
 
 
@@ -104,8 +109,9 @@ def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
                  probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, spin: Spin | None = None) -> None:
         self.aw_id = aw_id
+        self.spin = spin  # polls a layer's short waits for results (fabric/spin.py)
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
         # Offered by the orchestrator, applied at a step boundary.
@@ -370,7 +376,7 @@ class ForwardingEngine:
                     futs.append(_failed(exc))
             self.in_flight += len(futs)
             try:
-                results = await _settled(futs)
+                results = await _settled(futs, self.spin)
             finally:
                 self.in_flight -= len(futs)
             trace.stamp("resumed", self.aw_id, plan.layer)

@@ -207,6 +207,10 @@ class AttentionWorkerConfig(WorkerConfig):
                                "paged decode attention: with --kernel auto it is then Triton's (--kernel torch: no "
                                "graphs); 0: op by op")
     restore_join_ms: float = opt(50.0, "a step waits at most this long for restores already under way (0: never)")
+    spin_us: float = opt(200.0, "a layer's wait for its expert results polls the event loop up to this long before "
+                                "it sleeps, while its waits are usually at most half as long (a wake-up spared on "
+                                "each layer where the fabric's own cost is most of it: docs/performance.md); 0: "
+                                "always sleep")
     sim_attention_ms: float = opt(0.85, "--compute sim: what one layer's attention costs a step")
 
     def __post_init__(self) -> None:
@@ -214,8 +218,8 @@ class AttentionWorkerConfig(WorkerConfig):
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
         check_probes(self.probe_interval_ms, self.probe_misses)
-        if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0 or self.cuda_graphs < 0:
-            raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
+        if min(self.expert_wait_s, self.restore_join_ms, self.sim_attention_ms, self.cuda_graphs, self.spin_us) < 0:
+            raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms, cuda_graphs and spin_us must be >= 0")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 
