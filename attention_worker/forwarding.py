@@ -83,10 +83,10 @@ async def _settled(futs: list[asyncio.Future[torch.Tensor]], spin: Spin | None =
     """Each future's result or exception, in order (as `gather(return_exceptions=True)`), awaited one by one: one done
     costs no wake-up, where gather costs two hops of the loop. A usually short wait polls the loop first (`spin`)."""
     t0 = time.perf_counter()
-    if spin is not None:
-        await spin.wait(lambda: all(f.done() for f in futs))
     out: list[torch.Tensor | BaseException] = []
     for i, fut in enumerate(futs):
+        if spin is not None and not fut.done():  # (polled while the EWs it waits for and this AW each have a CPU)
+            await spin.wait(fut.done, sum(not f.done() for f in futs[i:]))
         try:
             out.append(await fut)
         except asyncio.CancelledError:

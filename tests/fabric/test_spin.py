@@ -28,6 +28,11 @@ def test_a_usually_short_wait_polls_until_done() -> None:
         assert turns[0] == 5 and (spin.spins, spin.caught) == (1, 1)
         await spin.wait(lambda: True)  # done already: nothing to poll
         assert spin.spins == 1
+        await Spin(0.5, cpus=2).wait(lambda: False, peers=2)  # two EWs woken and this AW: three CPUs of two
+        narrow = Spin(0.5, cpus=2)
+        narrow.typical = 0.0001
+        await narrow.wait(lambda: False, peers=2)
+        assert narrow.spins == 0  # returned at once, to sleep: polling would keep a woken peer off a CPU
 
     asyncio.run(main())
 
