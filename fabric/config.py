@@ -218,8 +218,10 @@ class AttentionWorkerConfig(WorkerConfig):
         if self.block_size < 1 or self.kv_cache_mib < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ConfigError("block_size, kv_cache_mib, max_batch_tokens and max_running must be >= 1")
         check_probes(self.probe_interval_ms, self.probe_misses)
-        if min(self.expert_wait_s, self.restore_join_ms, self.sim_attention_ms, self.cuda_graphs, self.spin_us) < 0:
-            raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms, cuda_graphs and spin_us must be >= 0")
+        if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0 or self.cuda_graphs < 0:
+            raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
+        if self.spin_us < 0:
+            raise ConfigError("spin_us must be >= 0 (µs; 0: never poll)")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 
