@@ -388,7 +388,6 @@ class AttentionWorker:
             "ew_relinks": links.relinks, "probes_sent": links.probes_sent,
             "epochs_applied": {str(e): t for e, t in refe.applied.items()},
             **self.ckpt.stats(),
-            **(refe.spin.stats() if refe.spin is not None else {}),
             "restore_join_s": round(self.restore_join_s, 3),
             "forward_s": round(self.runner.forward_s, 3), "expert_wait_s": round(self.runner.expert_wait_s, 3),
         }

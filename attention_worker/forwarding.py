@@ -32,7 +32,6 @@ from fabric import trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
 from fabric.routing import RoutingTable
-from fabric.spin import Spin
 from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -79,14 +78,12 @@ def _rows_of(pieces: list[Piece]) -> Rows:
     return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
 
 
-async def _settled(futs: list[asyncio.Future[torch.Tensor]], spin: Spin | None = None) -> list[torch.Tensor | BaseException]:
-    """Each future's result or exception, in order (as `gather(return_exceptions=True)`), awaited one by one: one done
-    costs no wake-up, where gather costs two hops of the loop. A usually short wait polls the loop first (`spin`)."""
-    t0 = time.perf_counter()
+async def _settled(futs: list[asyncio.Future[torch.Tensor]]) -> list[torch.Tensor | BaseException]:
+    """Each future's result or exception, in order (as `gather(return_exceptions=True)`).
+
+    Awaited one by one: a future already done costs no wake-up, where gather costs two hops of the loop."""
     out: list[torch.Tensor | BaseException] = []
     for i, fut in enumerate(futs):
-        if spin is not None and not fut.done():  # (polled while the EWs it waits for and this AW each have a CPU)
-            await spin.wait(fut.done, sum(not f.done() for f in futs[i:]))
         try:
             out.append(await fut)
         except asyncio.CancelledError:
@@ -95,8 +92,6 @@ async def _settled(futs: list[asyncio.Future[torch.Tensor]], spin: Spin | None =
             raise
         except Exception as exc:
             out.append(exc)
-    if spin is not None:
-        spin.observe(time.perf_counter() - t0)
     return out
 
 
@@ -109,9 +104,8 @@ def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
                  probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
-                 device: torch.device | None = None, spin: Spin | None = None) -> None:
+                 device: torch.device | None = None) -> None:
         self.aw_id = aw_id
-        self.spin = spin  # polls a layer's short waits for results (fabric/spin.py)
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
         # Offered by the orchestrator, applied at a step boundary.
@@ -376,7 +370,7 @@ class ForwardingEngine:
                     futs.append(_failed(exc))
             self.in_flight += len(futs)
             try:
-                results = await _settled(futs, self.spin)
+                results = await _settled(futs)
             finally:
                 self.in_flight -= len(futs)
             trace.stamp("resumed", self.aw_id, plan.layer)

@@ -56,7 +56,6 @@ from fabric.model.weight_store import open_store
 from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 from fabric.sim_host import serve_workers
-from fabric.spin import Spin
 from fabric.steps import StepClock
 from fabric.transport import make_transport
 from fabric.transport.base import Connection, Listener, Transport
@@ -185,8 +184,7 @@ class AttentionService(Service):
             return
         self.control_transport = rt.tcp_transport()  # to the EWs' control ports, from this loop
         refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, cfg.probe_interval_ms / 1000,
-                                cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device,
-                                Spin(cfg.spin_us / 1e6) if cfg.spin_us else None)
+                                cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device)
         ckpt = Checkpointer(rt.worker_id, self.model, kv, refe, self.transport, cfg.checkpoint,
                             cfg.checkpoint_pause_every, on_lost=rt.report_dead)
         runner: ModelRunner

@@ -207,10 +207,6 @@ class AttentionWorkerConfig(WorkerConfig):
                                "paged decode attention: with --kernel auto it is then Triton's (--kernel torch: no "
                                "graphs); 0: op by op")
     restore_join_ms: float = opt(50.0, "a step waits at most this long for restores already under way (0: never)")
-    spin_us: float = opt(200.0, "a layer's wait for its expert results polls the event loop up to this long before "
-                                "it sleeps, while its waits are usually at most half as long (a wake-up spared on "
-                                "each layer where the fabric's own cost is most of it: docs/performance.md); 0: "
-                                "always sleep")
     sim_attention_ms: float = opt(0.85, "--compute sim: what one layer's attention costs a step")
 
     def __post_init__(self) -> None:
@@ -220,8 +216,6 @@ class AttentionWorkerConfig(WorkerConfig):
         check_probes(self.probe_interval_ms, self.probe_misses)
         if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0 or self.cuda_graphs < 0:
             raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
-        if self.spin_us < 0:
-            raise ConfigError("spin_us must be >= 0 (µs; 0: never poll)")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
 

@@ -92,7 +92,6 @@ class ServeConfig:
     probe_misses: int = like(AttentionWorkerConfig, "probe_misses")
     send_timeout_ms: float = like(RoleConfig, "send_timeout_ms")
     cpu_latency_us: int = like(RoleConfig, "cpu_latency_us")
-    spin_us: float = like(AttentionWorkerConfig, "spin_us")
     pin_workers: bool = opt(False, "pin attention worker i and expert worker i to CPU i (--cluster local; modulo the "
                                    "CPUs this command may use; a replacement takes a dead one's CPU, standbys float): "
                                    "where a step's attention and expert halves take turns on few cores, two AWs or "
@@ -213,7 +212,7 @@ class ServeConfig:
             expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms,
                                       cuda_graphs=self.expert_cuda_graphs),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
-                                            max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs, spin_us=self.spin_us,
+                                            max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs,
                                             sim_attention_ms=self.sim_attention_ms, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
