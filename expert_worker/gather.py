@@ -58,11 +58,11 @@ class SyncPolicy(GatherPolicy):
     Waiting pays while it is shorter than the batch it saves: calls run together read each expert once, so the
     most a wait can save is one batch. Where the experts cost less than the wait (a fast device, or no compute
     at all), the early calls are better run at once and the AWs left to go at their own pace. So the policy
-    measures both: over a window of `WINDOW` batches run in step, the mean wait of a batch's first call
-    against the mean batch (what waiting costs and saves on average; a rare long wait counts). Where the wait is longer, the next `HURRY` batches run as their calls come, then
-    a window in step measures again (and brings the AWs back onto one layer, should the experts have grown
-    costly meanwhile). Where it is shorter, the next window runs in step too. Nothing changes for one AW alone,
-    which is never waited for.
+    measures both: over a window of `WINDOW` batches run in step, the mean wait of a batch's first call against
+    the mean batch (what waiting costs and saves on average: a rare long wait counts). Where the wait is longer,
+    the next `HURRY` batches run as their calls come, then a window in step measures again (and brings the AWs
+    back onto one layer, should the experts have grown costly meanwhile). Where it is shorter, the next window
+    runs in step too. Nothing changes for one AW alone, which is never waited for.
     """
 
     WINDOW = 16  # batches run in step whose waits and times decide what comes next
@@ -87,9 +87,10 @@ class SyncPolicy(GatherPolicy):
                 self.hurry = self.HURRY
             self.waits, self.times = [], []
 
-    def _run(self, calls: list[PendingCall], now: float) -> tuple[list[PendingCall], None]:
+    def _waited(self, calls: list[PendingCall], now: float) -> list[PendingCall]:
+        """The calls that run now, their first's wait taken into the window."""
         self.waits.append(now - min(p.arrived for p in calls))
-        return calls, None
+        return calls
 
     def select(self, pending: list[PendingCall], active_aws: set[str], now: float) -> tuple[list[PendingCall], float | None]:
         if not pending:
@@ -99,19 +100,18 @@ class SyncPolicy(GatherPolicy):
         delivered = {p.aw_id for p in pending}
         oldest = min(p.arrived for p in pending)
         if now - oldest >= self.max_wait:
-            return self._run(list(pending), now)
+            return self._waited(list(pending), now), None
         if not active_aws <= delivered:
             return [], oldest + self.max_wait - now
         layers = sorted({p.call.layer for p in pending})
         if len(layers) == 1 or self.num_layers <= 0:
-            return self._run(list(pending), now)
+            return self._waited(list(pending), now), None
         behind = behind_layer(layers, self.num_layers)
         run: list[PendingCall] = []
         held: list[PendingCall] = []
         for p in pending:
             (run if p.call.layer == behind or p.aw_id not in active_aws else held).append(p)
-        self.waits.append(now - min(p.arrived for p in run))
-        return run, (min(p.arrived for p in held) + self.max_wait - now) if held else None
+        return self._waited(run, now), (min(p.arrived for p in held) + self.max_wait - now) if held else None
 
 
 def behind_layer(layers: list[int], num_layers: int) -> int:
