@@ -83,6 +83,7 @@ class SyncPolicy(GatherPolicy):
             return
         self.times.append(seconds)
         if len(self.times) >= self.WINDOW:
+            # (A window of mostly replays, which skip the policy and wait for nobody, decides nothing.)
             if len(self.waits) >= self.WINDOW // 2 and statistics.fmean(self.waits) > statistics.fmean(self.times):
                 self.hurry = self.HURRY
             self.waits, self.times = [], []

@@ -170,7 +170,7 @@ class WorkerConfig(RoleConfig):
 @dataclass(frozen=True)
 class ExpertWorkerConfig(WorkerConfig):
     gather: str = opt("sync", "sync: run when every active AW has delivered, unless the waits measured cost more "
-                                      "than the batches they save; threshold: a minimum batch or the wait",
+                              "than the batches they save; threshold: a minimum batch or the wait",
                       choices=("sync", "threshold"))
     min_batch_tokens: int = opt(1, "threshold gather: rows a layer needs before it runs")
     max_wait_ms: float = opt(20.0, "the longest a call waits for the others of its batch")
