@@ -54,6 +54,7 @@ class EwLink:
     # last message to it said; the EW waits for it only while that is true.
     pads: bool = True
     said_pads: bool = True
+    batch_s: float = 0.0  # how long the EW's batch took that computed the last result (`ExpertResult.batch_s`)
     # Closed by this AW, by a table without it. Its end is no news.
     closing: bool = False
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
@@ -79,6 +80,7 @@ class EwLink:
             return
         if isinstance(msg, ExpertResult):
             self.pads = msg.others
+            self.batch_s = msg.batch_s
             fut.set_result(msg.y)
         elif isinstance(msg, ExpertError):
             fut.set_exception(ExpertCallError(msg.message))

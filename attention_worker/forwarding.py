@@ -21,12 +21,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from attention_worker.collapse import CollapsePolicy, layer_targets
 from attention_worker.ew_links import EwLinks
+from attention_worker.expert_calls import Call, Piece, rows_of
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
 from fabric import trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
@@ -35,47 +35,6 @@ from fabric.routing import RoutingTable
 from fabric.transport.base import Transport
 
 log = logging.getLogger(__name__)
-
-
-class Piece(NamedTuple):
-    """Rows [start, start + rows) of the expert-sorted rows, all routed to `expert`.
-
-    It is the expert's `part`-th share when the expert is spread over several replicas. (A tuple: a layer makes
-    one per expert, and a frozen dataclass costs ~1 µs to make.)"""
-
-    expert: int
-    start: int
-    rows: int
-    part: int
-
-
-@dataclass(slots=True)
-class _Call:
-    """One call of a layer: to `ew`, the rows of `experts` (`counts` rows each, from `starts`), `rows` of the plan's
-    rows; `pieces` where the general way routed them (a replay keeps each piece's part), None in the usual case."""
-
-    ew: str
-    experts: list[int]
-    counts: list[int]
-    starts: list[int]
-    rows: Rows
-    pieces: list[Piece] | None = None
-
-    def as_pieces(self) -> list[Piece]:
-        """Its pieces: the general way's, or one whole piece an expert (the usual way)."""
-        if self.pieces is not None:
-            return self.pieces
-        return [Piece(e, start, n, 0) for e, start, n in zip(self.experts, self.starts, self.counts)]
-
-
-def _rows_of(pieces: list[Piece]) -> Rows:
-    """The rows of `pieces`, in order.
-
-    Where they are one run, as for an EW hosting consecutive experts, this is a slice (a view, no
-    copy). Otherwise it is their indices [R']."""
-    if all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:])):
-        return slice(pieces[0].start, pieces[-1].start + pieces[-1].rows) if pieces else slice(0, 0)
-    return torch.tensor([r for p in pieces for r in range(p.start, p.start + p.rows)], dtype=torch.long)
 
 
 async def _settled(futs: list[asyncio.Future[torch.Tensor]]) -> list[torch.Tensor | BaseException]:
@@ -104,7 +63,7 @@ def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
                  probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, collapse_below_s: float = 0.0) -> None:
         self.aw_id = aw_id
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
@@ -114,10 +73,13 @@ class ForwardingEngine:
         self.links = EwLinks(aw_id, transport, control_transport, probe_interval, probe_misses, on_suspect, device,
                              self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
+        # Whether a layer's rows go to one EW (attention_worker/collapse.py).
+        self.collapse = CollapsePolicy(collapse_below_s)
         # Each layer's expert -> the one EW that serves it now (None: spread over several, or no live copy), for
-        # the table and the EWs routed around that it was worked out for (`_ews_of`).
+        # the table, the EWs routed around and the collapse that it was worked out for (`_ews_of`).
         self._routes: dict[int, list[str | None]] = {}
-        self._routes_for: tuple[RoutingTable | None, set[str]] = (None, set())
+        self._routes_for: tuple[RoutingTable | None, set[str], bool] = (None, set(), False)
+        self._targets: dict[int, str] = {}  # MoE layer -> its one EW while collapsed (`layer_targets`)
         # Expert calls sent and not yet answered (the link's idle gap).
         self.in_flight = 0
         self.replays = 0
@@ -201,9 +163,10 @@ class ForwardingEngine:
             self.links.calls_out()
         trace.stamp("post", self.aw_id, call_id)
         x = plan.rows(rows, link.data.frames_device)  # [R', D]
-        link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay, link.pads))
+        pads = link.pads and not self.collapse.on
+        link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay, pads))
         trace.stamp("posted", self.aw_id, call_id)
-        link.said_pads = link.pads
+        link.said_pads = pads
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         return fut
@@ -212,15 +175,17 @@ class ForwardingEngine:
         """Sends an empty call, so that the EW's gather does not wait for this AW at this layer.
 
         The EW answers it with nothing. A reply would cost both sides a wake-up and a message a layer. None
-        goes while no other AW has a batch running there (`EwLink.pads`) once a message said so."""
+        goes while no other AW has a batch running there (`EwLink.pads`), or while this AW's layers go to one EW
+        each, once a message said so."""
         assert self.table is not None
         link = self.links.live(ew_id)
-        if link is None or not (link.pads or link.said_pads):
+        pads = link is not None and link.pads and not self.collapse.on
+        if link is None or not (pads or link.said_pads):
             return
         try:
             link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.xs[:0],
-                                             pads=link.pads))
-            link.said_pads = link.pads
+                                             pads=pads))
+            link.said_pads = pads
         except PeerDeadError:
             pass  # its read loop finds the link's end
 
@@ -236,15 +201,25 @@ class ForwardingEngine:
         """Expert -> the one EW serving it at `layer` under the current table with `excluded` routed around; None
         where its rows are spread over several replicas or it has no live copy (those take the general way).
 
-        Worked out once per layer, table and set of excluded EWs, instead of two table lookups per expert a layer."""
+        While collapsed, an expert with a copy on the layer's EW (`layer_targets`) is served there, unless the table
+        spreads it over several replicas (expert load balancing).
+
+        Worked out once per layer, table, set of excluded EWs and collapse, instead of two table lookups per expert a
+        layer."""
         table = self.table
         assert table is not None
-        if self._routes_for[0] is not table or self._routes_for[1] != excluded:
-            self._routes, self._routes_for = {}, (table, set(excluded))
+        collapsed = self.collapse.on
+        if self._routes_for[0] is not table or self._routes_for[1] != excluded or self._routes_for[2] != collapsed:
+            self._routes, self._routes_for = {}, (table, set(excluded), collapsed)
+            self._targets = layer_targets(table, excluded) if collapsed else {}
         ews = self._routes.get(layer)
         if ews is None:
             ews = self._routes[layer] = [None] * table.num_experts
+            target = self._targets.get(layer)
             for e in range(table.num_experts):
+                if target is not None and table.active_of(layer, e) <= 1 and target in table.replicas_of(layer, e):
+                    ews[e] = target
+                    continue
                 serving = table.serving(layer, e, excluded)
                 if len(serving) == 1 and table.active_of(layer, e) <= 1:
                     ews[e] = serving[0]
@@ -300,12 +275,12 @@ class ForwardingEngine:
             else:
                 return plan
 
-    def _usual_calls(self, plan: LayerPlan) -> list[_Call] | None:
+    def _usual_calls(self, plan: LayerPlan) -> list[Call] | None:
         """The layer's calls where every expert with rows has one live EW serving it alone (the usual case): an EW's
         experts, their rows, one run of them where they are consecutive. None otherwise, for the general way
         (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert."""
         ews = self._ews_of(plan.layer, self.links.excluded)
-        by_ew: dict[str, _Call] = {}
+        by_ew: dict[str, Call] = {}
         scattered: set[str] = set()  # EWs whose rows are not one run
         last = -1
         for e, (start, n) in plan.spans.items():
@@ -315,7 +290,7 @@ class ForwardingEngine:
             last = start
             call = by_ew.get(ew)
             if call is None:
-                by_ew[ew] = _Call(ew, [e], [n], [start], slice(start, start + n))
+                by_ew[ew] = Call(ew, [e], [n], [start], slice(start, start + n))
                 continue
             call.experts.append(e)
             call.counts.append(n)
@@ -326,17 +301,17 @@ class ForwardingEngine:
             else:
                 scattered.add(ew)
         for ew in scattered:  # their rows' indices [R'], made once
-            by_ew[ew].rows = _rows_of(by_ew[ew].as_pieces())
+            by_ew[ew].rows = rows_of(by_ew[ew].as_pieces())
         return list(by_ew.values())
 
-    async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[_Call]:
+    async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[Call]:
         """The general way: `todo`'s pieces routed to the EWs that serve them now (`_route`), a call per EW."""
         route = await self._route(layer, todo)
         calls = []
         for ew, js in route.items():
             pieces = [todo[j] for j in js]
-            calls.append(_Call(ew, [p.expert for p in pieces], [p.rows for p in pieces], [p.start for p in pieces],
-                               _rows_of(pieces), pieces))
+            calls.append(Call(ew, [p.expert for p in pieces], [p.rows for p in pieces], [p.start for p in pieces],
+                               rows_of(pieces), pieces))
         return calls
 
     async def run_plan(self, plan: LayerPlan, pad: bool = True) -> list[Part]:
@@ -386,6 +361,8 @@ class ForwardingEngine:
                 else:
                     parts.append((c.rows, res))
             if not failed:
+                if self.collapse.below_s > 0 and not replay:
+                    self.collapse.ran(sum(link.batch_s for c in calls if (link := self.links.live(c.ew)) is not None))
                 return parts
             calls, replay = await self._routed_calls(plan.layer, failed), True
             self.replays += 1

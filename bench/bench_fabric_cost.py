@@ -13,6 +13,12 @@ The fabric's processes ask the kernel to keep idle CPUs polling while they serve
 fabric/cpu_latency.py). The request is system-wide: a baseline tree's fabric up beside this one runs its rounds
 with it too. `--cpu-latency-ab` measures the request itself: one fabric that asks nothing, its rounds alternating
 between the request held by this script (as "this") and none (as "baseline").
+
+`--collapse-ab` measures collapsing each layer's rows onto one EW (attention_worker/collapse.py): two fabrics of
+this tree, the default as "this" and one that always spreads them (`--collapse-below-us 0`) as "baseline". With
+`--sim-expert-ms` an EW's batch costs that much in every fabric (the sim's cost model, as a device's experts):
+
+    python bench/bench_fabric_cost.py --collapse-ab --repeats 5 --sim-expert-ms 0.1
 """
 
 from __future__ import annotations
@@ -190,10 +196,11 @@ SIM_FLAGS = ["--compute", "sim", "--sim-attention-ms", "0", "--sim-expert-ms", "
 
 
 @contextlib.contextmanager
-def this_fabric(model: Path, log_root: str, expert_workers: int = 2, cpu_latency_us: int = 0) -> Iterator[str]:
+def this_fabric(model: Path, log_root: str, expert_workers: int = 2, cpu_latency_us: int = 0, expert_ms: float = 0.0,
+                **over: float) -> Iterator[str]:
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=expert_workers, compute="sim",
-                      sim_attention_ms=0.0, sim_expert_ms=0.0, port=free_port(), ready_timeout=300,
-                      cpu_latency_us=cpu_latency_us)
+                      sim_attention_ms=0.0, sim_expert_ms=expert_ms, port=free_port(), ready_timeout=300,
+                      cpu_latency_us=cpu_latency_us, **over)
     with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)):
         yield f"http://{cfg.host}:{cfg.port}/v1/completions"
 
@@ -231,9 +238,14 @@ def main() -> None:
     ap.add_argument("--cpu-latency-ab", action="store_true",
                     help="one fabric that asks nothing of idle CPUs, its rounds alternating between idle CPUs polling "
                          "(a request this script holds: 'this') and none ('baseline')")
+    ap.add_argument("--collapse-ab", action="store_true",
+                    help="two fabrics of this tree: the default ('this') and one that always spreads a layer's rows "
+                         "('baseline', --collapse-below-us 0)")
+    ap.add_argument("--sim-expert-ms", type=float, default=0.0,
+                    help="what an EW's batch costs in every fabric (0: zero compute)")
     args = ap.parse_args()
-    if args.cpu_latency_ab and args.baseline_tree:
-        ap.error("--cpu-latency-ab compares one fabric with itself: no --baseline-tree")
+    if sum((args.cpu_latency_ab, args.collapse_ab, args.baseline_tree is not None)) > 1:
+        ap.error("one of --cpu-latency-ab, --collapse-ab and --baseline-tree")
     if args.cpu_latency_ab:
         with cpu_latency.held(0) as taken:
             if not taken:
@@ -259,18 +271,26 @@ def main() -> None:
     print("the fabric, zero compute", flush=True)
     with contextlib.ExitStack() as stack:
         urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
-                                                        -1 if args.cpu_latency_ab else 0))}
+                                                        -1 if args.cpu_latency_ab else 0, args.sim_expert_ms))}
         around = {"this": lambda: cpu_latency.held(0)} if args.cpu_latency_ab else None
         if args.cpu_latency_ab:
             urls["baseline"] = urls["this"]
+        elif args.collapse_ab:
+            urls["baseline"] = stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
+                                                               expert_ms=args.sim_expert_ms, collapse_below_us=0.0))
         elif args.baseline_tree:
+            flags = [*SIM_FLAGS[:-1], str(args.sim_expert_ms), "--expert-workers", str(args.expert_workers)]
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
-                                                                   flags=[*SIM_FLAGS, "--expert-workers",
-                                                                          str(args.expert_workers)]))
+                                                                   flags=flags))
         runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab, around)
     rounds = runs["this"]
     if args.cpu_latency_ab:
         print("\nthis = idle CPUs polling (a request held for its rounds); baseline = the same fabric, no request")
+    if args.collapse_ab:
+        print("\nthis = the default (a layer's rows onto one EW while its experts are cheap); baseline = always spread "
+              "(--collapse-below-us 0)")
+    if args.sim_expert_ms:
+        print(f"an EW's batch costs {args.sim_expert_ms} ms (the sim's cost model) in every fabric")
 
     layers = cfg.num_layers
     rows = []
@@ -303,10 +323,11 @@ def main() -> None:
         xs = [r["streams"] for r in rows]
         ab = args.cpu_latency_ab
         ax.plot(xs, [r["us_per_layer"] for r in rows], "o-",
-                label="fabric, zero compute" + (", idle CPUs polling" if ab else ""))
+                label=("fabric, zero compute" if not args.sim_expert_ms else f"fabric, a batch {args.sim_expert_ms} ms")
+                + (", idle CPUs polling" if ab else ""))
         if base:
             ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5,
-                    label="idle CPUs sleeping" if ab else "baseline tree")
+                    label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")

@@ -358,7 +358,7 @@ class ExpertWorker(Service):
                 continue
             try:
                 # Never wait on one slow AW.
-                p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws)))
+                p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws), took))
                 trace.stamp("sent", p.aw_id, p.call.call_id)
             except PeerDeadError:
                 pass  # that AW is gone; nobody waits for these rows

@@ -58,6 +58,7 @@ class ServeConfig:
     device: str = like(WorkerConfig, "device")
     kernel: str = like(WorkerConfig, "kernel")
     gather: str = like(ExpertWorkerConfig, "gather")
+    collapse_below_us: float = like(AttentionWorkerConfig, "collapse_below_us")
     shadows_per_expert: int = like(OrchestratorConfig, "shadows_per_expert")
     balance_interval_s: float = like(OrchestratorConfig, "balance_interval_s")
     hot_expert_factor: float = like(OrchestratorConfig, "hot_expert_factor")
@@ -213,7 +214,8 @@ class ServeConfig:
                                       cuda_graphs=self.expert_cuda_graphs),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
                                             max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs,
-                                            sim_attention_ms=self.sim_attention_ms, **probes),
+                                            sim_attention_ms=self.sim_attention_ms,
+                                            collapse_below_us=self.collapse_below_us, **probes),
             store=CheckpointStoreConfig(**common),
             gateway=GatewayConfig(  # the API key travels in the environment: `ps` shows flags
                 **common, port=self.port, reuse_port=self.gateways > 1,

@@ -50,6 +50,9 @@ class ExpertResult(Message):
     # Whether another AW has a batch running too, so that this AW's empty calls can let the gather batch them:
     # with none, they would only cost both sides a message and a wake-up a layer.
     others: bool = True
+    # Seconds the EW's batch that computed it took, which the AW weighs against the messages of a layer
+    # (attention_worker/collapse.py).
+    batch_s: float = 0.0
 
 
 @register

@@ -79,6 +79,7 @@ if msgspec is not None:
         call_id: int
         y: _Tensor
         others: bool
+        batch_s: float
 
     # A `TokenOut` row, its fields in order. `top` is typed here (the generic codec takes any values), which bounds
     # the depth; a logprob that came as an integer stays one, as there.
@@ -111,7 +112,7 @@ def encode(msg: Message) -> bytes | None:
         return None
     meta: Any = (_torch_names()[t.dtype], list(t.shape), 0)
     head: Any = (_CallHead(call.call_id, call.epoch, call.layer, call.experts, call.counts, meta, call.replay, call.pads)
-                 if msg.kind == CALL else _ResultHead(result.call_id, meta, result.others))
+                 if msg.kind == CALL else _ResultHead(result.call_id, meta, result.others, result.batch_s))
     try:
         packed = _encoder.encode(head)
     except (msgspec.EncodeError, TypeError, OverflowError):  # a value msgpack cannot carry: the generic codec says
@@ -156,7 +157,7 @@ def decode(body: bytes | bytearray | memoryview, header_len: int, n_frames: int,
         return None if x is None else cls(head.call_id, head.epoch, head.layer, head.experts, head.counts, x,  # type: ignore[call-arg]
                                           head.replay, head.pads)
     y = _tensor(head.y, view, start, n)
-    return None if y is None else cls(head.call_id, y, head.others)  # type: ignore[call-arg]
+    return None if y is None else cls(head.call_id, y, head.others, head.batch_s)  # type: ignore[call-arg]
 
 
 def _step(body: memoryview, header_len: int, limits: WireLimits) -> StepOutput | None:

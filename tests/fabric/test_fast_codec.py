@@ -50,7 +50,7 @@ def messages(rng: random.Random) -> list[Message]:
         out.append(ExpertCall(rng.choice([0, 5, 2**40, 2**63 + 1]), rng.randint(0, 70000), rng.randint(0, 200),
                               experts, [rng.randint(0, 300) for _ in experts], x, rng.random() < 0.5,
                               rng.random() < 0.5))
-        out.append(ExpertResult(rng.randint(0, 2**33), x, rng.random() < 0.5))
+        out.append(ExpertResult(rng.randint(0, 2**33), x, rng.random() < 0.5, rng.random() * 1e-3))
         out.append(StepOutput([_token(rng) for _ in range(rng.choice([0, 1, 3, 32]))], rng.choice([0, 7, 2**40])))
     return out
 

@@ -1,0 +1,72 @@
+"""A layer's rows onto one EW while its experts cost less than the messages that spreading them costs.
+
+An AW sends a layer's rows to the EWs that serve their experts. With the experts of a layer in runs over two EWs
+(orchestrator/placement.py), that is two calls and two results a layer, each a write, a wake-up and a read on
+both sides. Where one EW also holds a copy of every expert of the layer (with two EWs and a shadow of each expert,
+either EW does), all of the layer's rows can go to it instead: one call and one result. That trades the two EWs
+working in parallel for the messages. It pays while a layer's experts cost less than those messages (no compute,
+or a device much faster than the wire); with the experts of this CPU, a batch of milliseconds, it does not.
+
+So an AW measures both sides of the trade as it serves. Every result says how long the EW's batch that computed it
+took (`ExpertResult.batch_s`). A layer's expert time is the sum over its calls, about what its experts cost on one
+EW whichever way they went. Over a window of `WINDOW` layers the AW compares the mean with `below_s`: below it,
+the next window's layers each go to one EW; above `LEAVE` times it, they are spread again (the band keeps a
+window near the line from flipping the next). While collapsed the AW does not pad: its calls say so, so the EWs'
+sync gathers stop waiting for it (expert_worker/gather.py), which was the point of sending every layer to every EW.
+Each window measures anew, so experts that grow costly spread the layers again within a window.
+
+A layer's EW (`layer_targets`): of the live EWs, one holding a copy of the most experts of the layer; where several
+tie, they take turns by the layer's place among the MoE layers, so that with two EWs each takes every other layer.
+Every AW works it out from the same table, so a layer's calls from every AW meet on one EW, where a batch can take
+them together. Experts without a copy there go where they would have gone, and so do those the table spreads over
+several replicas (expert load balancing, orchestrator/balancer.py: the operator's choice stands). A failed call is
+replayed the usual way, on the next live replica of each of its experts.
+"""
+
+from __future__ import annotations
+
+from fabric.routing import RoutingTable
+
+
+class CollapsePolicy:
+    WINDOW = 64  # layers whose mean expert time decides how the next window's layers go
+    LEAVE = 1.5  # collapsed layers spread again past this many times `below_s`
+
+    def __init__(self, below_s: float) -> None:
+        self.below_s = below_s  # 0: never collapse
+        self.on = False
+        self.collapsed = 0  # layers sent to one EW (stats)
+        self.switches = 0  # times the policy changed its mind (stats)
+        self._sum = 0.0
+        self._layers = 0
+
+    def ran(self, expert_s: float) -> None:
+        """Told after each layer that made calls: its calls' batch times together."""
+        if self.below_s <= 0:
+            return
+        self.collapsed += self.on
+        self._sum += expert_s
+        self._layers += 1
+        if self._layers >= self.WINDOW:
+            mean = self._sum / self._layers
+            on = mean < self.below_s * (self.LEAVE if self.on else 1.0)
+            self.switches += on != self.on
+            self.on = on
+            self._sum, self._layers = 0.0, 0
+
+
+def layer_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:
+    """MoE layer -> the live EW (not in `excluded`) that takes the layer's rows when collapsed (see the module)."""
+    live = [ew for ew in dict.fromkeys(table.occupants) if ew and ew not in excluded]
+    out: dict[int, str] = {}
+    for i, layer in enumerate(table.layers):
+        held = dict.fromkeys(live, 0)
+        for e in range(table.num_experts):
+            for ew in set(table.replicas_of(layer, e)):
+                if ew in held:
+                    held[ew] += 1
+        best = max(held.values(), default=0)
+        if best:
+            tied = [ew for ew in live if held[ew] == best]
+            out[layer] = tied[i % len(tied)]
+    return out

@@ -1,0 +1,168 @@
+"""A layer's rows onto one EW while its experts are cheap (attention_worker/collapse.py): the policy's windows, the
+EW each layer goes to, the calls and pads of a collapsed layer, and a zero-compute fabric that collapses and
+stays token for token the fabric that spreads, through an EW's death."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from attention_worker.collapse import CollapsePolicy, layer_targets
+from attention_worker.ew_link import EwLink
+from attention_worker.forwarding import ForwardingEngine
+from attention_worker.layer_plan import plan_layer
+from fabric.messages.expert import ExpertCall
+from fabric.routing import EwAddress, RoutingTable, placement_tensor
+from fabric.transport.tcp import TcpTransport
+from orchestrator.placement import BalancedPlanner
+from tests.conftest import running_fabric
+from tests.expert_worker.test_sim import config_only
+from tests.helpers import wait_for
+from tests.load import kill_mid_decode, run_streams
+
+LAYERS, EXPERTS = [0, 1, 2, 3], 8
+
+
+def planned(ews: list[str], shadows: int = 1) -> RoutingTable:
+    """The orchestrator's placement of LAYERS x EXPERTS over `ews`, `shadows` inactive copies of each."""
+    units = [(lyr, e) for lyr in LAYERS for e in range(EXPERTS)]
+    placement = BalancedPlanner(shadows).place(units, ews)
+    return RoutingTable(1, 1, 4, EXPERTS, LAYERS, ews, list(ews), [EwAddress(w, "127.0.0.1", 1) for w in ews],
+                        placement_tensor(LAYERS, EXPERTS, ews, placement))
+
+
+def test_the_policy_collapses_cheap_layers_and_spreads_costly_ones_a_window_later() -> None:
+    p = CollapsePolicy(100e-6)
+    w = CollapsePolicy.WINDOW
+
+    def window(us: float) -> bool:
+        for _ in range(w):
+            p.ran(us * 1e-6)
+        return p.on
+
+    assert not p.on  # spread until measured
+    for _ in range(w - 1):
+        p.ran(20e-6)
+    assert not p.on  # a window decides, not a layer
+    p.ran(20e-6)
+    assert p.on and p.collapsed == 0 and p.switches == 1
+    assert window(120)  # within the band above the line: stays collapsed
+    assert p.collapsed == w
+    assert not window(200)  # past it: spread again
+    assert not window(120)  # and spread stays spread above the line
+    assert window(50)
+    assert p.switches == 3 and p.collapsed == 2 * w
+    # One slow layer in a window counts by its time: a mean, not a median.
+    for _ in range(w - 1):
+        p.ran(10e-6)
+    p.ran(w * 200e-6)
+    assert not p.on
+    off = CollapsePolicy(0.0)  # never, however cheap
+    for _ in range(3 * w):
+        off.ran(0.0)
+    assert not off.on and off.collapsed == 0
+
+
+def test_each_layer_goes_to_an_ew_holding_the_most_of_its_experts_in_turns() -> None:
+    two = planned(["ew-0", "ew-1"])  # each holds every expert: primaries and the other's shadows
+    assert layer_targets(two, set()) == {0: "ew-0", 1: "ew-1", 2: "ew-0", 3: "ew-1"}
+    assert layer_targets(two, {"ew-0"}) == dict.fromkeys(LAYERS, "ew-1")  # a dead EW is never a target
+    assert layer_targets(two, {"ew-0", "ew-1"}) == {}
+    for table in (planned(["ew-0", "ew-1"], shadows=0), planned([f"ew-{i}" for i in range(4)])):
+        # No EW holds every expert: the one holding the most takes what it holds; the rest go to their copies.
+        targets = layer_targets(table, set())
+        assert sorted(targets) == LAYERS
+        for layer, ew in targets.items():
+            held = {w: sum(w in table.replicas_of(layer, e) for e in range(EXPERTS)) for w in table.occupants}
+            assert held[ew] == max(held.values()) < EXPERTS
+        assert len(set(targets.values())) > 1  # ties take turns
+
+
+class _Conn:
+    """A data connection that keeps what it is sent."""
+
+    frames_device = None
+
+    def __init__(self) -> None:
+        self.sent: list[ExpertCall] = []
+
+    def send_nowait(self, msg: ExpertCall) -> None:
+        self.sent.append(msg)
+
+
+def test_a_collapsed_layer_is_one_call_to_its_ew_and_the_aw_stops_padding() -> None:
+    asyncio.run(_collapsed_calls())
+
+
+async def _collapsed_calls() -> None:
+    ews = ["ew-0", "ew-1"]
+    refe = ForwardingEngine("aw-0", TcpTransport(), TcpTransport(), collapse_below_s=100e-6)
+    refe.table = planned(ews)
+    conns = {w: _Conn() for w in ews}
+    for w in ews:
+        refe.links.links[w] = EwLink(refe.table.expert_workers[w], cast(Any, None), cast(Any, conns[w]))
+    tokens = 6
+    experts = torch.tensor([[e % EXPERTS, (e + 3) % EXPERTS] for e in range(tokens)])  # [T, 2], on both EWs
+    x = torch.randn(tokens, 16)
+
+    def plan(layer: int) -> Any:
+        return plan_layer(layer, x, experts, torch.full((tokens, 2), 0.5), EXPERTS)
+
+    spread = {c.ew for c in refe._usual_calls(plan(0)) or []}
+    assert spread == set(ews)  # the placement's runs: rows for both
+    refe.collapse.on = True
+    for layer, ew in layer_targets(refe.table, set()).items():
+        calls = refe._usual_calls(plan(layer))
+        assert calls is not None and [c.ew for c in calls] == [ew]
+        assert calls[0].rows == slice(0, 2 * tokens) and sum(calls[0].counts) == 2 * tokens  # every row, one run
+        refe.post(ew, plan(layer), calls[0].experts, calls[0].counts, calls[0].rows)
+        assert conns[ew].sent[-1].pads is False  # the EW's gather stops waiting for this AW
+    # A pad goes once, to say so, to an EW that last heard this AW pads; then none.
+    for conn in conns.values():
+        conn.sent.clear()
+    refe.links.links["ew-1"].said_pads = True
+    refe._pad("ew-1", plan(0))
+    refe._pad("ew-1", plan(2))
+    assert [(m.counts, m.pads) for m in conns["ew-1"].sent] == [([], False)]
+    # The target routed around (dead): the layer goes where its experts' next copies are.
+    refe.links.dead = {"ew-0"}
+    assert {c.ew for c in refe._usual_calls(plan(0)) or []} == {"ew-1"}
+    refe.links.dead = set()
+    # An expert the table spreads over its replicas (expert load balancing) stays spread; the others collapse.
+    t = refe.table
+    active = np.ones((len(LAYERS), EXPERTS), dtype=np.int16)
+    active[0, 3] = 2
+    refe.table = RoutingTable(1, 2, 4, EXPERTS, LAYERS, t.slots, t.occupants, t.addresses, t.placement, active)
+    assert refe._ews_of(0, set()) == [None if e == 3 else "ew-0" for e in range(EXPERTS)]
+    refe.table = t
+    refe.collapse.on = False  # and spread again: the placement's runs
+    assert {c.ew for c in refe._usual_calls(plan(0)) or []} == set(ews)
+    for link in refe.links.links.values():
+        link.pending.clear()
+
+
+def test_zero_compute_collapses_and_streams_match_the_spread_fabric(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """With no compute at all each layer's rows go to one EW (the AWs' stats say so); the streams are the ones a
+    fabric that spreads them gives (`--collapse-below-us 0`), and stay so when an EW dies mid-decode."""
+    model = config_only(hf_models["mixtral"], tmp_path / "sim-model", hidden_size=256, num_hidden_layers=4)
+    runs: dict[float, list[list[int]]] = {}
+    for below_us in (0.0, 100.0):  # spread, then the default
+        with running_fabric(model, tmp_path, aws=2, ews=2, compute="sim", sim_attention_ms=0.0, sim_expert_ms=0.0,
+                            collapse_below_us=below_us) as fabric:
+            runs[below_us] = streams = run_streams(fabric)
+            assert all(streams) and len({tuple(s) for s in streams}) > 1
+            time.sleep(1.2)  # a stats period after the streams
+            c = wait_for(fabric, "the AWs' stats", lambda c: all(
+                "collapsed_layers" in w.get("stats", {}) for w in c["workers"] if w["role"] == "attention"))
+            collapsed = sum(w["stats"]["collapsed_layers"] for w in c["workers"] if w["role"] == "attention")
+            assert (collapsed > 0) == (below_us > 0)
+            if below_us:
+                assert streams == runs[0.0]  # token for token the spread fabric's
+                _, outputs, _ = kill_mid_decode(fabric, "expert-worker-0", signal.SIGINT, reference=streams)
+                assert outputs == streams
