@@ -199,8 +199,9 @@ class AttentionWorkerConfig(WorkerConfig):
     probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
     probe_misses: int = opt(3, PROBE_MISSES_HELP)
     expert_wait_s: float = opt(30.0, "how long a step waits for a replacement when every copy of an expert is gone")
-    collapse_below_us: float = opt(100.0, "send each layer's rows to one EW that holds all its experts while a "
-                                           "layer's experts take less than this on the EWs (0: always spread them)")
+    collapse_below_us: float = opt(100.0, "send all of a layer's rows to one EW (the one holding copies of the most "
+                                           "of its experts) while a layer's experts take less than this on the EWs "
+                                           "(0: always spread them)")
     checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")

@@ -7,8 +7,9 @@
 # the baseline alike. `bench/profile_datapath.py --device cuda --py-spy` says where the workers' CPU goes.
 # `mps`, run only where STEPS names it, is the trace again with the processes' CUDA contexts in one MPS server
 # (scripts/with-mps.sh): the workers share the one GPU, and without MPS their kernels take turns by time slice.
-# `collapse`, also only where STEPS names it, runs the datapath against this tree with every layer's rows spread
-# (`--collapse-below-us 0`): what sending a layer's rows to one EW does on a GPU (attention_worker/collapse.py).
+# `collapse`, also only where STEPS names it, runs the datapath against this tree with every layer's rows sent to one
+# EW whatever its experts cost (`--collapse-below-us 1e9`, as "baseline"): what collapsing does on a GPU, whose
+# batches the default line may keep spread (attention_worker/collapse.py; the AWs' stats say which way they went).
 # Usage: [REPEATS=2] [STEPS=kernels,datapath,trace,failover,mps,collapse] [TRITON=1] scripts/gpu-perf.sh OUT_DIR [BASELINE_TREE]
 # (STEPS: the steps to run, by default all but mps; TRITON=0: the datapath without its extra `--kernel triton` fabric.)
 set -uo pipefail
@@ -45,4 +46,4 @@ step failover 60 "$python" -m launch.cli experiment failover --role expert --sig
 step mps 90 scripts/with-mps.sh "$out/mps" "$python" bench/trace_datapath.py --device cuda --kernel triton \
   --concurrency 1,64 --seconds 5 --out "$out/trace-mps"
 step collapse 300 "$python" bench/bench_datapath.py --device cuda --transports tcp --concurrency 1,16,64 --tokens 64 \
-  --repeats "${REPEATS:-2}" --baseline-tree "$PWD" --baseline-flags "--device cuda --collapse-below-us 0" --out "$out/collapse"
+  --repeats "${REPEATS:-2}" --baseline-tree "$PWD" --baseline-flags "--device cuda --collapse-below-us 1e9" --out "$out/collapse"
