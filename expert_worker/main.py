@@ -369,7 +369,8 @@ class ExpertWorker(Service):
 
         An AW that does not pad sends nothing at a layer it has no rows for here, so waiting for it could
         last until `max_wait`. One stops padding only when this EW's results tell it that no other AW has a
-        batch running, and only through a message that says so, which lands before any layer it skips."""
+        batch running, or while its layers' rows go to one EW each (attention_worker/collapse.py), and only
+        through a message that says so, which lands before any layer it skips."""
         return self.active_aws - self.not_padding if self.not_padding else self.active_aws
 
     def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
