@@ -5,6 +5,7 @@ stays token for token the fabric that spreads, through an EW's death."""
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import time
 from pathlib import Path
@@ -82,6 +83,35 @@ def test_each_layer_goes_to_an_ew_holding_the_most_of_its_experts_in_turns() -> 
             held = {w: sum(w in table.replicas_of(layer, e) for e in range(EXPERTS)) for w in table.occupants}
             assert held[ew] == max(held.values()) < EXPERTS
         assert len(set(targets.values())) > 1  # ties take turns
+
+
+def reference_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:
+    """The rule, EW by EW and expert by expert: the live EW holding copies of the most of a layer's experts, ties in
+    the order of the slots they occupy, taking turns by the layer's place among the MoE layers."""
+    live = [ew for ew in dict.fromkeys(table.occupants) if ew and ew not in excluded]
+    out = {}
+    for i, layer in enumerate(table.layers):
+        held = {ew: sum(ew in table.replicas_of(layer, e) for e in range(table.num_experts)) for ew in live}
+        best = max(held.values(), default=0)
+        if best:
+            tied = [ew for ew in live if held[ew] == best]
+            out[layer] = tied[i % len(tied)]
+    return out
+
+
+def test_the_layers_ews_are_the_rules_on_random_tables() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        ews = [f"ew-{i}" for i in range(rng.randint(1, 6))]
+        placement = {(lyr, e): rng.sample(ews, rng.randint(1, len(ews))) for lyr in LAYERS for e in range(EXPERTS)}
+        occupants = [w if rng.random() > 0.15 else "" for w in ews]  # some slots vacant
+        if rng.random() < 0.3 and len(ews) > 1:
+            occupants[0] = occupants[1]  # one EW in two slots (a standby that took a dead one's)
+        table = RoutingTable(1, 1, 4, EXPERTS, LAYERS, ews, occupants,
+                             [EwAddress(w, "127.0.0.1", 1) for w in dict.fromkeys(occupants) if w],
+                             placement_tensor(LAYERS, EXPERTS, ews, placement))
+        excluded = set(rng.sample(ews, rng.randint(0, len(ews))))
+        assert layer_targets(table, excluded) == reference_targets(table, excluded)
 
 
 class _Conn:
