@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from attention_worker.collapse import CollapsePolicy, layer_targets
+from attention_worker.ew_link import EwLink
 from attention_worker.ew_links import EwLinks
 from attention_worker.expert_calls import Call, Piece, rows_of
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
@@ -163,13 +164,18 @@ class ForwardingEngine:
             self.links.calls_out()
         trace.stamp("post", self.aw_id, call_id)
         x = plan.rows(rows, link.data.frames_device)  # [R', D]
-        pads = link.pads and not self.collapse.on
+        pads = self._pads(link)
         link.data.send_nowait(ExpertCall(call_id, self.table.epoch, plan.layer, experts, counts, x, replay, pads))
         trace.stamp("posted", self.aw_id, call_id)
         link.said_pads = pads
         link.pending[call_id] = fut
         link.sent_at[call_id] = time.monotonic()
         return fut
+
+    def _pads(self, link: EwLink) -> bool:
+        """Whether this AW's messages to `link`'s EW say it pads: while another AW has a batch running there
+        (`EwLink.pads`) and this AW's layers are spread."""
+        return link.pads and not self.collapse.on
 
     def _pad(self, ew_id: str, plan: LayerPlan) -> None:
         """Sends an empty call, so that the EW's gather does not wait for this AW at this layer.
@@ -179,8 +185,10 @@ class ForwardingEngine:
         each, once a message said so."""
         assert self.table is not None
         link = self.links.live(ew_id)
-        pads = link is not None and link.pads and not self.collapse.on
-        if link is None or not (pads or link.said_pads):
+        if link is None:
+            return
+        pads = self._pads(link)
+        if not (pads or link.said_pads):
             return
         try:
             link.data.send_nowait(ExpertCall(next(self._ids), self.table.epoch, plan.layer, [], [], plan.xs[:0],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -187,9 +186,9 @@ def test_zero_compute_collapses_and_streams_match_the_spread_fabric(hf_models: d
                             collapse_below_us=below_us) as fabric:
             runs[below_us] = streams = run_streams(fabric)
             assert all(streams) and len({tuple(s) for s in streams}) > 1
-            time.sleep(1.2)  # a stats period after the streams
-            c = wait_for(fabric, "the AWs' stats", lambda c: all(
-                "collapsed_layers" in w.get("stats", {}) for w in c["workers"] if w["role"] == "attention"))
+            tokens = sum(len(s) for s in streams)
+            c = wait_for(fabric, "the AWs' stats of every token streamed", lambda c, n=tokens: sum(
+                w.get("stats", {}).get("tokens_out", 0) for w in c["workers"] if w["role"] == "attention") >= n)
             collapsed = sum(w["stats"]["collapsed_layers"] for w in c["workers"] if w["role"] == "attention")
             assert (collapsed > 0) == (below_us > 0)
             if below_us:
