@@ -187,8 +187,9 @@ def test_zero_compute_collapses_and_streams_match_the_spread_fabric(hf_models: d
             runs[below_us] = streams = run_streams(fabric)
             assert all(streams) and len({tuple(s) for s in streams}) > 1
             tokens = sum(len(s) for s in streams)
-            c = wait_for(fabric, "the AWs' stats of every token streamed", lambda c, n=tokens: sum(
-                w.get("stats", {}).get("tokens_out", 0) for w in c["workers"] if w["role"] == "attention") >= n)
+            c = wait_for(fabric, "every AW's stats, of every token streamed", lambda c, n=tokens: all(
+                "collapsed_layers" in w.get("stats", {}) for w in c["workers"] if w["role"] == "attention") and sum(
+                w["stats"]["tokens_out"] for w in c["workers"] if w["role"] == "attention") >= n)
             collapsed = sum(w["stats"]["collapsed_layers"] for w in c["workers"] if w["role"] == "attention")
             assert (collapsed > 0) == (below_us > 0)
             if below_us:
