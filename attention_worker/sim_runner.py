@@ -52,9 +52,10 @@ class SimRunner(ModelRunner):
         super().__init__(cfg, cast(AttentionWeights, None), kv, refe, clock=clock, glue=glue)
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
-        self.freq = 0.01 * torch.arange(1, cfg.hidden_size + 1, dtype=torch.float32)  # [D]
-        # The routing stand-in in numpy (an op ~1 µs, torch's ~5 on these few rows: the stand-ins are not the
-        # fabric's cost). [E] a multiplier each expert (distinct mod P), the tie-breaker in a score's low digits.
+        # The stand-ins in numpy, in float32 (an op ~1 µs, torch's 2-5 on these few rows: the stand-ins are not the
+        # fabric's cost). [D] the hidden state's frequencies.
+        self.freq = (0.01 * np.arange(1, cfg.hidden_size + 1)).astype(np.float32)
+        # The routing stand-in: [E] a multiplier each expert (distinct mod P), the tie-breaker in a score's low digits.
         self.mults = (np.arange(cfg.num_experts, dtype=np.int64) * 40503 + 7919) % _P
         self.ties = np.arange(cfg.num_experts, dtype=np.int64)
         self.layer_keys = np.arange(cfg.num_layers, dtype=np.int64)[:, None] * 1299709  # [L, 1]
@@ -71,20 +72,24 @@ class SimRunner(ModelRunner):
     def _begin(self, chunks: list[Chunk]) -> StepState:
         cfg = self.cfg
         meta = self.prepare(chunks)
-        pos = meta.pos  # [T]
-        h = torch.sin((meta.ids[:, None] + 1).float() * self.freq[None, :] + 0.1 * pos[:, None].float())  # [T, D]
-        t = meta.ids.numel()
+        ids, pos = meta.ids.numpy(), meta.pos.numpy()  # [T] each
+        t = ids.shape[0]
+        h = (ids + 1).astype(np.float32)[:, None] * self.freq[None, :]  # [T, D]
+        h += (np.float32(0.1) * pos.astype(np.float32))[:, None]
+        np.sin(h, out=h)
         # Every layer's routing, made once a step: its top-k, largest first (a row's scores are distinct).
-        key = (meta.ids.numpy() * 7919 + pos.numpy() * 104729 + self.layer_keys) % _P + 1  # [L, T]
+        key = (ids * 7919 + pos * 104729 + self.layer_keys) % _P + 1  # [L, T]
         scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E]
         experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
         # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
         # cost is not the fabric's) and handed to the checkpoints layer by layer, as attention would.
-        kv = h[:, :1].expand(t, self.kv_size).reshape(t, cfg.num_kv_heads, cfg.head_dim).to(cfg.torch_dtype)
+        kv = torch.from_numpy(np.repeat(h[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
+        kv = kv.to(cfg.torch_dtype)
         every = kv.expand(cfg.num_layers, *kv.shape)  # [L, T, K, d]
         self.kv.k_all.index_copy_(1, meta.slots, every)
         self.kv.v_all.index_copy_(1, meta.slots, every)
-        return self._advance(SimStep(meta, h.to(cfg.torch_dtype), experts=torch.from_numpy(experts).unbind(0),
+        return self._advance(SimStep(meta, torch.from_numpy(h).to(cfg.torch_dtype),
+                                     experts=torch.from_numpy(experts).unbind(0),
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
 
     def _advance(self, step: StepState) -> StepState:
@@ -104,7 +109,8 @@ class SimRunner(ModelRunner):
         step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        picked = torch.floor(step.h[rows, :8].float() * 1000).long().sum(1).remainder(cfg.vocab_size)  # [S + R]
+        head = step.h[rows, :8].float().numpy()  # [S + R, 8]
+        picked = torch.from_numpy(np.floor(head * 1000).astype(np.int64).sum(1) % cfg.vocab_size)  # [S + R]
         logits = torch.zeros(rows.numel(), cfg.vocab_size).scatter_(1, picked[:, None], PEAK)
         step.logits, step.scored = logits[:s], logits[s:]
         return step

@@ -94,6 +94,31 @@ def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: 
             c.seq.append(token)
 
 
+def test_a_sim_aws_stand_ins_follow_their_formulas(hf_models: dict[str, Path]) -> None:
+    """What the sim AW's docstring says of its stand-ins: h[t] = sin(0.01 (token + 1)(j + 1) + 0.1 position), k
+    distinct experts a row at every layer, and one-hot logits on the token picked from 8 of h's values."""
+    cfg = ModelConfig.from_dir(hf_models["mixtral"])
+    kv = KVCache(cfg, 4, 1 << 20)
+    runner = SimRunner(cfg, kv, cast(ForwardingEngine, NoExperts()), 0.0, glue=TorchGlue(cfg.rms_norm_eps))
+    seqs = [Sequence(f"r{i}", p, [], 4, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate([[5], [7, 8, 9]])]
+    chunks = [Chunk(q, 0, q.num_tokens) for q in seqs]
+    for c in chunks:
+        assert kv.blocks.grow(c.seq.block_table, c.n)
+    step = runner._begin(chunks)
+    token, pos = torch.tensor([5.0, 7, 8, 9], dtype=torch.float64), torch.tensor([0.0, 0, 1, 2], dtype=torch.float64)
+    j = torch.arange(1, cfg.hidden_size + 1, dtype=torch.float64)
+    h = torch.sin(0.01 * (token[:, None] + 1) * j[None, :] + 0.1 * pos[:, None])  # [T, D]
+    assert torch.allclose(step.h.double(), h, atol=1e-5)
+    assert len(step.experts) == cfg.num_layers and len({tuple(e.flatten().tolist()) for e in step.experts}) > 1
+    for experts in step.experts:  # [T, k] a layer
+        assert experts.shape == (4, cfg.top_k) and int(experts.min()) >= 0 and int(experts.max()) < cfg.num_experts
+        assert all(len(set(row)) == cfg.top_k for row in experts.tolist())
+    logits, _ = asyncio.run(runner.forward(chunks))  # experts that add nothing: h is the last layer's too
+    last = step.h[[0, 3]].float()  # each chunk's last row samples
+    want = torch.floor(last[:, :8] * 1000).long().sum(1).remainder(cfg.vocab_size)
+    assert torch.equal(logits.argmax(-1), want) and torch.equal((logits != 0).sum(-1), torch.ones(2, dtype=torch.long))
+
+
 class NoExperts:
     """A REFE whose experts add nothing."""
 
