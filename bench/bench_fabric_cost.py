@@ -5,9 +5,16 @@ the same run, the floor: one layer's round trip over the bare transport (an AW's
 processes and back, the fabric's own connections and wire, authenticated, used as the fabric uses them: calls
 sent without waiting, results taken in the read callbacks), and over plain blocking sockets.
 
-    python bench/bench_fabric_cost.py --concurrency 1,16,64 --tokens 64 --repeats 3
+    python bench/bench_fabric_cost.py --concurrency 1,16,64 --tokens 256 --repeats 3
 
 Per layer = the median time between a stream's tokens / the model's layers.
+
+Against a baseline (`--baseline-tree`, `--collapse-ab`, ...) each concurrency's ratio is the median of the per-round
+ratios, with their 25th and 75th percentiles. `--aa` runs two fabrics of this very tree against each other, which
+shows what the method resolves on this machine: rounds of 64 tokens gave an A/A ratio of 0.83x at 64 streams
+(10 repeats), rounds of 256 tokens 0.98x-1.01x at every concurrency (16 repeats; docs/performance.md):
+
+    python bench/bench_fabric_cost.py --aa --repeats 16
 
 The fabric's processes ask the kernel to keep idle CPUs polling while they serve (`--cpu-latency-us`,
 fabric/cpu_latency.py). The request is system-wide: a baseline tree's fabric up beside this one runs its rounds
@@ -36,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from common import bench_parser, ensure_bench_model, save_figure
+from common import bench_parser, ensure_bench_model, percentile, save_figure
 from fabrics import baseline_fabric
 from rounds import fabric_round, in_turn, make_prompts
 
@@ -228,7 +235,8 @@ def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, rep
 def main() -> None:
     ap = bench_parser(__doc__, "bench/out/fabric-cost")
     ap.add_argument("--concurrency", default="1,16,64")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256,
+                    help="tokens a stream a round (64-token rounds at 64 streams are mostly prefill and ramp: noisy)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--floor-iters", type=int, default=500)
     ap.add_argument("--expert-workers", type=int, default=2,
@@ -241,11 +249,13 @@ def main() -> None:
     ap.add_argument("--collapse-ab", action="store_true",
                     help="two fabrics of this tree: the default ('this') and one that always spreads a layer's rows "
                          "('baseline', --collapse-below-us 0)")
+    ap.add_argument("--aa", action="store_true",
+                    help="two fabrics of this tree, the same flags ('this' and 'baseline'): the method's own noise")
     ap.add_argument("--sim-expert-ms", type=float, default=0.0,
                     help="what an EW's batch costs in every fabric (0: zero compute)")
     args = ap.parse_args()
-    if sum((args.cpu_latency_ab, args.collapse_ab, args.baseline_tree is not None)) > 1:
-        ap.error("one of --cpu-latency-ab, --collapse-ab and --baseline-tree")
+    if sum((args.cpu_latency_ab, args.collapse_ab, args.aa, args.baseline_tree is not None)) > 1:
+        ap.error("one of --cpu-latency-ab, --collapse-ab, --aa and --baseline-tree")
     if args.cpu_latency_ab:
         with cpu_latency.held(0) as taken:
             if not taken:
@@ -275,9 +285,10 @@ def main() -> None:
         around = {"this": lambda: cpu_latency.held(0)} if args.cpu_latency_ab else None
         if args.cpu_latency_ab:
             urls["baseline"] = urls["this"]
-        elif args.collapse_ab:
+        elif args.collapse_ab or args.aa:
+            over = {"collapse_below_us": 0.0} if args.collapse_ab else {}
             urls["baseline"] = stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
-                                                               expert_ms=args.sim_expert_ms, collapse_below_us=0.0))
+                                                               expert_ms=args.sim_expert_ms, **over))
         elif args.baseline_tree:
             flags = [*SIM_FLAGS[:-1], str(args.sim_expert_ms), "--expert-workers", str(args.expert_workers)]
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
@@ -289,6 +300,8 @@ def main() -> None:
     if args.collapse_ab:
         print("\nthis = the default (a layer's rows onto one EW while its experts are cheap); baseline = always spread "
               "(--collapse-below-us 0)")
+    if args.aa:
+        print("\nthis and baseline = two fabrics of this tree, the same flags (A/A: the method's noise)")
     if args.sim_expert_ms:
         print(f"an EW's batch costs {args.sim_expert_ms} ms (the sim's cost model) in every fabric")
 
@@ -298,7 +311,7 @@ def main() -> None:
     base = runs.get("baseline")
     print("| streams | µs a layer (fabric) | tok/s | transport round trip (tcp) | (same-host socket) | plain socket round trip "
           "| fabric / transport |"
-          + (" baseline µs a layer | this / baseline (per-round ratio median) |" if base else ""))
+          + (" baseline µs a layer | this / baseline (per-round ratios: median, p25-p75) |" if base else ""))
     print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if base else ""))
     for c in conc:
         per_layer = statistics.median(r["tbt_p50_ms"] for r in rounds[c]) * 1e3 / layers
@@ -310,9 +323,11 @@ def main() -> None:
                 f"{per_layer / min(f['transport'], f['unix']):.1f}x |")
         if base:
             b_layer = statistics.median(r["tbt_p50_ms"] for r in base[c]) * 1e3 / layers
-            ratio = statistics.median(a["tbt_p50_ms"] / b["tbt_p50_ms"] for a, b in zip(rounds[c], base[c]))
-            row.update(baseline_us_per_layer=b_layer, ratio=ratio, baseline_rounds=base[c])
-            line += f" {b_layer:.0f} | {ratio:.2f}x |"
+            ratios = [a["tbt_p50_ms"] / b["tbt_p50_ms"] for a, b in zip(rounds[c], base[c])]
+            ratio = statistics.median(ratios)
+            lo, hi = percentile(ratios, 25), percentile(ratios, 75)
+            row.update(baseline_us_per_layer=b_layer, ratio=ratio, ratio_p25=lo, ratio_p75=hi, baseline_rounds=base[c])
+            line += f" {b_layer:.0f} | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) |"
         rows.append(row)
         print(line)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
@@ -327,7 +342,7 @@ def main() -> None:
                 + (", idle CPUs polling" if ab else ""))
         if base:
             ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5,
-                    label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab else "baseline tree")
+                    label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab else "the same tree (A/A)" if args.aa else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")
