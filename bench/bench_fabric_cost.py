@@ -11,8 +11,8 @@ Per layer = the median time between a stream's tokens / the model's layers.
 
 Against a baseline (`--baseline-tree`, `--collapse-ab`, ...) each concurrency's ratio is the median of the per-round
 ratios, with their 25th and 75th percentiles. `--aa` runs two fabrics of this very tree against each other, which
-shows what the method resolves on this machine: rounds of 64 tokens gave an A/A ratio of 0.83x at 64 streams
-(10 repeats), rounds of 256 tokens 0.98x-1.01x at every concurrency (16 repeats; docs/performance.md):
+shows what the method resolves on this machine: rounds of 64 tokens once gave an A/A ratio of 0.83x at 64 streams
+(10 repeats), rounds of 256 tokens 0.98x-1.05x at every concurrency in two runs (16 repeats; docs/performance.md):
 
     python bench/bench_fabric_cost.py --aa --repeats 16
 
@@ -236,7 +236,7 @@ def main() -> None:
     ap = bench_parser(__doc__, "bench/out/fabric-cost")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=256,
-                    help="tokens a stream a round (64-token rounds at 64 streams are mostly prefill and ramp: noisy)")
+                    help="tokens a stream a round (longer rounds measure more of steady decoding; see --aa)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--floor-iters", type=int, default=500)
     ap.add_argument("--expert-workers", type=int, default=2,
@@ -342,7 +342,8 @@ def main() -> None:
                 + (", idle CPUs polling" if ab else ""))
         if base:
             ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5,
-                    label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab else "the same tree (A/A)" if args.aa else "baseline tree")
+                    label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab
+                    else "the same tree (A/A)" if args.aa else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")
