@@ -6,7 +6,10 @@ AW is not sending expert calls. This is "opportunistic interleaving", mostly whi
 expert results. A restoring AW fetches a dead AW's request back (`fetch`).
 
 Modes:
-- `incremental`, the default;
+- `incremental`, the default. Whole steps are held and sent `steps_per_message` at a time, each
+  request's new tokens of those steps joined into one span: the store wakes once for them, and the
+  AW sends once. The checkpointed frontier then trails the live one by up to that many steps more;
+  a restore recomputes those tokens;
 - `pause`, the training-style baseline. Every `pause_every` steps it stops, copies every running
   request's whole KV, waits for the store, and resumes;
 - `off`.
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from attention_worker.forwarding import ForwardingEngine
+from attention_worker.held_steps import HeldSteps
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
 from fabric.device import HostCopies, done, to_device, to_host
@@ -44,8 +48,9 @@ log = logging.getLogger(__name__)
 PUT_TOKENS = 256
 # Past this the store is not keeping up. Messages are dropped, and the stats say so.
 MAX_QUEUE_BYTES = 256 << 20
-# Consecutive layers of a step are joined into one message up to this.
-COALESCE_BYTES = 256 << 10
+# Consecutive layers of a step, and whole steps held back, are joined into one message up to this. A step of
+# 64 decodes of the bench model is 1 MiB.
+COALESCE_BYTES = 4 << 20
 
 
 def _nbytes(msg: Message) -> int:
@@ -55,7 +60,7 @@ def _nbytes(msg: Message) -> int:
 
 class Checkpointer:
     def __init__(self, aw_id: str, cfg: ModelConfig, kv: KVCache, refe: ForwardingEngine, transport: Transport,
-                 mode: str = "incremental", pause_every: int = 8,
+                 mode: str = "incremental", pause_every: int = 8, steps_per_message: int = 1,
                  on_lost: Callable[[str, str, bool], None] | None = None) -> None:
         self.aw_id = aw_id
         self.on_lost = on_lost  # (store id, reason, connection ended): tells the orchestrator
@@ -65,6 +70,7 @@ class Checkpointer:
         self.transport = transport
         self.mode = mode
         self.pause_every = pause_every
+        self.steps_per_message = steps_per_message
         self.store_id: str | None = None
         self.link: Connection | None = None
         # (message, whether its KV is in host memory yet)
@@ -74,6 +80,7 @@ class Checkpointer:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
         self._pending_layer = 0  # the first of them
         self._pending_spans: list[tuple[str, int, int]] = []
+        self._held = HeldSteps(steps_per_message, COALESCE_BYTES)  # whole steps, to go as one message
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
@@ -113,6 +120,7 @@ class Checkpointer:
         self.queue.clear()
         self.queued_bytes = 0
         self._pending = []
+        self._held.clear()
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
         if self.mode == "incremental":
@@ -168,9 +176,10 @@ class Checkpointer:
         """Takes the KV k, v [T, K, d] that layer `layer` wrote for `spans`. Returns at once.
 
         `spans` holds (request, first token, tokens), rows in order. Consecutive layers of a step are
-        joined into one segment message, up to COALESCE_BYTES and always at the last layer. The
-        message waits for an idle gap. One message per step instead of one per layer costs the AW and
-        the store a fraction of the CPU."""
+        joined, up to COALESCE_BYTES and always at the last layer. A whole step is then held until
+        `steps_per_message` are (`_flush`), and they go as one message, which waits for an idle gap.
+        One message per step instead of one per layer cost the AW and the store a fraction of the
+        CPU; one per four steps cuts the store's CPU a token by half again (docs/performance.md)."""
         if self.mode != "incremental" or not self.active or not spans:
             return
         if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
@@ -183,13 +192,29 @@ class Checkpointer:
             self._flush()
 
     def _flush(self) -> None:
+        """The layers recorded of this step: held if they are the whole step, else sent behind those held."""
         if not self._pending:
             return
-        spans = self._pending_spans
-        k, k_done = self.copies.start(torch.stack([kk for kk, _ in self._pending]))  # [m, T, K, d]
-        v, v_done = self.copies.start(torch.stack([vv for _, vv in self._pending]))
+        spans, layer = self._pending_spans, self._pending_layer
+        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
+        v = torch.stack([vv for _, vv in self._pending])
         self._pending = []
-        self._enqueue(KvAppend(next(self._seq), self._pending_layer, [s[0] for s in spans], [s[1] for s in spans],
+        if layer == 0 and k.shape[0] == self.cfg.num_layers and self.steps_per_message > 1:
+            if self._held.add(spans, k, v):  # a whole step, and with it enough held
+                self._send_held()
+            return
+        self._send_held()  # (in order: the store counts segments that arrive out of order)
+        self._send(layer, spans, k, v)
+
+    def _send_held(self) -> None:
+        joined = self._held.take()
+        if joined is not None:
+            self._send(0, *joined)
+
+    def _send(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
+        k, k_done = self.copies.start(k)
+        v, v_done = self.copies.start(v)
+        self._enqueue(KvAppend(next(self._seq), layer, [s[0] for s in spans], [s[1] for s in spans],
                                [s[2] for s in spans], k, v), lambda: k_done() and v_done())
 
     def finished(self, request_ids: list[str], hand_off: bool = False) -> None:
@@ -201,6 +226,7 @@ class Checkpointer:
         if self.active and request_ids:
             # Segments of these requests must not reach the store after their KvDone.
             self._flush()
+            self._send_held()
             self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 
     def step_done(self, running: list[Sequence]) -> None:
@@ -247,6 +273,9 @@ class Checkpointer:
                 elif isinstance(msg, KvPut):
                     self.sent_upto[msg.request_id] = max(self.sent_upto.get(msg.request_id, 0),
                                                          msg.start + msg.k.shape[1])
+                elif isinstance(msg, (KvDone, KvHandOff)):  # (their segments went ahead of them)
+                    for rid in msg.request_ids:
+                        self.sent_upto.pop(rid, None)
         except PeerDeadError:
             pass
 

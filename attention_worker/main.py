@@ -187,7 +187,7 @@ class AttentionService(Service):
                                 cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device,
                                 cfg.collapse_below_us / 1e6)
         ckpt = Checkpointer(rt.worker_id, self.model, kv, refe, self.transport, cfg.checkpoint,
-                            cfg.checkpoint_pause_every, on_lost=rt.report_dead)
+                            cfg.checkpoint_pause_every, cfg.checkpoint_steps_per_message, on_lost=rt.report_dead)
         runner: ModelRunner
         if cfg.compute == "sim":
             runner = SimRunner(self.model, kv, refe, cfg.sim_attention_ms, self.clock, blocking=cfg.sim_workers == 1,

@@ -205,6 +205,9 @@ class AttentionWorkerConfig(WorkerConfig):
     checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
+    checkpoint_steps_per_message: int = opt(4, "with --checkpoint incremental, send the KV of this many steps as one "
+                                               "message (the checkpointed frontier trails by up to this many tokens "
+                                               "more; a restore recomputes them)")
     cuda_graphs: int = opt(64, "on a GPU, run a pure decode step of at most this many sequences as CUDA graphs (the "
                                "layers between two expert calls as one launch, captured on first use); they need a "
                                "paged decode attention: with --kernel auto it is then Triton's (--kernel torch: no "
@@ -221,8 +224,10 @@ class AttentionWorkerConfig(WorkerConfig):
             raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
         if not self.collapse_below_us >= 0:  # (not >=: NaN too)
             raise ConfigError(f"collapse_below_us must be >= 0, not {self.collapse_below_us}")
-        if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1:
-            raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every >= 1")
+        if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1 \
+                or self.checkpoint_steps_per_message < 1:
+            raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every and "
+                              "checkpoint_steps_per_message >= 1")
 
 
 @dataclass(frozen=True)

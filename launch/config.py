@@ -86,6 +86,7 @@ class ServeConfig:
                                   "unless given)", metavar="JSON")
     store_resources: str = opt("{}", "Ray resources each checkpoint store takes (JSON)", metavar="JSON")
     checkpoint: str = like(AttentionWorkerConfig, "checkpoint")
+    checkpoint_steps_per_message: int = like(AttentionWorkerConfig, "checkpoint_steps_per_message")
     max_batch_tokens: int = like(AttentionWorkerConfig, "max_batch_tokens")
     cuda_graphs: int = like(AttentionWorkerConfig, "cuda_graphs")
     expert_cuda_graphs: int = like(ExpertWorkerConfig, "cuda_graphs")
@@ -213,6 +214,7 @@ class ServeConfig:
             expert=ExpertWorkerConfig(**common, **workers, gather=self.gather, sim_expert_ms=self.sim_expert_ms,
                                       cuda_graphs=self.expert_cuda_graphs),
             attention=AttentionWorkerConfig(**common, **workers, checkpoint=self.checkpoint,
+                                            checkpoint_steps_per_message=self.checkpoint_steps_per_message,
                                             max_batch_tokens=self.max_batch_tokens, cuda_graphs=self.cuda_graphs,
                                             sim_attention_ms=self.sim_attention_ms,
                                             collapse_below_us=self.collapse_below_us, **probes),

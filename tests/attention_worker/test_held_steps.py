@@ -1,0 +1,108 @@
+"""Checkpoints of several steps in one message: each request's new tokens joined into one span, the
+store left holding exactly what every step's layers wrote, whole steps held until four are, a step
+stopped part-way sent at once behind them, and a request's segments ahead of its KvDone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import torch
+
+from attention_worker.checkpointer import Checkpointer
+from attention_worker.held_steps import join_spans
+from checkpoint_store.log import AwBucket, KvLayout
+from fabric.messages.checkpoint import KvAppend, KvDone
+
+LAYERS, HEADS, DIM = 3, 2, 4
+LAYOUT = KvLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
+IDS = {"a": 1, "b": 2, "c": 3}
+
+
+def kv_of(rid: str, token: int, layer: int) -> torch.Tensor:
+    """[K, d] distinct content per (request, token, layer); v is its negative."""
+    return torch.arange(HEADS * DIM, dtype=torch.float32).view(HEADS, DIM) + 1000 * IDS[rid] + 10 * token + layer
+
+
+def checkpointer(steps: int) -> Checkpointer:
+    model = cast(Any, SimpleNamespace(num_layers=LAYERS))
+    kv = cast(Any, SimpleNamespace(device=torch.device("cpu")))
+    ckpt = Checkpointer("aw-0", model, kv, cast(Any, None), cast(Any, None), steps_per_message=steps)
+    ckpt.link = cast(Any, SimpleNamespace(closed=False))  # the queue is read here, not sent
+    return ckpt
+
+
+def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]], layers: range = range(LAYERS)) -> None:
+    """One step's layers, each its rows' KV [T, K, d] in span order, as the model runner hands them over."""
+    for layer in layers:
+        k = torch.stack([kv_of(rid, t, layer) for rid, start, n in spans for t in range(start, start + n)])
+        ckpt.record_layer(layer, spans, k, -k)
+
+
+def store(msgs: list[Any]) -> AwBucket:
+    """The messages written into a store's bucket as the store writes them: span by span, columns in order."""
+    bucket = AwBucket("aw-0", LAYOUT, 1 << 20)
+    for msg in msgs:
+        col = 0
+        for rid, start, n in zip(msg.request_ids, msg.starts, msg.counts):
+            bucket.append_layers(rid, msg.layer, start, msg.seq_no, msg.k[:, col:col + n], msg.v[:, col:col + n])
+            col += n
+    return bucket
+
+
+def test_spans_join_per_request_across_steps_and_keep_a_restart_apart() -> None:
+    steps = [[("a", 0, 3), ("b", 5, 1)], [("a", 3, 1), ("b", 6, 1)], [("b", 0, 2), ("c", 0, 1)]]
+    spans, cols = join_spans(steps)
+    # a's 4 tokens are columns 0-2 and 4; b's 5 and 6 are 3 and 5, and its restart from 0 a run of its own.
+    assert spans == [("a", 0, 4), ("b", 5, 2), ("b", 0, 2), ("c", 0, 1)]
+    assert cols == [0, 1, 2, 4, 3, 5, 6, 7, 8]
+
+
+def test_four_whole_steps_go_as_one_message_that_stores_every_segment() -> None:
+    ckpt = checkpointer(4)
+    steps = [[("a", 0, 3), ("b", 5, 1)], [("a", 3, 1), ("b", 6, 1)], [("b", 7, 1), ("c", 0, 2)],
+             [("a", 4, 1), ("b", 8, 1), ("c", 2, 1)]]
+    for i, spans in enumerate(steps):
+        assert not ckpt.queue, f"sent after {i} steps"
+        record(ckpt, spans)
+    assert len(ckpt.queue) == 1
+    msg = ckpt.queue[0][0]
+    assert isinstance(msg, KvAppend) and msg.layer == 0 and msg.k.shape == (LAYERS, 12, HEADS, DIM)
+    assert list(zip(msg.request_ids, msg.starts, msg.counts)) == [("a", 0, 5), ("b", 5, 4), ("c", 0, 3)]
+    bucket = store([msg])
+    assert bucket.frontier("a") == 5 and bucket.frontier("c") == 3
+    b = bucket.requests["b"]
+    assert b.frontier == 0 and b.present[5:9] == [b.full] * 4  # tokens 5-8 every layer; 0-4 were never sent
+    for rid, n in (("a", 5), ("c", 3)):
+        k, v = bucket.requests[rid].kv(n)
+        for t in range(n):
+            for layer in range(LAYERS):
+                want = kv_of(rid, t, layer)
+                assert torch.equal(k[layer, t], want) and torch.equal(v[layer, t], -want)
+
+
+def test_a_partial_step_and_a_finish_send_what_is_held_first() -> None:
+    ckpt = checkpointer(4)
+    record(ckpt, [("a", 0, 2), ("b", 0, 1)])
+    record(ckpt, [("a", 2, 1), ("b", 1, 1)])
+    record(ckpt, [("a", 3, 1), ("b", 2, 1)], layers=range(2))  # a step that stopped after two layers
+    record(ckpt, [("a", 3, 1), ("b", 2, 1)])  # run again whole: held anew
+    msgs = [m for m, _ in ckpt.queue]
+    assert [(m.layer, m.k.shape[0], m.counts) for m in msgs if isinstance(m, KvAppend)] == [(0, 3, [3, 2]), (0, 2, [1, 1])]
+    ckpt.finished(["b"])
+    msgs = [m for m, _ in ckpt.queue]
+    assert isinstance(msgs[-1], KvDone) and msgs[-1].request_ids == ["b"]
+    assert isinstance(msgs[-2], KvAppend) and msgs[-2].counts == [1, 1]  # the held step, ahead of b's KvDone
+    bucket = store(msgs[:-1])
+    assert bucket.frontier("a") == 4 and bucket.frontier("b") == 3
+    k, v = bucket.requests["a"].kv(4)
+    for t in range(4):
+        for layer in range(LAYERS):
+            assert torch.equal(k[layer, t], kv_of("a", t, layer)) and torch.equal(v[layer, t], -kv_of("a", t, layer))
+
+
+def test_one_step_a_message_sends_each_step_at_once() -> None:
+    ckpt = checkpointer(1)
+    record(ckpt, [("a", 0, 2)])
+    record(ckpt, [("a", 2, 1)])
+    assert [m.counts for m, _ in ckpt.queue if isinstance(m, KvAppend)] == [[2], [1]]
