@@ -48,9 +48,6 @@ class HeldSteps:
         self._held: list[tuple[list[Span], torch.Tensor, torch.Tensor]] = []
         self._bytes = 0
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def clear(self) -> None:
         self._held, self._bytes = [], 0
 
