@@ -1,8 +1,8 @@
 """The AW side of KV checkpointing (Tarragon §6.1, FailSafe §3.2).
 
-Every layer's new KV of a step is handed over without waiting (`record_layer`, the paper's
-async_update). It travels to the checkpoint store in a low-priority lane that only sends while this
-AW is not sending expert calls. This is "opportunistic interleaving", mostly while the AW waits for
+The KV every layer of a step wrote is handed over at the step's end without waiting (`record_step`,
+the paper's async_update; held and joined in attention_worker/held_steps.py). It travels to the
+checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls. This is "opportunistic interleaving", mostly while the AW waits for
 expert results. A restoring AW fetches a dead AW's request back (`fetch`).
 
 Modes:
@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 PUT_TOKENS = 256
 # Past this the store is not keeping up. Messages are dropped, and the stats say so.
 MAX_QUEUE_BYTES = 256 << 20
-# Consecutive layers of a step, and whole steps held back, are joined into one message up to this. A step of
-# 64 decodes of the bench model is 1 MiB.
-COALESCE_BYTES = 4 << 20
 
 
 def _nbytes(msg: Message) -> int:
@@ -77,10 +74,8 @@ class Checkpointer:
         self.queue: deque[tuple[Message, Callable[[], bool]]] = deque()
         self.copies = HostCopies(kv.device)  # KV segments leave the device on a side stream
         self.queued_bytes = 0
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's layers not yet queued
-        self._pending_layer = 0  # the first of them
-        self._pending_spans: list[tuple[str, int, int]] = []
-        self._held = HeldSteps(steps_per_message, COALESCE_BYTES)  # whole steps, to go as one message
+        # A step's layers, and whole steps, held until they go as one message.
+        self._held = HeldSteps(cfg.num_layers, steps_per_message, self._send)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
@@ -119,7 +114,6 @@ class Checkpointer:
         self.link, self.store_id = link, store_id
         self.queue.clear()
         self.queued_bytes = 0
-        self._pending = []
         self._held.clear()
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
@@ -172,44 +166,11 @@ class Checkpointer:
             self._fail_waiters()
 
     # -- what the AW hands over --------------------------------------------------------------
-    def record_layer(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Takes the KV k, v [T, K, d] that layer `layer` wrote for `spans`. Returns at once.
-
-        `spans` holds (request, first token, tokens), rows in order. Consecutive layers of a step are
-        joined, up to COALESCE_BYTES and always at the last layer. A whole step is then held until
-        `steps_per_message` are (`_flush`), and they go as one message, which waits for an idle gap.
-        One message per step instead of one per layer cost the AW and the store a fraction of the
-        CPU; one per four steps cuts the store's CPU a token by half again (docs/performance.md)."""
-        if self.mode != "incremental" or not self.active or not spans:
-            return
-        if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
-            # A step that stopped part-way. Its data is still right, as KV is deterministic.
-            self._flush()
-        if not self._pending:
-            self._pending_layer, self._pending_spans = layer, spans
-        self._pending.append((k, v))  # every layer of a step has the same shape
-        if layer == self.cfg.num_layers - 1 or 2 * len(self._pending) * k.numel() * k.element_size() >= COALESCE_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        """The layers recorded of this step: held if they are the whole step, else sent behind those held."""
-        if not self._pending:
-            return
-        spans, layer = self._pending_spans, self._pending_layer
-        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
-        v = torch.stack([vv for _, vv in self._pending])
-        self._pending = []
-        if layer == 0 and k.shape[0] == self.cfg.num_layers and self.steps_per_message > 1:
-            if self._held.add(spans, k, v):  # a whole step, and with it enough held
-                self._send_held()
-            return
-        self._send_held()  # (in order: the store counts segments that arrive out of order)
-        self._send(layer, spans, k, v)
-
-    def _send_held(self) -> None:
-        joined = self._held.take()
-        if joined is not None:
-            self._send(0, *joined)
+    def record_step(self, spans: list[tuple[str, int, int]], layers: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Takes the KV a step wrote for `spans` (request, first token, tokens; rows in order): each layer's
+        (layer, k, v [T, K, d]), in order. Returns at once; the KV goes when an idle gap comes (`HeldSteps`)."""
+        if self.mode == "incremental" and self.active and spans:
+            self._held.record_step(spans, layers)
 
     def _send(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
         k, k_done = self.copies.start(k)
@@ -225,8 +186,7 @@ class Checkpointer:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
             # Segments of these requests must not reach the store after their KvDone.
-            self._flush()
-            self._send_held()
+            self._held.flush()
             self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 
     def step_done(self, running: list[Sequence]) -> None:

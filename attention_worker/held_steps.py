@@ -1,17 +1,27 @@
-"""Whole steps' checkpoint KV held back by the AW, to go to the store as one message.
+"""The KV an AW's steps wrote, held until it goes to the checkpoint store, four steps to a message.
 
-With four steps a message the store wakes, reads and writes once for every request's four new tokens
-instead of four times. The checkpointed frontier trails the live one by up to that many tokens more,
-which a restore recomputes (attention_worker/checkpointer.py).
+A step's layers are stacked once, at its end, into one segment (k, v [L, T, K, d]). Whole steps are
+then held until `steps` are (or MAX_BYTES), and go as one message in which each request's consecutive
+tokens are one span: the store wakes, reads and writes a span once for four tokens, which halved its
+CPU a token (docs/performance.md). The checkpointed frontier trails the live one by up to that many
+tokens more, which a restore recomputes (attention_worker/checkpointer.py). A step stopped part-way,
+or too large for one message, goes as its layers come, after what is held, in order.
 
-Legend: L layers, T rows of a step, K kv heads, d head dim.
+Legend: L layers, m of them, T rows of a step, K kv heads, d head dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 Span = tuple[str, int, int]  # (request, first token, tokens)
+Send = Callable[[int, list[Span], torch.Tensor, torch.Tensor], None]  # (first layer, spans, k, v [m, T, K, d])
+
+# A message's bytes at most: consecutive layers of a step, or whole steps, are joined up to this. A step of
+# 64 decodes of the bench model is 1 MiB.
+MAX_BYTES = 4 << 20
 
 
 def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:
@@ -40,32 +50,79 @@ def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:
 
 
 class HeldSteps:
-    """Whole steps, each its spans and k, v [L, T, K, d], until `steps` are held or `max_bytes`."""
+    """A step's layers, and whole steps, until they go through `send`."""
 
-    def __init__(self, steps: int, max_bytes: int) -> None:
+    def __init__(self, num_layers: int, steps: int, send: Send, max_bytes: int = MAX_BYTES) -> None:
+        self.num_layers = num_layers
         self.steps = steps
+        self.send = send
         self.max_bytes = max_bytes
-        self._held: list[tuple[list[Span], torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # a step's layers, not yet a segment
+        self._pending_layer = 0  # the first of them
+        self._pending_spans: list[Span] = []
+        self._held: list[tuple[list[Span], torch.Tensor, torch.Tensor]] = []  # whole steps: spans, k, v [L, T, K, d]
         self._bytes = 0
 
     def clear(self) -> None:
-        self._held, self._bytes = [], 0
+        self._pending, self._held, self._bytes = [], [], 0
 
-    def add(self, spans: list[Span], k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Holds a step (k, v its own copies). Returns whether enough steps or bytes are held to send."""
-        self._held.append((spans, k, v))
-        self._bytes += 2 * k.numel() * k.element_size()
-        return len(self._held) >= self.steps or self._bytes >= self.max_bytes
+    def record_step(self, spans: list[Span], layers: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """A step's layers (layer, k, v [T, K, d]), in order. A whole step that fits one message is stacked at once."""
+        if not layers:
+            return
+        k0 = layers[0][1]
+        if not self._pending and layers[0][0] == 0 and len(layers) == self.num_layers \
+                and 2 * len(layers) * k0.numel() * k0.element_size() < self.max_bytes:
+            self._pending_layer, self._pending_spans = 0, spans
+            self._pending = [(k, v) for _, k, v in layers]
+            self._segment()
+            return
+        for layer, k, v in layers:
+            self.record_layer(layer, spans, k, v)
 
-    def take(self) -> tuple[list[Span], torch.Tensor, torch.Tensor] | None:
-        """Every step held as one: each request's consecutive tokens one span, k, v [L, sum T, K, d] in their
-        order. None if none is held."""
-        held = self._held
-        self.clear()
-        if len(held) <= 1:
-            return held[0] if held else None
-        spans, cols = join_spans([s for s, _, _ in held])
-        idx = torch.tensor(cols, dtype=torch.long, device=held[0][1].device)
-        k = torch.cat([kk for _, kk, _ in held], 1).index_select(1, idx)
-        v = torch.cat([vv for _, _, vv in held], 1).index_select(1, idx)
-        return spans, k, v
+    def record_layer(self, layer: int, spans: list[Span], k: torch.Tensor, v: torch.Tensor) -> None:
+        """One layer's k, v [T, K, d]. Consecutive layers of a step are joined, up to `max_bytes` and always
+        at the last layer."""
+        if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
+            # A step that stopped part-way. Its data is still right, as KV is deterministic.
+            self._segment()
+        if not self._pending:
+            self._pending_layer, self._pending_spans = layer, spans
+        self._pending.append((k, v))  # every layer of a step has the same shape
+        if layer == self.num_layers - 1 or 2 * len(self._pending) * k.numel() * k.element_size() >= self.max_bytes:
+            self._segment()
+
+    def flush(self) -> None:
+        """Sends everything held, in order (before a request's end goes to the store)."""
+        self._segment()
+        self._send_held()
+
+    def _segment(self) -> None:
+        """The layers recorded of a step, stacked: held if they are the whole step, else sent behind those held."""
+        if not self._pending:
+            return
+        spans, layer = self._pending_spans, self._pending_layer
+        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
+        v = torch.stack([vv for _, vv in self._pending])
+        self._pending = []
+        if layer == 0 and k.shape[0] == self.num_layers and self.steps > 1:
+            self._held.append((spans, k, v))
+            self._bytes += 2 * k.numel() * k.element_size()
+            if len(self._held) >= self.steps or self._bytes >= self.max_bytes:
+                self._send_held()
+            return
+        self._send_held()  # (in order: the store counts segments that arrive out of order)
+        self.send(layer, spans, k, v)
+
+    def _send_held(self) -> None:
+        """Every whole step held, as one message: each request's consecutive tokens one span, k, v [L, sum T, K, d]
+        in their order."""
+        held, self._held, self._bytes = self._held, [], 0
+        if len(held) == 1:
+            self.send(0, *held[0])
+        elif held:
+            spans, cols = join_spans([s for s, _, _ in held])
+            idx = torch.tensor(cols, dtype=torch.long, device=held[0][1].device)
+            k = torch.cat([kk for _, kk, _ in held], 1).index_select(1, idx)
+            v = torch.cat([vv for _, _, vv in held], 1).index_select(1, idx)
+            self.send(0, spans, k, v)

@@ -197,7 +197,7 @@ class AttentionService(Service):
             runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps(),
                                  self.glue)
             runner.graphs = self.graphs
-        runner.kv_sink = ckpt.record_layer
+        runner.kv_sink = ckpt.record_step
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 
     async def handle(self, msg: Message) -> None:

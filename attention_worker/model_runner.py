@@ -95,7 +95,8 @@ class StepMeta:
 
 
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a MoE layer's input x [T, D], weights, experts [T, k]
-KvSink = Callable[[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor], None]
+# A step's spans (request, first token, tokens) and each layer it wrote: (layer, k [T, K, d], v [T, K, d]), in order.
+KvSink = Callable[[list[tuple[str, int, int]], list[tuple[int, torch.Tensor, torch.Tensor]]], None]
 
 
 @dataclass
@@ -234,13 +235,13 @@ class ModelRunner:
         trace.stamp("begun", "", 0)  # (metadata, embeddings, the layers up to the first plan)
         while True:
             await self._pace(step)
-            self._sink(step)
             if step.plan is None:
                 break
             t1 = time.perf_counter()
             parts = await self.refe.run_plan(step.plan)
             self.expert_wait_s += time.perf_counter() - t1
             step = self.clock.run(self._resume, step, parts)
+        self._sink(step)  # the step's KV, every layer at once (checkpoints go out at a step's end, not before)
         self.forward_s += time.perf_counter() - t0
         trace.stamp("logits", "", 0)
         assert step.logits is not None and step.scored is not None
@@ -265,9 +266,8 @@ class ModelRunner:
         return self._begin(chunks)
 
     def _sink(self, step: StepState) -> None:
-        if self.kv_sink is not None:
-            for layer, k, v in step.kv:
-                self.kv_sink(layer, step.meta.spans, k, v)
+        if self.kv_sink is not None and step.kv:
+            self.kv_sink(step.meta.spans, step.kv)
         step.kv = []
 
     def _begin(self, chunks: list[Chunk]) -> StepState:

@@ -52,7 +52,8 @@ def test_decode_steps_through_graphs_equal_op_by_op(arch: str, hf_models: dict[s
     graphs = runners[1].graphs = LayerGraphs(runners[1], max_tokens=6, capture=False)
     sunk: list[list[tuple[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor]]] = [[], []]
     for runner, into in zip(runners, sunk):
-        runner.kv_sink = lambda layer, spans, k, v, into=into: into.append((layer, spans, k.clone(), v.clone()))
+        runner.kv_sink = lambda spans, layers, into=into: into.extend(
+            (layer, spans, k.clone(), v.clone()) for layer, k, v in layers)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 5, 13, 30, 2, 3, 4, 7)]
     seqs = [[Sequence(f"r{i}", p, [], 40, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate(prompts)]

@@ -33,10 +33,11 @@ def checkpointer(steps: int) -> Checkpointer:
 
 
 def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]], layers: range = range(LAYERS)) -> None:
-    """One step's layers, each its rows' KV [T, K, d] in span order, as the model runner hands them over."""
-    for layer in layers:
-        k = torch.stack([kv_of(rid, t, layer) for rid, start, n in spans for t in range(start, start + n)])
-        ckpt.record_layer(layer, spans, k, -k)
+    """One step's layers, each its rows' KV [T, K, d] in span order, as the model runner hands them over at the
+    step's end (a step stopped part-way hands over the layers it wrote)."""
+    kvs = [torch.stack([kv_of(rid, t, layer) for rid, start, n in spans for t in range(start, start + n)])
+           for layer in layers]
+    ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
 
 
 def store(msgs: list[Any]) -> AwBucket:

@@ -71,7 +71,7 @@ def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: 
     kv = KVCache(cfg, 4, 1 << 20)
     runner = SimRunner(cfg, kv, cast(ForwardingEngine, NoExperts()), 0.0, glue=TorchGlue(cfg.rms_norm_eps))
     seen: list[tuple[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor]] = []
-    runner.kv_sink = lambda layer, spans, k, v: seen.append((layer, spans, k, v))
+    runner.kv_sink = lambda spans, layers: seen.extend((layer, spans, k, v) for layer, k, v in layers)
     seqs = [Sequence(f"r{i}", p, [], 4, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate([[5], [7, 8, 9]])]
     for _ in range(3):
         before = [t.clone() for t in kv.k + kv.v]
