@@ -3,9 +3,10 @@
 A step's layers are stacked once, at its end, into one segment (k, v [L, T, K, d]). Whole steps are
 then held until `steps` are (or MAX_BYTES), and go as one message in which each request's consecutive
 tokens are one span: the store wakes, reads and writes a span once for four tokens, which halved its
-CPU a token (docs/performance.md). The checkpointed frontier trails the live one by up to that many
-tokens more, which a restore recomputes (attention_worker/checkpointer.py). A step stopped part-way,
-or too large for one message, goes as its layers come, after what is held, in order.
+CPU a token (docs/performance.md). The checkpointed frontier then trails the live one by up to `steps`
+tokens (three held, a fourth's message not yet out), where it trailed by one: a restore recomputes them
+(attention_worker/checkpointer.py). A step stopped part-way, or too large for one message, goes as its
+layers come, after what is held, in order.
 
 Legend: L layers, m of them, T rows of a step, K kv heads, d head dim.
 """
