@@ -77,6 +77,7 @@ class Checkpointer:
         # A step's layers, and whole steps, held until they go as one message.
         self._held = HeldSteps(cfg.num_layers, steps_per_message, self._send)
         self._wake = asyncio.Event()
+        self._sent_all = asyncio.Event()  # the queue is empty and nothing is being sent
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count(1)
         self._calls = itertools.count(1)
@@ -126,7 +127,13 @@ class Checkpointer:
         log.info("checkpointing to %s at %s:%d (%s); re-sending %d running requests", store_id, host, port,
                  self.mode, len(running))
 
-    async def close_link(self) -> None:
+    async def close_link(self, drain_s: float = 0.0) -> None:
+        """Closes the store link. With `drain_s` (a graceful exit), what is held and queued goes first, for at
+        most that long: the requests that resume elsewhere then restore every token this AW computed."""
+        if drain_s > 0 and self.mode == "incremental" and self.active and self._tasks:
+            self._held.flush()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sent_all.wait(), drain_s)
         for t in self._tasks:
             t.cancel()
         self._tasks = []
@@ -202,6 +209,7 @@ class Checkpointer:
             return
         self.queue.append((msg, ready))
         self.queued_bytes += n
+        self._sent_all.clear()
         self._wake.set()
 
     async def _send_loop(self, link: Connection) -> None:
@@ -212,6 +220,7 @@ class Checkpointer:
         try:
             while True:
                 if not self.queue:
+                    self._sent_all.set()
                     self._wake.clear()
                     await self._wake.wait()
                     continue

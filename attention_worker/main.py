@@ -297,9 +297,10 @@ class AttentionService(Service):
 
     async def close(self) -> None:
         # The store link goes first. Closing the gateways' connections lets their requests go, and
-        # the store must keep those checkpoints for the AWs that resume them.
+        # the store must keep those checkpoints for the AWs that resume them. What is held and queued goes
+        # first (bounded), so that they restore every token computed here.
         if self.aw is not None:
-            await self.aw.ckpt.close_link()
+            await self.aw.ckpt.close_link(drain_s=0.2)
         if self.listener is not None:
             # This closes every gateway connection too. Their requests resume elsewhere at once.
             await self.listener.close()

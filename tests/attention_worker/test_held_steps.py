@@ -1,12 +1,15 @@
 """Checkpoints of several steps in one message: each request's new tokens joined into one span, the
 store left holding exactly what every step's layers wrote, whole steps held until four are, a step
-stopped part-way sent at once behind them, and a request's segments ahead of its KvDone."""
+stopped part-way sent at once behind them, a request's segments ahead of its KvDone, and what is held sent
+before the store link closes on a graceful exit."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 import torch
 
 from attention_worker.checkpointer import Checkpointer
@@ -107,3 +110,40 @@ def test_one_step_a_message_sends_each_step_at_once() -> None:
     record(ckpt, [("a", 0, 2)])
     record(ckpt, [("a", 2, 1)])
     assert [m.counts for m, _ in ckpt.queue if isinstance(m, KvAppend)] == [[2], [1]]
+
+
+class Link:
+    """A store link that takes what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.closed = False
+
+    async def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_a_graceful_close_sends_the_held_steps_first(drain: bool) -> None:
+    async def scenario() -> list[Any]:
+        ckpt = checkpointer(4)
+        link = Link()
+        ckpt.refe = cast(Any, SimpleNamespace(in_flight=0))
+        ckpt.link = cast(Any, link)
+        ckpt._tasks = [asyncio.create_task(ckpt._send_loop(cast(Any, link)))]
+        record(ckpt, [("a", 0, 2)])
+        record(ckpt, [("a", 2, 1)])  # two whole steps held: nothing goes yet
+        await asyncio.sleep(0)
+        assert link.sent == []
+        await ckpt.close_link(drain_s=1.0 if drain else 0.0)
+        assert link.closed
+        return link.sent
+
+    sent = asyncio.run(scenario())
+    if drain:  # both steps, as one span of three tokens
+        assert [(m.request_ids, m.starts, m.counts) for m in sent] == [(["a"], [0], [3])]
+    else:
+        assert sent == []
