@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -201,10 +202,19 @@ class SimCluster:
             if say is not None and line != last:
                 say(f"{time.monotonic() - t0:5.1f} s: {line}")
                 last = line
-            if alive["attention"] >= self.aws and alive["expert"] >= self.ews and alive["gateway"] and c.get("epoch"):
+            if alive["attention"] >= self.aws and alive["expert"] >= self.ews and alive["gateway"] and c.get("epoch") \
+                    and self._gateway_listens():
                 return time.monotonic() - t0
             time.sleep(0.5)
         raise FabricError(f"the simulated fabric was not ready within {timeout:.0f} s (see {self.log_dir})")
+
+    def _gateway_listens(self) -> bool:
+        """Whether the gateway's HTTP port takes connections (it registers before it binds them)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.gateway_port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def __enter__(self) -> SimCluster:
         return self
