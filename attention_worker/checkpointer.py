@@ -2,14 +2,15 @@
 
 The KV every layer of a step wrote is handed over at the step's end without waiting (`record_step`,
 the paper's async_update; held and joined in attention_worker/held_steps.py). It travels to the
-checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls. This is "opportunistic interleaving", mostly while the AW waits for
-expert results. A restoring AW fetches a dead AW's request back (`fetch`).
+checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls.
+This is "opportunistic interleaving", mostly while the AW waits for expert results. A restoring AW
+fetches a dead AW's request back (`fetch`).
 
 Modes:
 - `incremental`, the default. Whole steps are held and sent `steps_per_message` at a time, each
   request's new tokens of those steps joined into one span: the store wakes once for them, and the
-  AW sends once. The checkpointed frontier then trails the live one by up to that many steps more;
-  a restore recomputes those tokens;
+  AW sends once. The checkpointed frontier then trails the live one by up to that many tokens
+  (one a step: at most one); a restore recomputes them. A graceful exit sends what is held first;
 - `pause`, the training-style baseline. Every `pause_every` steps it stops, copies every running
   request's whole KV, waits for the store, and resumes;
 - `off`.
@@ -67,7 +68,6 @@ class Checkpointer:
         self.transport = transport
         self.mode = mode
         self.pause_every = pause_every
-        self.steps_per_message = steps_per_message
         self.store_id: str | None = None
         self.link: Connection | None = None
         # (message, whether its KV is in host memory yet)

@@ -206,8 +206,8 @@ class AttentionWorkerConfig(WorkerConfig):
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
     checkpoint_steps_per_message: int = opt(4, "with --checkpoint incremental, send the KV of this many steps as one "
-                                               "message (the checkpointed frontier trails by up to this many tokens "
-                                               "more; a restore recomputes them)")
+                                               "message (the checkpointed frontier then trails the live one by up "
+                                               "to this many tokens, which a restore recomputes)")
     cuda_graphs: int = opt(64, "on a GPU, run a pure decode step of at most this many sequences as CUDA graphs (the "
                                "layers between two expert calls as one launch, captured on first use); they need a "
                                "paged decode attention: with --kernel auto it is then Triton's (--kernel torch: no "
