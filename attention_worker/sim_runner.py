@@ -82,7 +82,7 @@ class SimRunner(ModelRunner):
         scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E]
         experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
         # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
-        # cost is not the fabric's) and handed to the checkpoints layer by layer, as attention would.
+        # cost is not the fabric's) and handed to the checkpoints at the step's end, each layer's, as attention's are.
         kv = torch.from_numpy(np.repeat(h[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = kv.to(cfg.torch_dtype)
         every = kv.expand(cfg.num_layers, *kv.shape)  # [L, T, K, d]
