@@ -55,6 +55,7 @@ class EwLink:
     pads: bool = True
     said_pads: bool = True
     batch_s: float = 0.0  # how long the EW's batch took that computed the last result (`ExpertResult.batch_s`)
+    unread: int = 0  # bytes unread on the data channel at the last look past the deadline (`_arriving`)
     # Closed by this AW, by a table without it. Its end is no news.
     closing: bool = False
     on_dead: Callable[[EwLink, FabricError], None] | None = None  # told once, when the link dies
@@ -121,8 +122,9 @@ class EwLink:
         port that drops packets or a reader that stopped reading. An EW that holds them is slow, not
         stuck (a batch can take seconds). So is one whose batch began before they could be read,
         while they wait in its socket. It is waited for while it answers. Its watchdog ends it if its
-        loop stays blocked."""
-        if now - self.last_data > deadline and not self._held():
+        loop stays blocked. And so is a result that is arriving: an answer can overtake it, as the two
+        travel on different connections."""
+        if now - self.last_data > deadline and not self._held() and not self._arriving():
             return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
                                                          "with calls outstanding")
         silent = now - self.last_heard
@@ -149,6 +151,14 @@ class EwLink:
             return True
         return self.busy_since is not None and bool(self.sent_at) and \
             self.busy_since <= min(self.sent_at.values()) + self.rtt
+
+    def _arriving(self) -> bool:
+        """Whether a message is arriving on the data channel: bytes wait unread, and not as many as at the last look.
+
+        Bytes that stopped moving are no result: a path cut part-way through one."""
+        n = self.data.unread()
+        moved, self.unread = n > 0 and n != self.unread, n
+        return moved
 
     def fail(self, error: FabricError) -> None:
         """Marks the link dead and fails every call waiting on it; those calls are then replayed.

@@ -214,12 +214,13 @@ class ExpertWorker(Service):
         Called on the control loop. That AW waits for those calls, however long the batch takes
         (attention_worker/ew_link.py). Calls still unread on its data connection count as one: a
         batch that began just before they could be read holds them too. On a loaded host this loop
-        may start a batch before reading calls that arrived earlier.
+        may start a batch before reading calls that arrived earlier. So do results not yet out of this
+        process: a batch's calls are held until their results are sent (`_turn`).
         """
         # (lists copied under the GIL)
         held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])
         data = self.conns.get(peer, {}).get("data")
-        if data is not None and data.unread() > 0:
+        if data is not None and (data.unread() > 0 or data.unsent() > 0):
             held += 1
         return self.busy_for(), held
 
@@ -340,28 +341,30 @@ class ExpertWorker(Service):
         if not batch:
             return False, wait
         chosen = {id(p) for p in batch}
-        self.computing = batch  # before it leaves `pending`: the control loop counts it held throughout (`load`)
+        # The control loop counts the batch held (`load`) from before it leaves `pending` until its results are sent:
+        # a probe answered between the two would tell its AWs that this EW holds none of their calls.
+        self.computing = batch
         self.pending = [p for p in self.pending if id(p) not in chosen]
-        t0 = time.perf_counter()
         try:
+            t0 = time.perf_counter()
             outputs = self.clock.run(self._run, batch)
+            took = time.perf_counter() - t0
+            self.compute_s += took
+            self.policy.ran(took)
+            self.batches += 1
+            self.mixed_batches += len({p.call.layer for p in batch}) > 1
+            for p, y in zip(batch, outputs):
+                if not p.rows:
+                    # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
+                    continue
+                try:
+                    # Never wait on one slow AW.
+                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws), took))
+                    trace.stamp("sent", p.aw_id, p.call.call_id)
+                except PeerDeadError:
+                    pass  # that AW is gone; nobody waits for these rows
         finally:
             self.computing = []
-        took = time.perf_counter() - t0
-        self.compute_s += took
-        self.policy.ran(took)
-        self.batches += 1
-        self.mixed_batches += len({p.call.layer for p in batch}) > 1
-        for p, y in zip(batch, outputs):
-            if not p.rows:
-                # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
-                continue
-            try:
-                # Never wait on one slow AW.
-                p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws), took))
-                trace.stamp("sent", p.aw_id, p.call.call_id)
-            except PeerDeadError:
-                pass  # that AW is gone; nobody waits for these rows
         return True, None
 
     def _awaited(self) -> set[str]:

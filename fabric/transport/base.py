@@ -133,6 +133,13 @@ class Connection(abc.ABC):
         unread behind a long batch (fabric/control_port.py)."""
         return 0
 
+    def unsent(self) -> int:
+        """Bytes sent on this connection that have not left this process yet (0: none, or unknown).
+
+        Safe to call from another thread. An EW counts results still on their way out as calls it holds, so that its
+        answer to a probe does not say it holds none of an AW's calls before their results are sent."""
+        return 0
+
     def deliver(self, on_message: Callable[[Message], None], on_end: Callable[[FabricError], None]) -> None:
         """Hands every message from now on to `on_message`, and the connection's end to `on_end` (once).
 

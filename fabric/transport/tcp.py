@@ -129,6 +129,11 @@ class TcpConnection(Connection):
                 pass
         return n
 
+    def unsent(self) -> int:
+        """What the transport still buffers in this process. Not the kernel's send queue: over a cut path its bytes
+        stay unacknowledged for many minutes, where the send deadline cuts a buffer that does not drain (tcp_pipe.py)."""
+        return 0 if self.closed or self._pipe.lost is not None else self._transport.get_write_buffer_size()
+
     def _error(self, reason: str) -> PeerDeadError:
         cls = PeerStalledError if self._pipe.stalled else PeerDeadError
         return cls(self.peer, reason)

@@ -68,3 +68,41 @@ def test_a_batch_that_fails_in_a_read_callback_fails_the_worker(hf_models: dict[
             await asyncio.wait_for(ew.main_loop(asyncio.Event()), 5)
 
     asyncio.run(body())
+
+
+def test_a_batch_counts_held_until_its_results_are_sent(hf_models: dict[str, Path]) -> None:
+    """A probe answered while a batch's results are being sent still says the EW holds the AW's calls. Said
+    to hold none just before the results left, an AW whose calls outlasted the send deadline suspected the EW
+    (a slow first step that ended as a probe came)."""
+
+    class Watching(Conn):
+        def __init__(self, ew: ExpertWorker, peer: str) -> None:
+            super().__init__()
+            self.ew, self.peer = ew, peer
+            self.said: list[tuple[float, int]] = []
+
+        def send_nowait(self, msg: Message) -> None:
+            self.said.append(self.ew.load(self.peer))  # what the control loop would answer now
+            super().send_nowait(msg)
+
+    class Unsent(Conn):
+        """A data connection whose last result is still in this process."""
+
+        def unread(self) -> int:
+            return 0
+
+        def unsent(self) -> int:
+            return 4096
+
+    async def body() -> None:
+        ew = worker(hf_models["mixtral"])
+        ew.active_aws = {"aw-0"}
+        conn = Watching(ew, "aw-0")
+        ew._on_data("aw-0", conn, call(ew, 1))  # type: ignore[arg-type]
+        assert [m.call_id for m in conn.sent] == [1]  # type: ignore[attr-defined]
+        assert conn.said[0][1] == 1  # held while its result went out
+        assert ew.load("aw-0") == (0.0, 0)  # and no longer once it had
+        ew.conns["aw-0"] = {"data": Unsent()}  # type: ignore[dict-item]
+        assert ew.load("aw-0")[1] == 1  # a result not yet out of the process counts as held too
+
+    asyncio.run(body())

@@ -298,3 +298,31 @@ def test_a_tcp_connection_counts_what_waits_unread_from_another_thread() -> None
         await finish(conn, listener)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("dialer_name", ["tcp", "unix"])
+def test_a_connection_counts_what_it_has_not_sent_yet_from_another_thread(dialer_name: str, monkeypatch: Any) -> None:
+    """What an EW tells a probing AW about the results it has sent: while some of a result's bytes wait in this
+    process (the peer reads nothing and the socket buffers are full), they count as unsent; once the peer has read
+    the message, nothing does."""
+    same_host_on(dialer_name, monkeypatch)
+
+    async def main() -> None:
+        transport = make_transport(fabric_transport(dialer_name))
+        listener, accepted = await listening(transport)
+        conn = await transport.connect("127.0.0.1", listener.port)
+        server_side = await asyncio.wait_for(accepted.get(), 10)
+        assert await asyncio.to_thread(conn.unsent) == 0
+        y = torch.randn(8 << 20 >> 2)  # 8 MiB, more than the kernel's socket buffers hold
+        conn.send_nowait(ExpertResult(3, y, False, 0.0))
+        assert await asyncio.to_thread(conn.unsent) > 0
+        msg = await asyncio.wait_for(server_side.recv(), 30)
+        assert isinstance(msg, ExpertResult) and msg.call_id == 3 and torch.equal(msg.y, y)
+        for _ in range(200):  # (until the write callback has run)
+            if await asyncio.to_thread(conn.unsent) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(conn.unsent) == 0
+        await finish(conn, listener)
+
+    asyncio.run(main())
