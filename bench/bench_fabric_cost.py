@@ -9,6 +9,13 @@ sent without waiting, results taken in the read callbacks), and over plain block
 
 Per layer = the median time between a stream's tokens / the model's layers.
 
+Where a token's CPU goes: each round counts the CPU of the fabric's processes by role, and of this process (the
+client), a token. After the fabric, the HTTP edge alone (bench/http_edge.py: an aiohttp server that streams the
+gateway's chunks with no fabric behind it, paced at the goal's time a layer, read by the same client). The second
+table sets them against the budget at the goal's pace: the cores' CPU a token when a step takes the model's layers x
+the goal's µs a layer, less what the edge alone takes of it; what is left is what the gateways' own work, the AWs,
+the EWs and the checkpoint store may spend a token.
+
 Against a baseline (`--baseline-tree`, `--collapse-ab`, ...) each concurrency's ratio is the median of the per-round
 ratios, with their 25th and 75th percentiles. `--aa` runs two fabrics of this very tree against each other, which
 shows what the method resolves on this machine: rounds of 64 tokens once gave an A/A ratio of 0.83x at 64 streams
@@ -33,9 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,191 +50,106 @@ from pathlib import Path
 
 from common import bench_parser, ensure_bench_model, percentile, save_figure
 from fabrics import baseline_fabric
+from http_edge import edge_round
+from machine import cpu_seconds
 from rounds import fabric_round, in_turn, make_prompts
+from transport_floor import floor_round_trips
 
 from fabric import cpu_latency
 from fabric.model.config import ModelConfig
 from launch.config import ServeConfig
 from launch.local import Fabric, free_port
 
-SECRET = b"bench-fabric-cost-secret-0123456789"
-
-
-# -- the floor: the bare transport --------------------------------------------------------------
-def _echo_server(port_q: mp.Queue, transport: str) -> None:
-    """An EW with no experts: answers every ExpertCall with its rows, from its read callback as an EW does."""
-    from fabric.messages.expert import ExpertCall, ExpertResult
-    from fabric.transport import make_transport
-
-    async def main() -> None:
-        t = make_transport(transport, secret=SECRET)
-
-        async def handle(conn):  # type: ignore[no-untyped-def]
-            ended = asyncio.get_running_loop().create_future()
-
-            def echo(msg):  # type: ignore[no-untyped-def]
-                assert isinstance(msg, ExpertCall)
-                conn.send_nowait(ExpertResult(msg.call_id, msg.x))
-
-            conn.deliver(echo, lambda _exc: ended.done() or ended.set_result(None))
-            await ended
-
-        lis = await t.listen("127.0.0.1", 0, handle)
-        port_q.put(lis.port)
-        await asyncio.Event().wait()
-
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(main())
-
-
-def _raw_echo(port_q: mp.Queue) -> None:
-    """Plain blocking socket echo of length-prefixed messages."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while True:
-        head = _recv_all(conn, 8)
-        if not head:
-            return
-        n = int.from_bytes(head, "little")
-        conn.sendall(head + _recv_all(conn, n))
-
-
-def _recv_all(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            return b""
-        buf += chunk
-    return bytes(buf)
-
-
-def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
-    """Median µs of one layer's exchange with 2 EWs (`rows` rows each way, split between them)."""
-    import torch
-
-    from fabric.messages.expert import ExpertCall
-    from fabric.transport import same_host
-    from fabric.transport.tcp import TcpTransport
-
-    ctx = mp.get_context("spawn")
-    out: dict[str, float] = {}
-    procs = []
-    was = os.environ.get(same_host.ENABLE)
-    os.environ[same_host.ENABLE] = "1"  # (the echo processes listen on same-host sockets too; off again below)
-    try:
-        q: mp.Queue = ctx.Queue()
-        for _ in range(2):
-            p = ctx.Process(target=_echo_server, args=(q, "tcp"), daemon=True)
-            p.start()
-            procs.append(p)
-        ports = [q.get(timeout=60) for _ in procs]
-        half = max(1, rows // 2)
-        x = torch.randn(half, hidden)
-
-        async def fabric_wire(same_host: bool) -> float:
-            """As an AW's layer goes: both calls out (`send_nowait`), the results taken in the read callbacks."""
-            t = TcpTransport(secret=SECRET, same_host_sockets=same_host)
-            conns = [await t.connect("127.0.0.1", port) for port in ports]
-            loop = asyncio.get_running_loop()
-            waiting: dict[int, asyncio.Future] = {}
-            for c in conns:
-                c.deliver(lambda msg: waiting.pop(msg.call_id).set_result(msg), lambda _exc: None)
-            times = []
-            for i in range(iters + 20):
-                t0 = time.perf_counter()
-                futs = []
-                for j, c in enumerate(conns):
-                    fut = waiting[2 * i + j] = loop.create_future()
-                    futs.append(fut)
-                    c.send_nowait(ExpertCall(2 * i + j, 1, 0, [0], [half], x))
-                for fut in futs:
-                    await fut
-                times.append(time.perf_counter() - t0)
-            for c in conns:
-                await c.close()
-            return statistics.median(times[20:]) * 1e6
-
-        import uvloop
-        out["transport"] = uvloop.run(fabric_wire(False))  # tcp
-        out["unix"] = uvloop.run(fabric_wire(True))  # the same-host socket
-
-        raw = []
-        rq: mp.Queue = ctx.Queue()
-        for _ in range(2):
-            p = ctx.Process(target=_raw_echo, args=(rq,), daemon=True)
-            p.start()
-            procs.append(p)
-            raw.append(rq.get(timeout=60))
-        socks = []
-        for port in raw:
-            s = socket.create_connection(("127.0.0.1", port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            socks.append(s)
-        payload = x.numpy().tobytes()
-        msg = len(payload).to_bytes(8, "little") + payload
-        times = []
-        for _ in range(iters + 20):
-            t0 = time.perf_counter()
-            for s in socks:
-                s.sendall(msg)
-            for s in socks:
-                _recv_all(s, len(msg))
-            times.append(time.perf_counter() - t0)
-        for s in socks:
-            s.close()
-        out["socket"] = statistics.median(times[20:]) * 1e6
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(5)
-        if was is None:
-            os.environ.pop(same_host.ENABLE, None)
-        else:
-            os.environ[same_host.ENABLE] = was
-    return out
-
-
 # -- the fabric ---------------------------------------------------------------------------------
 SIM_FLAGS = ["--compute", "sim", "--sim-attention-ms", "0", "--sim-expert-ms", "0"]
 
 
+# Issue 35's goal, µs a layer at 1 and at 64 streams; in between, the line through them in log2(streams).
+GOAL_US = {1: 100.0, 64: 300.0}
+ROLES = ("gateway", "attention-worker", "expert-worker", "checkpoint-store", "orchestrator")
+
+
+def goal_us(streams: int) -> float:
+    import math
+
+    t = min(1.0, max(0.0, math.log2(streams) / 6))
+    return GOAL_US[1] + t * (GOAL_US[64] - GOAL_US[1])
+
+
 @contextlib.contextmanager
 def this_fabric(model: Path, log_root: str, expert_workers: int = 2, cpu_latency_us: int = 0, expert_ms: float = 0.0,
+                roles: dict[str, Callable[[], dict[str, list[int]]]] | None = None, name: str = "this",
                 **over: float) -> Iterator[str]:
+    """A zero-compute fabric of this tree; its processes' pids by role go into `roles[name]` (a function: a process
+    restarted since is its new one)."""
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=expert_workers, compute="sim",
                       sim_attention_ms=0.0, sim_expert_ms=expert_ms, port=free_port(), ready_timeout=300,
                       cpu_latency_us=cpu_latency_us, **over)
-    with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)):
+    with Fabric(cfg, log_dir=tempfile.mkdtemp(prefix="fabric-cost-", dir=log_root)) as fabric:
+        if roles is not None:
+            roles[name] = lambda: {role: [p.pid for n, p in fabric.procs if n.startswith(role)] for role in ROLES}
         yield f"http://{cfg.host}:{cfg.port}/v1/completions"
 
 
 def fabric_rounds(urls: dict[str, str], concurrency: list[int], tokens: int, repeats: int, vocab: int,
                   around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
-                  ) -> dict[str, dict[int, list[dict]]]:
+                  roles: dict[str, Callable[[], dict[str, list[int]]]] | None = None) -> dict[str, dict[int, list[dict]]]:
     """Rounds alternating between the fabrics, every concurrency in each repeat, who goes first in turn; a name's
-    rounds run inside its `around` context where it has one."""
+    rounds run inside its `around` context where it has one. For a fabric in `roles`, each round also counts the CPU
+    µs a token of its processes by role, and of this process (the client), in "cpu_us"."""
     out: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
     for url in urls.values():
         asyncio.run(fabric_round(url, make_prompts(8, 16, vocab, 99), 16))  # warm
     for r in range(repeats):
         for c in concurrency:
             for name in in_turn(list(urls), r):
+                pids = roles[name]() if roles and name in roles else {}
+                before = {role: cpu_seconds(ps) for role, ps in pids.items()}
+                client = time.process_time()
                 with (around or {}).get(name, contextlib.nullcontext)():
                     st = asyncio.run(fabric_round(urls[name], make_prompts(c, 16, vocab, r), tokens))
+                if pids:
+                    n = st["tokens"]
+                    st["cpu_us"] = {"client": (time.process_time() - client) / n * 1e6,
+                                    **{role: (cpu_seconds(ps) - before[role]) / n * 1e6 for role, ps in pids.items()}}
                 st.pop("ids")
                 out[name][c].append(st)
                 print(f"  round {r + 1} {name:>8} {c:>3} streams: TBT p50 {st['tbt_p50_ms']:.2f} ms, "
                       f"{st['tok_s']:.0f} tok/s", flush=True)
     return out
+
+
+def cpu_table(rows: list[dict], edges: dict[int, dict[str, float]], layers: int) -> None:
+    """Where a token's CPU goes, by process, and the budget at the goal's pace: the cores' µs a token at that pace,
+    less what the HTTP edge alone (server and client) takes of them. Adds each row's medians."""
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nCPU µs a token (medians of rounds), and the budget at the goal's time a layer on {cores} cores")
+    print("| streams | client | gateways | AWs | EWs | store | orchestrator | the fabric's processes | cores busy "
+          "| goal µs a layer | budget a token | HTTP edge alone (server + client) | left for the rest "
+          "| the fabric's now, beyond the edge |")
+    print("|---:|" + "---:|" * 13)
+    for row in rows:
+        c, cpu = row["streams"], [r["cpu_us"] for r in row["rounds"] if "cpu_us" in r]
+        if not cpu:
+            continue
+        med = {k: statistics.median(x[k] for x in cpu) for k in cpu[0]}
+        fabric = sum(v for k, v in med.items() if k != "client")
+        busy = statistics.median((sum(r["cpu_us"].values()) * r["tokens"] / 1e6) / r["wall_s"]
+                                 for r in row["rounds"] if "cpu_us" in r)
+        budget = cores * goal_us(c) * layers / c  # µs of CPU a token when a step takes `layers` x the goal
+        row.update(cpu_us=med, cores_busy=busy, goal_us=goal_us(c), budget_us=budget)
+        line = (f"| {c} | {med['client']:.0f} | {med['gateway']:.0f} | {med['attention-worker']:.0f} | "
+                f"{med['expert-worker']:.0f} | {med['checkpoint-store']:.0f} | {med['orchestrator']:.0f} | {fabric:.0f} | "
+                f"{busy:.2f} | {goal_us(c):.0f} | {budget:.0f} |")
+        e = edges.get(c)
+        if e is not None:
+            edge = e["server_us"] + e["client_us"]
+            row.update(edge=e)
+            line += (f" {edge:.0f} ({e['server_us']:.0f} + {e['client_us']:.0f}) | {budget - edge:.0f} | "
+                     f"{fabric + med['client'] - edge:.0f} |")
+        else:
+            line += " - | - | - |"
+        print(line)
 
 
 def main() -> None:
@@ -251,6 +171,8 @@ def main() -> None:
                          "('baseline', --collapse-below-us 0)")
     ap.add_argument("--aa", action="store_true",
                     help="two fabrics of this tree, the same flags ('this' and 'baseline'): the method's own noise")
+    ap.add_argument("--edge-repeats", type=int, default=3,
+                    help="rounds of the HTTP edge alone at each concurrency (bench/http_edge.py; 0: none)")
     ap.add_argument("--sim-expert-ms", type=float, default=0.0,
                     help="what an EW's batch costs in every fabric (0: zero compute)")
     args = ap.parse_args()
@@ -279,9 +201,10 @@ def main() -> None:
                   f"unix {floors[c]['unix']:.0f} µs, socket {floors[c]['socket']:.0f} µs", flush=True)
 
     print("the fabric, zero compute", flush=True)
+    roles: dict[str, Callable[[], dict[str, list[int]]]] = {}
     with contextlib.ExitStack() as stack:
         urls = {"this": stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
-                                                        -1 if args.cpu_latency_ab else 0, args.sim_expert_ms))}
+                                                        -1 if args.cpu_latency_ab else 0, args.sim_expert_ms, roles))}
         around = {"this": lambda: cpu_latency.held(0)} if args.cpu_latency_ab else None
         if args.cpu_latency_ab:
             urls["baseline"] = urls["this"]
@@ -293,8 +216,15 @@ def main() -> None:
             flags = [*SIM_FLAGS[:-1], str(args.sim_expert_ms), "--expert-workers", str(args.expert_workers)]
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
                                                                    flags=flags))
-        runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab, around)
+        runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab, around, roles)
     rounds = runs["this"]
+    edges = {}
+    if args.edge_repeats:
+        print("the HTTP edge alone (no fabric behind it), paced at the goal's time a layer", flush=True)
+        for c in conc:
+            edges[c] = edge_round(c, args.tokens, goal_us(c) * cfg.num_layers / 1e6, vocab, args.edge_repeats)
+            print(f"  {c:>3} streams: {edges[c]['tok_s']:.0f} tok/s, server {edges[c]['server_us']:.1f} µs a token, "
+                  f"client {edges[c]['client_us']:.1f}", flush=True)
     if args.cpu_latency_ab:
         print("\nthis = idle CPUs polling (a request held for its rounds); baseline = the same fabric, no request")
     if args.collapse_ab:
@@ -335,6 +265,7 @@ def main() -> None:
             line += f" {b_layer:.0f} | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) | {tp:.2f}x ({tp_lo:.2f}-{tp_hi:.2f}) |"
         rows.append(row)
         print(line)
+    cpu_table(rows, edges, cfg.num_layers)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
     try:
         import matplotlib.pyplot as plt
