@@ -35,6 +35,13 @@ async def listening(transport: Transport) -> tuple[Listener, asyncio.Queue[Conne
     return await transport.listen("127.0.0.1", 0, handler), accepted
 
 
+async def connected(transport: Transport) -> tuple[Listener, Connection, Connection]:
+    """A listener on loopback, a connection to it, and that connection's accepted end."""
+    listener, accepted = await listening(transport)
+    conn = await transport.connect("127.0.0.1", listener.port)
+    return listener, conn, await asyncio.wait_for(accepted.get(), 10)
+
+
 async def finish(conn: Connection, listener: Listener, *waits: Awaitable[Any]) -> None:
     """Awaits `waits` in turn, each with a 60 s deadlock guard (not a timing assertion), then
     closes the connection and the listener whatever happened."""
@@ -282,9 +289,7 @@ def test_a_tcp_connection_counts_what_waits_unread_from_another_thread() -> None
 
     async def main() -> None:
         transport = make_transport("tcp")
-        listener, accepted = await listening(transport)
-        conn = await transport.connect("127.0.0.1", listener.port)
-        server_side = await asyncio.wait_for(accepted.get(), 10)
+        listener, conn, server_side = await connected(transport)
         assert await asyncio.to_thread(server_side.unread) == 0
         await conn.send(Ping(7))
         for _ in range(200):  # (until the bytes have crossed loopback)
@@ -309,9 +314,7 @@ def test_a_connection_counts_what_it_has_not_sent_yet_from_another_thread(dialer
 
     async def main() -> None:
         transport = make_transport(fabric_transport(dialer_name))
-        listener, accepted = await listening(transport)
-        conn = await transport.connect("127.0.0.1", listener.port)
-        server_side = await asyncio.wait_for(accepted.get(), 10)
+        listener, conn, server_side = await connected(transport)
         assert await asyncio.to_thread(conn.unsent) == 0
         y = torch.randn(8 << 20 >> 2)  # 8 MiB, more than the kernel's socket buffers hold
         conn.send_nowait(ExpertResult(3, y, False, 0.0))
