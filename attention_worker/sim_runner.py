@@ -85,9 +85,8 @@ class SimRunner(ModelRunner):
         # cost is not the fabric's) and handed to the checkpoints at the step's end, each layer's, as attention's are.
         kv = torch.from_numpy(np.repeat(h[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = kv.to(cfg.torch_dtype)
-        every = kv.expand(cfg.num_layers, *kv.shape)  # [L, T, K, d]
-        self.kv.k_all.index_copy_(1, meta.slots, every)
-        self.kv.v_all.index_copy_(1, meta.slots, every)
+        _write_every_layer(self.kv.k_all, meta.slots, kv)
+        _write_every_layer(self.kv.v_all, meta.slots, kv)
         return self._advance(SimStep(meta, torch.from_numpy(h).to(cfg.torch_dtype),
                                      experts=torch.from_numpy(experts).unbind(0),
                                      weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
@@ -114,6 +113,18 @@ class SimRunner(ModelRunner):
         logits = torch.zeros(rows.numel(), cfg.vocab_size).scatter_(1, picked[:, None], PEAK)
         step.logits, step.scored = logits[:s], logits[s:]
         return step
+
+
+def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [L, S, K, d][:, slots] = rows [T, K, d], in every layer. On the host numpy's assignment takes a fifth of
+    `index_copy_`'s time with the rows broadcast over the layers (4.6 µs against 24 at 32 rows), on a bit view of a
+    2-byte dtype numpy lacks; elsewhere `index_copy_`."""
+    if cache.device.type != "cpu":
+        cache.index_copy_(1, slots, rows.expand(cache.shape[0], *rows.shape))
+        return
+    if cache.element_size() == 2:
+        cache, rows = cache.view(torch.int16), rows.view(torch.int16)
+    cache.numpy()[:, slots.numpy()] = rows.numpy()
 
 
 @dataclass
