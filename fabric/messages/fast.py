@@ -96,6 +96,13 @@ if msgspec is not None:
 def encode(msg: Message) -> bytes | None:
     """The whole message (prefix, frame table, header, frame) as one buffer; None for any other message, or a
     tensor this codec does not send (on a device, not contiguous)."""
+    parts = encode_parts(msg)
+    return None if parts is None else parts[0] if parts[1] is None else b"".join(parts)  # type: ignore[arg-type]
+
+
+def encode_parts(msg: Message) -> tuple[bytes, memoryview | None] | None:
+    """The message as (everything before its frame, the frame: a view of the tensor's memory, None for a step's
+    tokens), uncopied; None as for `encode`. A sender writes the two in one call (writev) without joining them."""
     if msgspec is None or msg.kind not in (CALL, RESULT, STEP):
         return None
     if msg.kind == STEP:
@@ -104,7 +111,7 @@ def encode(msg: Message) -> bytes | None:
             packed = _encoder.encode(_StepHead(step.outputs, step.load))  # type: ignore[arg-type]  # (rows: TokenOut tuples)
         except (msgspec.EncodeError, TypeError, OverflowError):
             return None
-        return PREFIX.pack(MAGIC, len(packed), 0, len(packed)) + packed
+        return PREFIX.pack(MAGIC, len(packed), 0, len(packed)) + packed, None
     call: ExpertCall = msg  # type: ignore[assignment]
     result: ExpertResult = msg  # type: ignore[assignment]
     t = call.x if msg.kind == CALL else result.y
@@ -119,7 +126,7 @@ def encode(msg: Message) -> bytes | None:
         return None
     frame = _tensor_bytes(t)
     n = frame.nbytes
-    return b"".join((PREFIX.pack(MAGIC, len(packed), 1, 8 + len(packed) + n), _LEN.pack(n), packed, frame))
+    return b"".join((PREFIX.pack(MAGIC, len(packed), 1, 8 + len(packed) + n), _LEN.pack(n), packed)), frame
 
 
 def decode_body(body: bytes | bytearray | memoryview, header_len: int, n_frames: int, limits: WireLimits) -> Message:

@@ -69,7 +69,8 @@ class Connection(abc.ABC):
     def send_nowait(self, msg: Message) -> None:
         """Queues `msg` and returns at once; raises PeerDeadError if the connection is gone.
 
-        A peer that does not take it within the send deadline loses the connection."""
+        A peer that does not take it within the send deadline loses the connection. Its tensors may be read after this
+        returns, where they lie (a large frame is not copied first): do not write into them once sent."""
         header, frames = self._encode(msg)
         self.post_raw(header, frames)
 

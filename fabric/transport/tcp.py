@@ -45,6 +45,9 @@ from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode, 
 log = logging.getLogger(__name__)
 
 COALESCE_BYTES = 1 << 20
+# A call's or a result's tensor from this size on is written where it lies, beside its header (`send_nowait`);
+# below it the two are joined into one buffer.
+SPLIT_BYTES = 64 << 10
 
 
 class TcpConnection(Connection):
@@ -146,11 +149,18 @@ class TcpConnection(Connection):
         return None
 
     def send_nowait(self, msg: Message) -> None:
-        data = fast.encode(msg)  # a call or a result in one buffer, else None
-        if data is None:
+        parts = fast.encode_parts(msg)  # a call, a result or a step's tokens; else None
+        if parts is None:
             super().send_nowait(msg)
-        else:
+            return
+        head, frame = parts
+        if frame is None:
+            self._write([head], len(head))
+        elif frame.nbytes < SPLIT_BYTES:
+            data = head + frame  # (one buffer: joining a small frame costs less than keeping it apart)
             self._write([data], len(data))
+        else:  # a large frame goes as it lies: the header and it in one writev, no copy joins them
+            self._write([head, frame], len(head) + frame.nbytes)
 
     def post_raw(self, header: dict, frames: list[Frame]) -> None:
         parts = cast(list[bytes | memoryview], encode(header, frames))  # host frames, as `Connection._encode` checks
@@ -160,14 +170,16 @@ class TcpConnection(Connection):
         self._write([b"".join(parts)] if size <= COALESCE_BYTES else [b"".join(parts[:3]), *parts[3:]], size)
 
     def _write(self, parts: list[bytes | memoryview], size: int) -> None:
-        """Queues one message's buffers (`size` bytes in all), the first written at once where the socket takes it."""
+        """Queues one message's buffers (`size` bytes in all), written at once where the socket takes them: several in
+        one writev (uvloop; asyncio's transports join them), so the peer is not woken for a header alone."""
         lost = self._lost()
         if lost is not None:
             raise self._error(lost)
         try:
-            self._transport.write(parts[0])
-            if len(parts) > 1:
-                self._transport.writelines(parts[1:])
+            if len(parts) == 1:
+                self._transport.write(parts[0])
+            else:
+                self._transport.writelines(parts)
         except (ConnectionError, OSError, RuntimeError) as exc:
             self._transport.abort()
             raise self._error(str(exc) or type(exc).__name__) from exc
