@@ -124,7 +124,9 @@ class EwLink:
         while they wait in its socket. It is waited for while it answers. Its watchdog ends it if its
         loop stays blocked. And so is a result that is arriving: an answer can overtake it, as the two
         travel on different connections."""
-        if now - self.last_data > deadline and not self._held() and not self._arriving():
+        if now - self.last_data <= deadline:
+            self.unread = 0  # (each wait past the deadline looks at its own bytes)
+        elif not self._held() and not self._arriving():
             return PeerStalledError(self.addr.worker_id, f"no expert result for {(now - self.last_data) * 1e3:.0f} ms "
                                                          "with calls outstanding")
         silent = now - self.last_heard

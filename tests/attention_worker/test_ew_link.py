@@ -63,6 +63,16 @@ def test_a_result_arriving_is_not_a_stall_and_one_that_stopped_part_way_is() -> 
             ew_side._transport.write(bytes(wire[2 * third :]))  # type: ignore[attr-defined]
             assert torch.equal(await asyncio.wait_for(result, 10), y)
             assert link.check(time.monotonic(), 0.0, 3, DEADLINE, 5) is None  # the result came
+
+            # The next wait past the deadline looks at its own bytes: as many as the last look of the one before
+            # (results of one size) still move from none.
+            again: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+            link.pending[6], link.sent_at[6] = again, time.monotonic()
+            wire = memoryview(fast.encode(ExpertResult(6, y, False, 0.0)))  # type: ignore[arg-type]
+            await send_and_wait(wire[: 2 * third])
+            assert past_deadline(6) is None
+            ew_side._transport.write(bytes(wire[2 * third :]))  # type: ignore[attr-defined]
+            assert torch.equal(await asyncio.wait_for(again, 10), y)
         finally:
             await control.close()
             await finish(data, listener)
