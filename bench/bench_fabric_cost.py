@@ -51,7 +51,7 @@ from pathlib import Path
 from common import bench_parser, ensure_bench_model, percentile, save_figure
 from fabrics import baseline_fabric
 from http_edge import edge_round
-from machine import cpu_seconds
+from machine import cpu_seconds, role_pids
 from rounds import fabric_round, in_turn, make_prompts
 from transport_floor import floor_round_trips
 
@@ -152,6 +152,30 @@ def cpu_table(rows: list[dict], edges: dict[int, dict[str, float]], layers: int)
         print(line)
 
 
+def cpu_ratios(rows: list[dict], base: dict[int, list[dict]]) -> None:
+    """Each role's CPU a token, this / baseline: the medians of per-round ratios (less noisy than time on this VM,
+    where a slower hour stretches both fabrics' waits but not what a token costs). Adds them to each row."""
+    print("\nCPU a token, this / baseline (medians of per-round ratios, p25-p75)")
+    print("| streams | " + " | ".join(("client", *ROLES, "all")) + " |")
+    print("|---:|" + "---:|" * (len(ROLES) + 2))
+    for row in rows:
+        pairs = [(a["cpu_us"], b["cpu_us"]) for a, b in zip(row["rounds"], base[row["streams"]])
+                 if "cpu_us" in a and "cpu_us" in b]
+        if not pairs:
+            continue
+        cells, ratios = [], {}
+        for key in ("client", *ROLES, "all"):
+            rs = [(sum(a.values()) if key == "all" else a[key]) / (sum(b.values()) if key == "all" else b[key])
+                  for a, b in pairs if (sum(b.values()) if key == "all" else b[key]) > 0]
+            if not rs:
+                cells.append("-")
+                continue
+            ratios[key] = statistics.median(rs)
+            cells.append(f"{ratios[key]:.2f}x ({percentile(rs, 25):.2f}-{percentile(rs, 75):.2f})")
+        row["cpu_ratio"] = ratios
+        print(f"| {row['streams']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = bench_parser(__doc__, "bench/out/fabric-cost")
     ap.add_argument("--concurrency", default="1,16,64")
@@ -211,11 +235,14 @@ def main() -> None:
         elif args.collapse_ab or args.aa:
             over = {"collapse_below_us": 0.0} if args.collapse_ab else {}
             urls["baseline"] = stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
-                                                               expert_ms=args.sim_expert_ms, **over))
+                                                               expert_ms=args.sim_expert_ms, roles=roles,
+                                                               name="baseline", **over))
         elif args.baseline_tree:
             flags = [*SIM_FLAGS[:-1], str(args.sim_expert_ms), "--expert-workers", str(args.expert_workers)]
+            serve: list[int] = []
             urls["baseline"] = stack.enter_context(baseline_fabric(args.baseline_tree, args.model_dir, "tcp", log_root,
-                                                                   flags=flags))
+                                                                   flags=flags, serve_pid=serve))
+            roles["baseline"] = lambda: role_pids(serve[0], ROLES)
         runs = fabric_rounds(urls, conc, args.tokens, args.repeats, vocab, around, roles)
     rounds = runs["this"]
     edges = {}
@@ -266,6 +293,8 @@ def main() -> None:
         rows.append(row)
         print(line)
     cpu_table(rows, edges, cfg.num_layers)
+    if base:
+        cpu_ratios(rows, base)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
     try:
         import matplotlib.pyplot as plt

@@ -73,9 +73,11 @@ def running_fabric(model: Path, spec: FabricSpec, log_root: str,
 
 @contextlib.contextmanager
 def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
-                    warm: list[list[list[int]]] | None = None, flags: list[str] | None = None) -> Iterator[str]:
+                    warm: list[list[list[int]]] | None = None, flags: list[str] | None = None,
+                    serve_pid: list[int] | None = None) -> Iterator[str]:
     """The fabric of another checkout (`tree`, e.g. a `git worktree` of an earlier commit) started
-    with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL."""
+    with its own `serve`, 2 AWs + 2 EWs, on the same weights; yields its completions URL. Its `serve` process's pid
+    goes into `serve_pid` where given."""
     port = free_port()
     log = open(Path(log_root) / f"baseline-{transport}.log", "wb")  # noqa: SIM115
     # Its packages, not this checkout's, and its own kernel build (the build directory is keyed
@@ -88,6 +90,8 @@ def baseline_fabric(tree: Path, model: Path, transport: str, log_root: str,
     proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--model", str(model), "--attention-workers", "2",
                              "--expert-workers", "2", "--transport", transport, "--port", str(port), *(flags or [])],
                             cwd=tree, env=env, stdout=subprocess.PIPE, stderr=log)
+    if serve_pid is not None:
+        serve_pid.append(proc.pid)
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         assert proc.stdout is not None

@@ -41,6 +41,21 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
+def role_pids(root: int, roles: tuple[str, ...]) -> dict[str, list[int]]:
+    """The processes under `root` (a `serve`) by role: those whose command line is `python -m launch.cli ROLE ...`
+    (the fork server gives each process it forks its role's command line)."""
+    out: dict[str, list[int]] = {role: [] for role in roles}
+    for pid in tree_pids(root):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            if "launch.cli" in argv[:-1]:
+                role = argv[argv.index("launch.cli") + 1]
+                if role in out:
+                    out[role].append(pid)
+    return out
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds these processes have used so far (those still running), to the ns where the kernel
     gives a process's CPU clock (clock_getcpuclockid), else in clock ticks (/proc/PID/stat: 10 ms here, coarser than a
