@@ -14,7 +14,9 @@ client), a token. After the fabric, the HTTP edge alone (bench/http_edge.py: an 
 gateway's chunks with no fabric behind it, paced at the goal's time a layer, read by the same client). The second
 table sets them against the budget at the goal's pace: the cores' CPU a token when a step takes the model's layers x
 the goal's µs a layer, less what the edge alone takes of it; what is left is what the gateways' own work, the AWs,
-the EWs and the checkpoint store may spend a token.
+the EWs and the checkpoint store may spend a token. Against a baseline fabric (`--baseline-tree`, `--aa`,
+`--collapse-ab`) a third table gives each role's CPU a token, this / baseline: a slower hour on this VM stretches
+both fabrics' waits, not what a token costs, so it resolves smaller changes than time does.
 
 Against a baseline (`--baseline-tree`, `--collapse-ab`, ...) each concurrency's ratio is the median of the per-round
 ratios, with their 25th and 75th percentiles. `--aa` runs two fabrics of this very tree against each other, which
