@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -72,8 +73,6 @@ ROLES = ("gateway", "attention-worker", "expert-worker", "checkpoint-store", "or
 
 
 def goal_us(streams: int) -> float:
-    import math
-
     t = min(1.0, max(0.0, math.log2(streams) / 6))
     return GOAL_US[1] + t * (GOAL_US[64] - GOAL_US[1])
 
