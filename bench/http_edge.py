@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import statistics
 import time
 
 from machine import cpu_seconds
@@ -54,7 +55,7 @@ def _edge_server(port_q: mp.Queue, step_s: float) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port_q.put(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        port_q.put(runner.addresses[0][1])
         task = asyncio.create_task(ticker())
         await asyncio.Event().wait()
         task.cancel()
@@ -84,4 +85,4 @@ def edge_round(streams: int, tokens: int, step_s: float, vocab: int, repeats: in
     finally:
         proc.kill()
         proc.join(5)
-    return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
