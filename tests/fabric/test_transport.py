@@ -316,7 +316,7 @@ def test_a_connection_counts_what_it_has_not_sent_yet_from_another_thread(dialer
         transport = make_transport(fabric_transport(dialer_name))
         listener, conn, server_side = await connected(transport)
         assert await asyncio.to_thread(conn.unsent) == 0
-        y = torch.randn(8 << 20 >> 2)  # 8 MiB, more than the kernel's socket buffers hold
+        y = torch.randn(32 << 20 >> 2)  # 32 MiB: well over what the sockets' buffers hold (same-host: 2 x 4 MiB)
         conn.send_nowait(ExpertResult(3, y, False, 0.0))
         assert await asyncio.to_thread(conn.unsent) > 0
         msg = await asyncio.wait_for(server_side.recv(), 30)
