@@ -4,6 +4,8 @@ limits of a decode step, and the CPU seconds of a process tree."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import time
 from typing import Any
@@ -68,20 +70,13 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def _cpu_clock(pid: int) -> float:
-    import ctypes
-
     clock = ctypes.c_int()
     if _libc is not None and _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
         return time.clock_gettime(clock.value)
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_split(pid))
 
 
 def _load_libc() -> Any:
-    import ctypes
-    import ctypes.util
-
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:

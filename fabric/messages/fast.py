@@ -97,7 +97,10 @@ def encode(msg: Message) -> bytes | None:
     """The whole message (prefix, frame table, header, frame) as one buffer; None for any other message, or a
     tensor this codec does not send (on a device, not contiguous)."""
     parts = encode_parts(msg)
-    return None if parts is None else parts[0] if parts[1] is None else b"".join(parts)  # type: ignore[arg-type]
+    if parts is None:
+        return None
+    head, frame = parts
+    return head if frame is None else head + frame
 
 
 def encode_parts(msg: Message) -> tuple[bytes, memoryview | None] | None:
