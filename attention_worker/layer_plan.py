@@ -36,7 +36,10 @@ class LayerPlan:
 
     def rows(self, rows: Rows, conn_device: torch.device | None) -> torch.Tensor:
         """Those rows as a connection carries them: in its device's memory where it carries one, else in host memory."""
-        x = self.xs[rows] if isinstance(rows, slice) else self.xs.index_select(0, rows)
+        if isinstance(rows, slice):  # (all of them, the usual case while a layer goes to one EW: no view made)
+            x = self.xs if rows.start == 0 and rows.stop == self.xs.shape[0] else self.xs[rows]
+        else:
+            x = self.xs.index_select(0, rows)
         return x if conn_device is None else to_device(x, conn_device)
 
 
