@@ -59,6 +59,7 @@ class SimRunner(ModelRunner):
         self.mults = (np.arange(cfg.num_experts, dtype=np.int64) * 40503 + 7919) % _P
         self.ties = np.arange(cfg.num_experts, dtype=np.int64)
         self.layer_keys = np.arange(cfg.num_layers, dtype=np.int64)[:, None] * 1299709  # [L, 1]
+        self._even = torch.zeros(0, cfg.top_k)  # `_weights`
 
     async def _pace(self, step: StepState) -> None:
         """Paces a step when many workers share this process and its loop (not `blocking`).
@@ -87,9 +88,14 @@ class SimRunner(ModelRunner):
         kv = kv.to(cfg.torch_dtype)
         _write_every_layer(self.kv.k_all, meta.slots, kv)
         _write_every_layer(self.kv.v_all, meta.slots, kv)
-        return self._advance(SimStep(meta, torch.from_numpy(h).to(cfg.torch_dtype),
-                                     experts=torch.from_numpy(experts).unbind(0),
-                                     weights=torch.full((t, cfg.top_k), 1.0 / cfg.top_k), stand_in_kv=kv))
+        return self._advance(SimStep(meta, torch.from_numpy(h).to(cfg.torch_dtype), experts=experts,
+                                     weights=self._weights(t), stand_in_kv=kv))
+
+    def _weights(self, t: int) -> torch.Tensor:
+        """The router weights' stand-in, 1/k each [t, k]: views of one tensor, made again only for a larger step."""
+        if self._even.shape[0] < t:
+            self._even = torch.full((max(t, 2 * self._even.shape[0]), self.cfg.top_k), 1.0 / self.cfg.top_k)
+        return self._even[:t]
 
     def _advance(self, step: StepState) -> StepState:
         assert isinstance(step, SimStep)
@@ -103,15 +109,17 @@ class SimRunner(ModelRunner):
             step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
-            step.plan = self.glue.plan(i, step.h, step.experts[i], step.weights, cfg.num_experts)
+            step.plan = self.glue.plan(i, step.h, torch.from_numpy(step.experts[i]), step.weights, cfg.num_experts)
             return step
         step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        head = step.h[rows, :8].float().numpy()  # [S + R, 8]
-        picked = torch.from_numpy(np.floor(head * 1000).astype(np.int64).sum(1) % cfg.vocab_size)  # [S + R]
-        logits = torch.zeros(rows.numel(), cfg.vocab_size).scatter_(1, picked[:, None], PEAK)
-        step.logits, step.scored = logits[:s], logits[s:]
+        head = step.h[:, :8].float().numpy()[rows.numpy()]  # [S + R, 8]
+        picked = np.floor(head * 1000).astype(np.int64).sum(1) % cfg.vocab_size  # [S + R]
+        logits = np.zeros((len(picked), cfg.vocab_size), np.float32)
+        logits[np.arange(len(picked)), picked] = PEAK
+        out = torch.from_numpy(logits)
+        step.logits, step.scored = out[:s], out[s:]
         return step
 
 
@@ -129,7 +137,7 @@ def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Ten
 
 @dataclass
 class SimStep(StepState):
-    experts: tuple[torch.Tensor, ...] = ()  # L x [T, k]: each layer's experts
+    experts: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int64))  # [L, T, k] each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
     stand_in_kv: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, K, d] every layer's K and V
     # The first layer the last compute call ran, for the inline cost model's sleep.
