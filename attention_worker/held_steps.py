@@ -50,6 +50,18 @@ def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:
     return out, order
 
 
+def in_lockstep(steps: list[list[Span]]) -> list[Span] | None:
+    """`join_spans`'s spans where every step holds the same requests, one token each, in the same order, each a
+    token on from the step before (so the joined columns are each request's tokens step after step); else None."""
+    first = steps[0]
+    if any(n != 1 for _, _, n in first):
+        return None
+    for i, spans in enumerate(steps[1:], 1):
+        if spans != [(rid, start + i, 1) for rid, start, _ in first]:
+            return None
+    return [(rid, start, len(steps)) for rid, start, _ in first]
+
+
 class HeldSteps:
     """A step's layers, and whole steps, until they go through `send`."""
 
@@ -119,9 +131,15 @@ class HeldSteps:
         """Every whole step held, as one message: each request's consecutive tokens one span, k, v [L, sum T, K, d]
         in their order."""
         held, self._held, self._bytes = self._held, [], 0
-        if len(held) == 1:
-            self.send(0, *held[0])
-        elif held:
+        if len(held) <= 1:
+            if held:
+                self.send(0, *held[0])
+        elif (spans := in_lockstep([s for s, _, _ in held])) is not None:
+            # Steady decoding: the same requests, a token each, in the same order every step. Joining them is
+            # stacking the steps beside each column: [L, T, S, K, d] viewed as [L, T*S, K, d], one copy.
+            self.send(0, spans, torch.stack([kk for _, kk, _ in held], 2).flatten(1, 2),
+                      torch.stack([vv for _, _, vv in held], 2).flatten(1, 2))
+        else:
             spans, cols = join_spans([s for s, _, _ in held])
             idx = torch.tensor(cols, dtype=torch.long, device=held[0][1].device)
             k = torch.cat([kk for _, kk, _ in held], 1).index_select(1, idx)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attention_worker.checkpointer import Checkpointer
-from attention_worker.held_steps import join_spans
+from attention_worker.held_steps import in_lockstep, join_spans
 from checkpoint_store.log import AwBucket, KvLayout
 from fabric.messages.checkpoint import KvAppend, KvDone
 
@@ -83,6 +83,36 @@ def test_four_whole_steps_go_as_one_message_that_stores_every_segment() -> None:
             for layer in range(LAYERS):
                 want = kv_of(rid, t, layer)
                 assert torch.equal(k[layer, t], want) and torch.equal(v[layer, t], -want)
+
+
+def test_steady_decoding_joins_by_stacking_steps_and_stores_every_segment() -> None:
+    """Four steps of the same requests a token each, in the same order: one message, each request one span of four
+    tokens, whose columns hold what each step wrote (the lockstep join, `in_lockstep`)."""
+    ckpt = checkpointer(4)
+    starts = {"a": 7, "b": 2, "c": 0}
+    for i in range(4):
+        record(ckpt, [(rid, start + i, 1) for rid, start in starts.items()])
+    (msg, _), = ckpt.queue
+    assert list(zip(msg.request_ids, msg.starts, msg.counts)) == [("a", 7, 4), ("b", 2, 4), ("c", 0, 4)]
+    col = 0
+    for rid, start in starts.items():
+        for t in range(start, start + 4):
+            for layer in range(LAYERS):
+                want = kv_of(rid, t, layer)
+                assert torch.equal(msg.k[layer, col], want) and torch.equal(msg.v[layer, col], -want)
+            col += 1
+    bucket = store([msg])
+    assert bucket.frontier("c") == 4 and bucket.requests["a"].present[7:11] == [bucket.requests["a"].full] * 4
+
+
+def test_lockstep_is_only_the_same_requests_a_token_each_in_order() -> None:
+    step = [("a", 4, 1), ("b", 0, 1)]
+    assert in_lockstep([step, [("a", 5, 1), ("b", 1, 1)]]) == [("a", 4, 2), ("b", 0, 2)]
+    assert in_lockstep([step, [("b", 1, 1), ("a", 5, 1)]]) is None  # another order
+    assert in_lockstep([step, [("a", 5, 1)]]) is None  # b finished
+    assert in_lockstep([step, [("a", 5, 1), ("b", 1, 1), ("c", 0, 1)]]) is None  # c joined
+    assert in_lockstep([step, [("a", 5, 1), ("b", 0, 1)]]) is None  # b started over (a preemption)
+    assert in_lockstep([[("a", 0, 3)], [("a", 3, 1)]]) is None  # a prefill
 
 
 def test_a_partial_step_and_a_finish_send_what_is_held_first() -> None:
