@@ -36,6 +36,7 @@ from attention_worker.forwarding import ForwardingEngine
 from attention_worker.held_steps import HeldSteps
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
+from fabric import cpu_regions
 from fabric.device import HostCopies, done, to_device, to_host
 from fabric.errors import PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.base import Message
@@ -232,7 +233,9 @@ class Checkpointer:
                 n = _nbytes(msg)
                 self.queued_bytes -= n
                 in_gap = self.refe.in_flight > 0
+                c0 = cpu_regions.start()
                 await link.send(msg)
+                cpu_regions.add("checkpoints: encode and write", c0)
                 self.bytes_sent += n
                 if in_gap:
                     self.bytes_in_gaps += n

@@ -19,6 +19,7 @@ fabric then resumes its requests elsewhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -36,7 +37,7 @@ from attention_worker.request import Sequence, check_submit
 from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
-from fabric import faults, grammar, trace
+from fabric import cpu_regions, faults, grammar, trace
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
 from fabric.messages.client import (
@@ -55,8 +56,6 @@ from fabric.model.config import ModelConfig
 from fabric.transport.base import Connection
 
 log = logging.getLogger("attention_worker")
-
-
 
 
 class AttentionWorker:
@@ -233,10 +232,8 @@ class AttentionWorker:
     @staticmethod
     def _tell(seq: Sequence, msg: RequestFailed) -> None:
         if seq.client is not None:
-            try:
+            with contextlib.suppress(PeerDeadError):
                 seq.client.send_nowait(msg)
-            except PeerDeadError:
-                pass
 
     # -- main loop ----------------------------------------------------------------------------
     async def main_loop(self, stop: asyncio.Event) -> None:
@@ -263,10 +260,13 @@ class AttentionWorker:
             except FabricError as exc:
                 self._fail_all(chunks, f"expert datapath failed: {exc}")
                 continue
+            c0 = cpu_regions.start()
             self._score(chunks, scored)
             self._emit(chunks, logits, masks.result() if masks is not None else None)
             trace.stamp("emitted", "", self.steps)  # (its tokens are on their way to the gateways)
             self.ckpt.step_done(self.scheduler.running)
+            cpu_regions.add("step: sample, tokens to the gateways", c0)
+            cpu_regions.count(steps=1, rows=len(chunks))
             await self.ckpt.maybe_pause(self.steps, self.scheduler.running)
 
     async def expire_loop(self) -> None:

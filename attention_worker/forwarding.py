@@ -29,7 +29,7 @@ from attention_worker.ew_link import EwLink
 from attention_worker.ew_links import EwLinks
 from attention_worker.expert_calls import Call, Piece, rows_of
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
-from fabric import trace
+from fabric import cpu_regions, trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
 from fabric.routing import RoutingTable
@@ -333,6 +333,7 @@ class ForwardingEngine:
         gets an empty call. It does not answer, and it never waits for this AW in vain. With
         hundreds of EWs, `--gather threshold` spares those calls."""
         assert self.table is not None
+        c0 = cpu_regions.start()
         calls = self._usual_calls(plan)
         if calls is None:
             calls = await self._routed_calls(plan.layer, self._pieces(plan.layer, plan.spans))
@@ -352,11 +353,13 @@ class ForwardingEngine:
                 except PeerDeadError as exc:
                     futs.append(_failed(exc))
             self.in_flight += len(futs)
+            cpu_regions.add("layer: route, encode and write the calls", c0)
             try:
                 results = await _settled(futs)
             finally:
                 self.in_flight -= len(futs)
             trace.stamp("resumed", self.aw_id, plan.layer)
+            c0 = cpu_regions.start()
             failed: list[Piece] = []
             for c, res in zip(calls, results):
                 if isinstance(res, PeerDeadError):
@@ -371,6 +374,7 @@ class ForwardingEngine:
             if not failed:
                 if self.collapse.below_s > 0 and not replay:
                     self.collapse.ran(sum(link.batch_s for c in calls if (link := self.links.live(c.ew)) is not None))
+                cpu_regions.add("layer: results taken", c0)
                 return parts
             calls, replay = await self._routed_calls(plan.layer, failed), True
             self.replays += 1

@@ -26,7 +26,7 @@ from attention_worker.glue import TorchGlue
 from attention_worker.kv_cache import KVCache
 from attention_worker.layer_plan import LayerPlan, Part
 from attention_worker.request import Sequence
-from fabric import trace
+from fabric import cpu_regions, trace
 from fabric.device import to_device_all, to_host
 from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
@@ -244,7 +244,9 @@ class ModelRunner:
         tokens [R, V]."""
         t0 = time.perf_counter()
         trace.stamp("step", "", 0)
+        c0 = cpu_regions.start()
         step = self.clock.run(self._first, chunks)
+        cpu_regions.add("step: metadata, stand-ins or layers, first plan", c0)
         trace.stamp("begun", "", 0)  # (metadata, embeddings, the layers up to the first plan)
         while True:
             await self._pace(step)
@@ -253,8 +255,12 @@ class ModelRunner:
             t1 = time.perf_counter()
             parts = await self.refe.run_plan(step.plan)
             self.expert_wait_s += time.perf_counter() - t1
+            c0 = cpu_regions.start()
             step = self.clock.run(self._resume, step, parts)
+            cpu_regions.add("layer: combine, layers, next plan", c0)
+        c0 = cpu_regions.start()
         self._sink(step)  # the step's KV, every layer at once (checkpoints go out at a step's end, not before)
+        cpu_regions.add("step: KV to the checkpointer", c0)
         self.forward_s += time.perf_counter() - t0
         trace.stamp("logits", "", 0)
         assert step.logits is not None and step.scored is not None

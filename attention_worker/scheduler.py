@@ -13,6 +13,7 @@ from collections import deque
 from attention_worker.kv_cache import BlockManager
 from attention_worker.model_runner import Chunk
 from attention_worker.request import Sequence, Status
+from fabric import cpu_regions
 from fabric.errors import RequestError
 
 
@@ -63,6 +64,12 @@ class Scheduler:
         self.preemptions += 1
 
     def schedule(self) -> list[Chunk]:
+        c0 = cpu_regions.start()
+        chunks = self._schedule()
+        cpu_regions.add("step: schedule", c0)
+        return chunks
+
+    def _schedule(self) -> list[Chunk]:
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         for seq in list(self.running):

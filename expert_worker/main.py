@@ -25,7 +25,7 @@ from expert_worker import loading
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall, make_policy
 from expert_worker.sim_executor import SimExecutor
-from fabric import device, faults, trace
+from fabric import cpu_regions, device, faults, trace
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
@@ -347,7 +347,10 @@ class ExpertWorker(Service):
         self.pending = [p for p in self.pending if id(p) not in chosen]
         try:
             t0 = time.perf_counter()
+            c0 = cpu_regions.start()
             outputs = self.clock.run(self._run, batch)
+            cpu_regions.add("batch: run", c0)
+            c0 = cpu_regions.start()
             took = time.perf_counter() - t0
             self.compute_s += took
             self.policy.ran(took)
@@ -363,6 +366,9 @@ class ExpertWorker(Service):
                     trace.stamp("sent", p.aw_id, p.call.call_id)
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
+            cpu_regions.add("batch: encode and write the results", c0)
+            if cpu_regions.on:
+                cpu_regions.count(batches=1, rows=sum(p.rows for p in batch))
         finally:
             self.computing = []
         return True, None

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from fabric import cpu_regions
 from fabric.errors import FabricError, PeerDeadError, PeerStalledError, ProtocolError
 from fabric.messages import fast
 from fabric.messages.base import Message
@@ -78,6 +79,13 @@ class TcpConnection(Connection):
         self._pump()  # what arrived before
 
     def _pump(self) -> None:
+        c0 = cpu_regions.start()
+        try:
+            self._take_messages()
+        finally:
+            cpu_regions.add("read: parse, decode, hand on", c0)
+
+    def _take_messages(self) -> None:
         pipe = self._pipe
         try:
             while self._on_message is not None:

@@ -1,0 +1,115 @@
+"""Where an attention worker's and an expert worker's CPU goes, region by region of their code: a fabric (2 AWs + 2
+EWs; `--sim`: no compute at all) under a closed loop of C streams, each worker's loop thread timing its own CPU
+clock around the regions of its step, its layers and its messages (fabric/cpu_regions.py, MOE_FABRIC_CPU_REGIONS).
+
+A sampling profiler counts wall time, and on two cores shared by eight busy processes a worker's samples pile up
+where it was preempted. These are CPU times: user and system (a region's syscalls count, its waits do not).
+
+    python bench/cpu_regions.py --sim --concurrency 1,64 --seconds 8
+
+Per AW: each region's µs a step and a token (the step's rows) and its share of the loop thread's CPU; the loop
+thread's rest (the event loop: its polls and reads, timers, tasks' hops) and the process's other threads (the
+control plane). Per EW the same a batch and a row. Medians over the workers of a role are not taken: each worker
+is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fabrics import profiled_fabric  # bench/ is on sys.path when run as a script
+from rounds import fabric_round, make_prompts
+
+from fabric import cpu_regions
+from launch.local import Fabric
+
+Snap = dict[str, dict]  # role -> its region file
+
+
+def snapshot(where: str, pids: dict[str, int]) -> Snap:
+    out: Snap = {}
+    for role, pid in pids.items():
+        path = os.path.join(where, f"{pid}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[role] = json.load(f)
+    return out
+
+
+def report(c: int, a: Snap, b: Snap) -> None:
+    for role in sorted(b):
+        if role not in a:
+            continue
+        x, y = a[role], b[role]
+        unit, per = ("step", "steps") if "steps" in y["counts"] else ("batch", "batches")
+        units = y["counts"].get(per, 0) - x["counts"].get(per, 0)
+        rows = y["counts"].get("rows", 0) - x["counts"].get("rows", 0)
+        if not units or not rows:
+            continue
+        loop_us = (y["thread_ns"] - x["thread_ns"]) / 1e3
+        other_us = (y["process_ns"] - x["process_ns"]) / 1e3 - loop_us
+        print(f"\n{role}, {c} streams: {units} {per}, {rows / units:.1f} rows a {unit}; loop thread "
+              f"{loop_us / units:.0f} µs a {unit}, {loop_us / rows:.1f} a row")
+        print(f"| region | µs a {unit} | µs a row{' (a token)' if unit == 'step' else ' (an expert row)'} | runs a {unit} "
+              "| share of the loop thread |")
+        print("|---|---:|---:|---:|---:|")
+        rest = loop_us
+        for region in sorted(y["ns"], key=lambda r: x["ns"].get(r, 0) - y["ns"][r]):
+            us = (y["ns"][region] - x["ns"].get(region, 0)) / 1e3
+            runs = y["calls"][region] - x["calls"].get(region, 0)
+            rest -= us
+            print(f"| {region} | {us / units:.1f} | {us / rows:.2f} | {runs / units:.1f} | {us / loop_us:.0%} |")
+        print(f"| the rest of the loop thread (the event loop: polls, reads, timers, task hops) | {rest / units:.1f} | "
+              f"{rest / rows:.2f} | | {rest / loop_us:.0%} |")
+        print(f"| (the process's other threads: the control plane) | {other_us / units:.1f} | {other_us / rows:.2f} | | |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/cpu-regions"))
+    ap.add_argument("--concurrency", default="1,64", help="comma-separated stream counts, run one after another")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds at each concurrency")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
+    args = ap.parse_args()
+    if args.seconds <= 0:
+        ap.error("--seconds must be positive")
+    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim)
+    url = f"http://127.0.0.1:{cfg.port}/v1/completions"
+    with tempfile.TemporaryDirectory(prefix="cpu-regions-") as where:
+        os.environ[cpu_regions.ENV] = where  # the workers inherit it
+        try:
+            with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
+                pids = {role: p.pid for role, p in fabric.procs if "worker" in role}
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    prompts = make_prompts(c, 16, vocab, c)
+                    asyncio.run(fabric_round(url, prompts, 16))  # warm
+                    stop = threading.Event()
+
+                    def load(ps: list[list[int]] = prompts, stop: threading.Event = stop) -> None:
+                        while not stop.is_set():
+                            asyncio.run(fabric_round(url, ps, 128))
+
+                    runner = threading.Thread(target=load)
+                    runner.start()
+                    time.sleep(2.5)  # (the files are written every second)
+                    a = snapshot(where, pids)
+                    time.sleep(args.seconds)
+                    b = snapshot(where, pids)
+                    stop.set()
+                    runner.join()
+                    report(c, a, b)
+        finally:
+            os.environ.pop(cpu_regions.ENV, None)
+
+
+if __name__ == "__main__":
+    main()
