@@ -6,15 +6,19 @@ model is `attention_ms` per layer, blocking as real compute does. With many work
 (`--sim-workers`) it is a sleep that does not block the others, as compute on a device of its own.
 The stand-ins:
 
-    hidden     h[t] = sin(0.01 * (token + 1) * (j + 1) + 0.1 * position)  [T, D]
+    hidden     h[t, j] = sin(0.01 * (token + 1) * (j mod 8 + 1) + 0.1 * position)  [T, D]: 8 values a row, repeated
     attention  K and V rows derived from the step's input h, written to every layer's cache and checkpointed like
                real ones
-    router     the top-k experts of a row: the k largest of E pseudo-random scores, hashes of (token,
-               position, layer, expert), so k distinct experts that vary from row to row as a router's do
+    router     the top-k experts of a row: the first k of one of `ROUTES` fixed random orders of the E experts,
+               picked by a hash of (token, position, layer), so k distinct experts that vary from row to row as a
+               router's do
     experts    h += Σ weight x expert(h), over the wire to the EWs (sim EWs scale rows by a factor
                of their (layer, expert): expert_worker/sim_executor.py)
-    lm head    one-hot logits on a token picked from h (8 of its values), so the output depends on
-               every expert that ran
+    lm head    one-hot logits on a token picked from h (its 8 values), so the output depends on every expert
+               that ran
+
+The stand-ins cost what the math they stand for would not on a device: a step's 8 values a row, its routes and its
+logits take a few numpy ops (bench/cpu_regions.py measures them), so the zero-compute benchmark measures the fabric.
 
 A row's result depends only on its own token, position and experts. So a stream is identical
 whichever AW or EW replica serves it, and failover in a simulation can still be checked token by token.
@@ -40,7 +44,8 @@ from fabric.steps import StepClock
 
 # The picked token's logit; the others are 0. Sampling at any usual temperature picks it.
 PEAK = 30.0
-_P = 1_000_003  # a prime: the routing scores are products modulo it
+ROUTES = 1021  # the router stand-in's orders of the experts (a prime: its hash is taken modulo it)
+WIDTH = 8  # the hidden stand-in's distinct values a row (what the lm head stand-in reads)
 
 
 class SimRunner(ModelRunner):
@@ -54,11 +59,13 @@ class SimRunner(ModelRunner):
         self.blocking = blocking
         # The stand-ins in numpy, in float32 (an op ~1 µs, torch's 2-5 on these few rows: the stand-ins are not the
         # fabric's cost). [D] the hidden state's frequencies.
-        self.freq = (0.01 * np.arange(1, cfg.hidden_size + 1)).astype(np.float32)
-        # The routing stand-in: [E] a multiplier each expert (distinct mod P), the tie-breaker in a score's low digits.
-        self.mults = (np.arange(cfg.num_experts, dtype=np.int64) * 40503 + 7919) % _P
-        self.ties = np.arange(cfg.num_experts, dtype=np.int64)
+        self.width = min(WIDTH, cfg.hidden_size)
+        self.freq = (0.01 * np.arange(1, self.width + 1)).astype(np.float32)  # [8]
+        # The routing stand-in: [ROUTES, k] the first k of fixed random orders of the E experts.
+        rng = np.random.default_rng(0)
+        self.routes = np.argsort(rng.random((ROUTES, cfg.num_experts)), axis=1)[:, : cfg.top_k].astype(np.int64)
         self.layer_keys = np.arange(cfg.num_layers, dtype=np.int64)[:, None] * 1299709  # [L, 1]
+        self._logits = np.zeros((0, cfg.vocab_size), np.float32)  # `_one_hot`
         self._even = torch.zeros(0, cfg.top_k)  # `_weights`
 
     async def _pace(self, step: StepState) -> None:
@@ -75,20 +82,19 @@ class SimRunner(ModelRunner):
         meta = self.prepare(chunks)
         ids, pos = meta.ids.numpy(), meta.pos.numpy()  # [T] each
         t = ids.shape[0]
-        h = (ids + 1).astype(np.float32)[:, None] * self.freq[None, :]  # [T, D]
-        h += (np.float32(0.1) * pos.astype(np.float32))[:, None]
-        np.sin(h, out=h)
-        # Every layer's routing, made once a step: its top-k, largest first (a row's scores are distinct).
-        key = (ids * 7919 + pos * 104729 + self.layer_keys) % _P + 1  # [L, T]
-        scores = (key[:, :, None] * self.mults % _P) * cfg.num_experts + self.ties  # [L, T, E]
-        experts = np.ascontiguousarray(np.argsort(-scores, axis=2)[:, :, : cfg.top_k])  # [L, T, k]
+        h8 = (ids + 1).astype(np.float32)[:, None] * self.freq[None, :]  # [T, 8]
+        h8 += (np.float32(0.1) * pos.astype(np.float32))[:, None]
+        np.sin(h8, out=h8)
+        h = np.tile(h8, (1, -(-cfg.hidden_size // self.width)))[:, : cfg.hidden_size]  # [T, D]
+        # Every layer's routing, made once a step.
+        experts = self.routes[(ids * 7919 + pos * 104729 + self.layer_keys) % ROUTES]  # [L, T, k]
         # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
         # cost is not the fabric's) and handed to the checkpoints at the step's end, each layer's, as attention's are.
-        kv = torch.from_numpy(np.repeat(h[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
+        kv = torch.from_numpy(np.repeat(h8[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = kv.to(cfg.torch_dtype)
         _write_every_layer(self.kv.k_all, meta.slots, kv)
         _write_every_layer(self.kv.v_all, meta.slots, kv)
-        return self._advance(SimStep(meta, torch.from_numpy(h).to(cfg.torch_dtype), experts=experts,
+        return self._advance(SimStep(meta, torch.from_numpy(np.ascontiguousarray(h)).to(cfg.torch_dtype), experts=experts,
                                      weights=self._weights(t), stand_in_kv=kv))
 
     def _weights(self, t: int) -> torch.Tensor:
@@ -114,13 +120,25 @@ class SimRunner(ModelRunner):
         step.layer = cfg.num_layers
         s = meta.sample_rows.numel()
         rows = torch.cat([meta.sample_rows, meta.score_rows]) if meta.score_rows.numel() else meta.sample_rows
-        head = step.h[:, :8].float().numpy()[rows.numpy()]  # [S + R, 8]
-        picked = np.floor(head * 1000).astype(np.int64).sum(1) % cfg.vocab_size  # [S + R]
-        logits = np.zeros((len(picked), cfg.vocab_size), np.float32)
-        logits[np.arange(len(picked)), picked] = PEAK
-        out = torch.from_numpy(logits)
+        head = step.h[:, : self.width].float().numpy()[rows.numpy()]  # [S + R, 8]
+        out = self._one_hot(np.floor(head * 1000).astype(np.int64).sum(1) % cfg.vocab_size)  # [S + R, V]
         step.logits, step.scored = out[:s], out[s:]
         return step
+
+    def _one_hot(self, picked: np.ndarray) -> torch.Tensor:
+        """[n, V] float32 logits: PEAK at each row's picked token, 0 elsewhere.
+
+        They are rows of one buffer kept from step to step, so they hold until the next step's (the engine is done
+        with a step's logits when it asks for the next). Fresh memory each step cost a page fault every 4 KiB, ~100 µs
+        at 32 rows of 8192; the buffer is zeroed whole each time, as the engine may write into the rows it was given
+        (a grammar's mask)."""
+        n = picked.shape[0]
+        if self._logits.shape[0] < n:
+            self._logits = np.zeros((max(n, 2 * self._logits.shape[0]), self.cfg.vocab_size), np.float32)
+        out = self._logits[:n]
+        out.fill(0)
+        out[np.arange(n), picked] = PEAK
+        return torch.from_numpy(out)
 
 
 def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -95,7 +95,7 @@ def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: 
 
 
 def test_a_sim_aws_stand_ins_follow_their_formulas(hf_models: dict[str, Path]) -> None:
-    """What the sim AW's docstring says of its stand-ins: h[t] = sin(0.01 (token + 1)(j + 1) + 0.1 position), k
+    """What the sim AW's docstring says of its stand-ins: h[t, j] = sin(0.01 (token + 1)(j mod 8 + 1) + 0.1 position), k
     distinct experts a row at every layer, and one-hot logits on the token picked from 8 of h's values."""
     cfg = ModelConfig.from_dir(hf_models["mixtral"])
     kv = KVCache(cfg, 4, 1 << 20)
@@ -106,7 +106,7 @@ def test_a_sim_aws_stand_ins_follow_their_formulas(hf_models: dict[str, Path]) -
         assert kv.blocks.grow(c.seq.block_table, c.n)
     step = runner._begin(chunks)
     token, pos = torch.tensor([5.0, 7, 8, 9], dtype=torch.float64), torch.tensor([0.0, 0, 1, 2], dtype=torch.float64)
-    j = torch.arange(1, cfg.hidden_size + 1, dtype=torch.float64)
+    j = (torch.arange(cfg.hidden_size) % 8 + 1).to(torch.float64)  # 8 values a row, repeated
     h = torch.sin(0.01 * (token[:, None] + 1) * j[None, :] + 0.1 * pos[:, None])  # [T, D]
     assert torch.allclose(step.h.double(), h, atol=1e-5)
     assert len(step.experts) == cfg.num_layers and len({tuple(e.flatten().tolist()) for e in step.experts}) > 1
