@@ -16,8 +16,11 @@ import torch
 
 from expert_worker.executor import ExpertExecutor
 from expert_worker.gather import PendingCall
+from fabric.messages.expert import ExpertCall
 from fabric.model.config import ModelConfig
 from fabric.model.weight_store import MappedStore
+
+COLUMNS = 4096  # per-row factor columns kept (`SimExecutor._column`)
 
 
 def sim_factor(layer: int, expert: int) -> float:
@@ -36,6 +39,7 @@ class SimExecutor(ExpertExecutor):
         self.chosen = True
         self._factors: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
         self._tables: dict[int, np.ndarray] = {}  # layer -> every expert's factor
+        self._columns: dict[tuple, torch.Tensor] = {}  # (layer, experts, counts, dtype, device) -> `_column`'s
 
     @property
     def kernel(self) -> str:
@@ -71,6 +75,19 @@ class SimExecutor(ExpertExecutor):
             f = self._tables[layer] = np.array([sim_factor(layer, e) for e in range(self.cfg.num_experts)])
         return f
 
+    def _column(self, c: ExpertCall, like: torch.Tensor) -> torch.Tensor:
+        """[R', 1] each row's factor, its expert's, as `like`'s dtype and device: from the layer's table, each expert's
+        repeated over its rows. Kept for the calls of the same layer, experts and counts, as a few streams' are
+        (a fresh column cost a decode call of two rows more than the op)."""
+        key = (c.layer, tuple(c.experts), tuple(c.counts), like.dtype, like.device)
+        col = self._columns.get(key)
+        if col is None:
+            factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
+            col = torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]
+            if len(self._columns) < COLUMNS:
+                self._columns[key] = col
+        return col
+
     def run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
         outs = []
         rows = 0
@@ -83,10 +100,7 @@ class SimExecutor(ExpertExecutor):
             if len(c.counts) == 1 and n_rows:  # one expert's rows (most calls at few streams): one op
                 outs.append(c.x * self._factor(c.layer, c.experts[0], c.x))
             elif n_rows:
-                # [R', D] * [R', 1]: every row scaled by its expert's factor, in one op; the factors a row from the
-                # layer's table, each expert's repeated over its rows (a list of a float a row cost 2x the op)
-                factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
-                outs.append(c.x * torch.from_numpy(factors).to(c.x.dtype)[:, None])
+                outs.append(c.x * self._column(c, c.x))  # [R', D] * [R', 1]: every row by its expert's factor, one op
             else:
                 outs.append(torch.empty_like(c.x))
             rows += n_rows
