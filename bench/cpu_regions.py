@@ -10,7 +10,8 @@ where it was preempted. These are CPU times: user and system (a region's syscall
 Per AW: each region's µs a step and a token (the step's rows) and its share of the loop thread's CPU; the loop
 thread's rest (the event loop: its polls and reads, timers, tasks' hops) and the process's other threads (the
 control plane). Per EW the same a batch and a row. Medians over the workers of a role are not taken: each worker
-is shown.
+is shown. Each worker's waits for a wake-up (voluntary context switches, `/proc`) a step or batch say how often
+the processes on its core take its caches between two of its runs.
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ from launch.local import Fabric
 Snap = dict[str, dict]  # role -> its region file
 
 
+def switches(pid: int) -> int:
+    """How many times the process's threads have given up their CPU to wait (voluntary context switches)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            n += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return n
+
+
 def snapshot(where: str, pids: dict[str, int]) -> Snap:
     out: Snap = {}
     for role, pid in pids.items():
         path = os.path.join(where, f"{pid}.json")
         if os.path.exists(path):
             with open(path) as f:
-                out[role] = json.load(f)
+                out[role] = {**json.load(f), "switches": switches(pid)}
     return out
 
 
@@ -55,8 +65,9 @@ def report(c: int, a: Snap, b: Snap) -> None:
             continue
         loop_us = (y["thread_ns"] - x["thread_ns"]) / 1e3
         other_us = (y["process_ns"] - x["process_ns"]) / 1e3 - loop_us
+        waits = (y["switches"] - x["switches"]) / units
         print(f"\n{role}, {c} streams: {units} {per}, {rows / units:.1f} rows a {unit}; loop thread "
-              f"{loop_us / units:.0f} µs a {unit}, {loop_us / rows:.1f} a row")
+              f"{loop_us / units:.0f} µs a {unit}, {loop_us / rows:.1f} a row; {waits:.1f} waits for a wake-up a {unit}")
         print(f"| region | µs a {unit} | µs a row{' (a token)' if unit == 'step' else ' (an expert row)'} | runs a {unit} "
               "| share of the loop thread |")
         print("|---|---:|---:|---:|---:|")
