@@ -17,16 +17,14 @@ the processes on its core take its caches between two of its runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from fabrics import profiled_fabric  # bench/ is on sys.path when run as a script
-from rounds import fabric_round, make_prompts
+from rounds import closed_loop, make_prompts
 
 from fabric import cpu_regions
 from launch.local import Fabric
@@ -101,22 +99,11 @@ def main() -> None:
             with Fabric(cfg, log_dir=str(args.out / "logs")) as fabric:
                 pids = {role: p.pid for role, p in fabric.procs if "worker" in role}
                 for c in (int(x) for x in args.concurrency.split(",")):
-                    prompts = make_prompts(c, 16, vocab, c)
-                    asyncio.run(fabric_round(url, prompts, 16))  # warm
-                    stop = threading.Event()
-
-                    def load(ps: list[list[int]] = prompts, stop: threading.Event = stop) -> None:
-                        while not stop.is_set():
-                            asyncio.run(fabric_round(url, ps, 128))
-
-                    runner = threading.Thread(target=load)
-                    runner.start()
-                    time.sleep(2.5)  # (the files are written every second)
-                    a = snapshot(where, pids)
-                    time.sleep(args.seconds)
-                    b = snapshot(where, pids)
-                    stop.set()
-                    runner.join()
+                    with closed_loop(url, make_prompts(c, 16, vocab, c), 128):
+                        time.sleep(2.5)  # (the files are written every second)
+                        a = snapshot(where, pids)
+                        time.sleep(args.seconds)
+                        b = snapshot(where, pids)
                     report(c, a, b)
         finally:
             os.environ.pop(cpu_regions.ENV, None)

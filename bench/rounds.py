@@ -5,9 +5,12 @@ The benchmarks share it (`python bench/<script>.py`: bench/ is on sys.path)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from typing import TypeVar
 
 import aiohttp
@@ -88,3 +91,23 @@ async def fabric_round(url: str, prompts: list[list[int]], tokens: int, tls: Tls
     all_first = max(times[0] for times, _ in results)  # every prompt prefilled
     return {**summarize(n, end - t0, [b - a for a, b in pairs], [times[0] - t0 for times, _ in results],
                         [b - a for a, b in pairs if a >= all_first]), "ids": [ids for _, ids in results]}
+
+
+@contextlib.contextmanager
+def closed_loop(url: str, prompts: list[list[int]], tokens: int) -> Iterator[None]:
+    """Rounds of `prompts` (a stream each, `tokens` a stream) one after another, in a thread, while the block runs:
+    the load a profiler or a counter measures. The fabric is warmed with a short round first."""
+    asyncio.run(fabric_round(url, prompts, 16))
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            asyncio.run(fabric_round(url, prompts, tokens))
+
+    runner = threading.Thread(target=load, name="closed-loop")
+    runner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        runner.join()

@@ -20,17 +20,15 @@ split the same way along the AW's step stamps:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import glob
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from fabrics import profiled_fabric
-from rounds import fabric_round, make_prompts  # bench/ is on sys.path when run as a script
+from rounds import closed_loop, make_prompts  # bench/ is on sys.path when run as a script
 
 from fabric import trace
 from launch.local import Fabric
@@ -173,22 +171,11 @@ def main() -> None:
             with Fabric(cfg, log_dir=str(args.out / "logs")):
                 del os.environ[trace.ENV]
                 for c in (int(x) for x in args.concurrency.split(",")):
-                    prompts = make_prompts(c, 16, vocab, c)
-                    asyncio.run(fabric_round(url, prompts, 16))  # warm
-                    stop = threading.Event()
-
-                    def load(ps: list[list[int]] = prompts, stop: threading.Event = stop) -> None:
-                        while not stop.is_set():
-                            asyncio.run(fabric_round(url, ps, 64))
-
-                    runner = threading.Thread(target=load)
-                    runner.start()
-                    time.sleep(1.0)
-                    t0 = time.monotonic_ns()
-                    time.sleep(args.seconds)
-                    windows.append((c, t0, time.monotonic_ns()))
-                    stop.set()
-                    runner.join()
+                    with closed_loop(url, make_prompts(c, 16, vocab, c), 64):
+                        time.sleep(1.0)
+                        t0 = time.monotonic_ns()
+                        time.sleep(args.seconds)
+                        windows.append((c, t0, time.monotonic_ns()))
                     print(f"traced {c} streams for {args.seconds:.0f} s", flush=True)
         finally:
             os.environ.pop(trace.ENV, None)
