@@ -58,7 +58,7 @@ class SimRunner(ModelRunner):
         self.attention_s = attention_ms / 1000
         self.blocking = blocking
         # The stand-ins in numpy, in float32 (an op ~1 µs, torch's 2-5 on these few rows: the stand-ins are not the
-        # fabric's cost). [D] the hidden state's frequencies.
+        # fabric's cost). [8] the hidden stand-in's frequencies.
         self.width = min(WIDTH, cfg.hidden_size)
         self.freq = (0.01 * np.arange(1, self.width + 1)).astype(np.float32)  # [8]
         # The routing stand-in: [ROUTES, k] the first k of fixed random orders of the E experts.

@@ -78,19 +78,16 @@ class SimExecutor(ExpertExecutor):
 
     def _column(self, c: ExpertCall, like: torch.Tensor) -> torch.Tensor:
         """[R', 1] each row's factor, its expert's, as `like`'s dtype and device: from the layer's table, each expert's
-        repeated over its rows. A small call's (a few streams') is kept for the calls of the same layer, experts and
-        counts: made afresh it cost a two-row call more than the op. A larger call's is made each time (numpy: 5.6 µs
-        at 64 rows against 11.6 for a list of a float a row), as keeping its many kinds would fill memory with small
-        tensors for the garbage collector to walk."""
-        if c.x.shape[0] > SMALL_CALL:
-            factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
-            return torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]
-        key = (c.layer, tuple(c.experts), tuple(c.counts), like.dtype, like.device)
-        col = self._columns.get(key)
+        repeated over its rows (numpy), where a list of a Python float a row took twice as long. A small call's (a few
+        streams') is kept for the calls of the same layer, experts and counts: made afresh it cost a two-row call more
+        than the op. A larger call's is made each time: keeping its many kinds filled memory with small tensors for the
+        garbage collector to walk, which cost more than it saved."""
+        key = (c.layer, tuple(c.experts), tuple(c.counts), like.dtype, like.device) if c.x.shape[0] <= SMALL_CALL else None
+        col = self._columns.get(key) if key is not None else None
         if col is None:
-            factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)
+            factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
             col = torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]
-            if len(self._columns) < COLUMNS:
+            if key is not None and len(self._columns) < COLUMNS:
                 self._columns[key] = col
         return col
 
