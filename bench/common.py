@@ -34,6 +34,17 @@ def bench_parser(doc: str | None, out: str) -> argparse.ArgumentParser:
     return ap
 
 
+def profiler_parser(doc: str | None, out: str, concurrency: str, seconds: float) -> argparse.ArgumentParser:
+    """A profiler's parser (a fabric of 2 AWs + 2 EWs under a closed loop): `bench_parser`'s flags, the stream counts
+    run one after another, the seconds measured at each, the transport and `--sim`."""
+    ap = bench_parser(doc, out)
+    ap.add_argument("--concurrency", default=concurrency, help="comma-separated stream counts, run one after another")
+    ap.add_argument("--seconds", type=float, default=seconds, help="seconds measured at each concurrency")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
+    return ap
+
+
 def ensure_bench_model(model_dir: Path) -> int:
     """Writes the `bench` demo model if it is not there; returns its vocabulary size."""
     from fabric.model.config import ModelConfig

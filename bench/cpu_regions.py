@@ -16,14 +16,13 @@ the processes on its core take its caches between two of its runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
-from fabrics import profiled_fabric  # bench/ is on sys.path when run as a script
+from common import profiler_parser  # bench/ is on sys.path when run as a script
+from fabrics import profiled_fabric
 from rounds import closed_loop, make_prompts
 
 from fabric import cpu_regions
@@ -81,13 +80,7 @@ def report(c: int, a: Snap, b: Snap) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
-    ap.add_argument("--out", type=Path, default=Path("bench/out/cpu-regions"))
-    ap.add_argument("--concurrency", default="1,64", help="comma-separated stream counts, run one after another")
-    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds at each concurrency")
-    ap.add_argument("--transport", default="tcp")
-    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
+    ap = profiler_parser(__doc__, "bench/out/cpu-regions", "1,64", 8.0)
     args = ap.parse_args()
     if args.seconds <= 0:
         ap.error("--seconds must be positive")

@@ -19,7 +19,6 @@ split the same way along the AW's step stamps:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import statistics
@@ -27,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import profiler_parser
 from fabrics import profiled_fabric
 from rounds import closed_loop, make_prompts  # bench/ is on sys.path when run as a script
 
@@ -151,13 +151,7 @@ def report(c: int, rows: list[dict[str, int]], steps: list[dict[str, int]]) -> N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
-    ap.add_argument("--out", type=Path, default=Path("bench/out/trace"))
-    ap.add_argument("--concurrency", default="1,16", help="comma-separated stream counts, run one after another")
-    ap.add_argument("--seconds", type=float, default=10.0, help="traced seconds at each concurrency")
-    ap.add_argument("--transport", default="tcp")
-    ap.add_argument("--sim", action="store_true", help="no compute at all (serve --compute sim, 0 ms a layer)")
+    ap = profiler_parser(__doc__, "bench/out/trace", "1,16", 10.0)
     ap.add_argument("--device", default="cpu", help="where the workers compute (cpu, cuda)")
     ap.add_argument("--kernel", default="auto", help="the workers' --kernel (auto, torch, triton)")
     args = ap.parse_args()
