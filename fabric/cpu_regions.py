@@ -29,7 +29,7 @@ _ns: dict[str, int] = {}  # region -> ns, its own (less the regions inside it)
 _calls: dict[str, int] = {}  # region -> times run
 _counts: dict[str, int] = {}  # what `count` counted
 _inner: list[int] = []  # the open regions' ns of regions inside them, innermost last
-_writer_pid = 0
+_writing = False  # this process's writer thread is started
 
 
 def start() -> int:
@@ -49,7 +49,8 @@ def add(region: str, t0: int) -> None:
     _calls[region] = _calls.get(region, 0) + 1
     if _inner:
         _inner[-1] += took
-    _ensure_writer()
+    if not _writing:
+        _start_writer()
 
 
 def count(**counts: int) -> None:
@@ -68,13 +69,22 @@ def snapshot() -> dict[str, object]:
             "thread_ns": time.clock_gettime_ns(time.pthread_getcpuclockid(main)), "process_ns": time.process_time_ns()}
 
 
-def _ensure_writer() -> None:
-    """A writer thread in this process (a forked worker has none of its parent's threads)."""
-    global _writer_pid
-    if _writer_pid == os.getpid():
-        return
-    _writer_pid = os.getpid()
+def _start_writer() -> None:
+    global _writing
+    _writing = True
     threading.Thread(target=_write_every_second, name="cpu-regions", daemon=True).start()
+
+
+def _after_fork() -> None:
+    """A forked worker counts its own regions from nothing, and has none of its parent's threads."""
+    global _writing
+    _writing = False
+    for d in (_ns, _calls, _counts):
+        d.clear()
+    _inner.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _write_every_second() -> None:
@@ -85,6 +95,9 @@ def _write_every_second() -> None:
             continue
         path = os.path.join(directory, f"{os.getpid()}.json")
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(snapshot(), f)
-        os.replace(tmp, path)  # (a reader never sees half a file)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot(), f)
+            os.replace(tmp, path)  # (a reader never sees half a file)
+        except OSError:  # the directory went (its benchmark ended first): nothing to write to
+            continue

@@ -1,5 +1,6 @@
 """The benchmarks' CPU regions (fabric/cpu_regions.py): off, a region costs nothing and records nothing; on, a region
-counts its own CPU time, less what regions inside it took, and the process writes what it counted to its file."""
+counts its own CPU time, less what regions inside it took, and the process writes what it counted to its file; a
+forked worker starts from nothing."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def test_the_process_writes_what_it_counted(regions: Path) -> None:
     snap = json.loads(path.read_text())
     assert snap["ns"]["written"] >= 5_000_000 and snap["calls"]["written"] >= 1
     assert snap["process_ns"] >= snap["thread_ns"] >= snap["ns"]["written"]
+
+
+def test_a_forked_worker_counts_from_nothing(regions: Path) -> None:
+    """The fork server's children start with no regions of their parent's and start their own writer."""
+    t0 = cpu_regions.start()
+    cpu_regions.add("parent", t0)
+    assert cpu_regions._ns and cpu_regions._writing
+    pid = os.fork()
+    if pid == 0:  # (the child only looks, then leaves at once)
+        os._exit(0 if not cpu_regions._ns and not cpu_regions._calls and not cpu_regions._writing else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "parent" in cpu_regions._ns  # the parent's own are kept
