@@ -131,9 +131,10 @@ class HeldSteps:
         """Every whole step held, as one message: each request's consecutive tokens one span, k, v [L, sum T, K, d]
         in their order."""
         held, self._held, self._bytes = self._held, [], 0
-        if len(held) <= 1:
-            if held:
-                self.send(0, *held[0])
+        if not held:
+            return
+        if len(held) == 1:
+            self.send(0, *held[0])
         elif (spans := in_lockstep([s for s, _, _ in held])) is not None:
             # Steady decoding: the same requests, a token each, in the same order every step. Joining them is
             # stacking the steps beside each column: [L, T, S, K, d] viewed as [L, T*S, K, d], one copy.

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from fabric.steps import StepClock
 PEAK = 30.0
 ROUTES = 1021  # the router stand-in's orders of the experts (a prime: its hash is taken modulo it)
 WIDTH = 8  # the hidden stand-in's distinct values a row (what the lm head stand-in reads)
+B = TypeVar("B", torch.Tensor, np.ndarray)
 
 
 class SimRunner(ModelRunner):
@@ -99,8 +101,8 @@ class SimRunner(ModelRunner):
 
     def _weights(self, t: int) -> torch.Tensor:
         """The router weights' stand-in, 1/k each [t, k]: views of one tensor, made again only for a larger step."""
-        if self._even.shape[0] < t:
-            self._even = torch.full((max(t, 2 * self._even.shape[0]), self.cfg.top_k), 1.0 / self.cfg.top_k)
+        k = self.cfg.top_k
+        self._even = _at_least(self._even, t, lambda rows: torch.full((rows, k), 1.0 / k))
         return self._even[:t]
 
     def _advance(self, step: StepState) -> StepState:
@@ -133,12 +135,17 @@ class SimRunner(ModelRunner):
         at 32 rows of 8192; the buffer is zeroed whole each time, as the engine may write into the rows it was given
         (a grammar's mask)."""
         n = picked.shape[0]
-        if self._logits.shape[0] < n:
-            self._logits = np.zeros((max(n, 2 * self._logits.shape[0]), self.cfg.vocab_size), np.float32)
+        self._logits = _at_least(self._logits, n, lambda rows: np.zeros((rows, self.cfg.vocab_size), np.float32))
         out = self._logits[:n]
         out.fill(0)
         out[np.arange(n), picked] = PEAK
         return torch.from_numpy(out)
+
+
+def _at_least(buf: B, n: int, make: Callable[[int], B]) -> B:
+    """`buf`, or where it has fewer than `n` rows a new one from `make(rows)`, at least twice as many: a buffer kept
+    from step to step grows a few times, not at every larger step."""
+    return buf if buf.shape[0] >= n else make(max(n, 2 * buf.shape[0]))
 
 
 def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -107,7 +107,10 @@ def test_steady_decoding_joins_by_stacking_steps_and_stores_every_segment() -> N
 
 def test_lockstep_is_only_the_same_requests_a_token_each_in_order() -> None:
     step = [("a", 4, 1), ("b", 0, 1)]
-    assert in_lockstep([step, [("a", 5, 1), ("b", 1, 1)]]) == [("a", 4, 2), ("b", 0, 2)]
+    steady = [step, [("a", 5, 1), ("b", 1, 1)], [("a", 6, 1), ("b", 2, 1)]]
+    assert in_lockstep(steady) == [("a", 4, 3), ("b", 0, 3)]
+    spans, cols = join_spans(steady)  # the general join: the same spans, columns each request's step after step
+    assert spans == in_lockstep(steady) and cols == [0, 2, 4, 1, 3, 5]
     assert in_lockstep([step, [("b", 1, 1), ("a", 5, 1)]]) is None  # another order
     assert in_lockstep([step, [("a", 5, 1)]]) is None  # b finished
     assert in_lockstep([step, [("a", 5, 1), ("b", 1, 1), ("c", 0, 1)]]) is None  # c joined
