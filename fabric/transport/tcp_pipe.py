@@ -6,7 +6,10 @@ fills the body buffer directly. Bytes that arrive while nobody is reading wait i
 pauses when it holds more than SPILL_BYTES.
 
 Push mode (`TcpConnection.deliver`): the connection parses whole messages in the read callback itself, and hands
-them on there. A message then costs no wake-up of a reader task.
+them on there. A message then costs no wake-up of a reader task. A connection whose last message was large (an
+expert call or result of a busy layer) reads the next into a buffer of its own, sized like it (`expect`), and hands
+the message on as views of it: the bytes are copied once, by the kernel. Read into the shared scratch, a 140 KiB
+result was copied a second time, out of it.
 
 Send deadline: while asyncio holds back writes (the peer's socket buffer is full), a timer checks every
 `send_timeout` that the peer took some bytes since the last check. A peer that took none is cut off
@@ -29,6 +32,10 @@ SCRATCH_BYTES = 256 << 10
 SPILL_BYTES = 1 << 20
 # Reads at least this large fill their buffer straight from the socket.
 DIRECT_BYTES = 64 << 10
+# A message at least this large has the next read into a fresh buffer (`Pipe.expect`), this much larger than it, for
+# one a few rows larger.
+FRESH_BYTES = 16 << 10
+FRESH_SLACK = 16 << 10
 _scratch = threading.local()
 
 
@@ -70,6 +77,13 @@ class Pipe(asyncio.BufferedProtocol):
         # Push mode: called after bytes arrive, a direct fill completes, or the connection ends.
         self._sink: Callable[[], None] | None = None
         self._unread_fd = -1  # a Unix socket's second descriptor (`_drain_unread`)
+        # Push mode: the size of a fresh buffer for the next read at a message's start (`expect`; 0: the scratch),
+        # the last such buffer, and its bytes [_fresh_pos, _fresh_end) not yet taken. While it holds bytes, the
+        # spill holds none: any other read moves them there first (`_unfresh`).
+        self._expect = 0
+        self._fresh: memoryview | None = None
+        self._fresh_pos = self._fresh_end = 0
+        self._into_fresh = False  # the last buffer handed out was a fresh one
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,6 +107,14 @@ class Pipe(asyncio.BufferedProtocol):
             self._direct = True
             return self._target[self._filled:]
         self._direct = False
+        if self._fresh is not None:
+            self._unfresh()
+        if self._expect and self._target is None and not self._spill and self._sink is not None:
+            # At a message's start on a connection of large ones: a buffer of its own, which the message keeps.
+            self._fresh = memoryview(np.empty(self._expect, dtype=np.uint8))  # type: ignore[arg-type]  # (a buffer)
+            self._fresh_pos = self._fresh_end = 0
+            self._into_fresh = True
+            return self._fresh
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -101,6 +123,10 @@ class Pipe(asyncio.BufferedProtocol):
             self._sink()
 
     def _place(self, nbytes: int) -> None:
+        if self._into_fresh:
+            self._into_fresh = False
+            self._fresh_end = nbytes
+            return
         target = self._target
         if self._direct and target is not None:
             self._filled += nbytes
@@ -129,7 +155,8 @@ class Pipe(asyncio.BufferedProtocol):
 
     def buffered(self) -> int:
         """Bytes received into this process that no read has taken yet."""
-        return len(self._spill) + (self._filled if self._target is not None else 0)
+        fresh = self._fresh_end - self._fresh_pos if self._fresh is not None else 0
+        return len(self._spill) + fresh + (self._filled if self._target is not None else 0)
 
     def eof_received(self) -> bool:
         self._gone(ConnectionResetError("connection closed by the peer"))
@@ -153,6 +180,8 @@ class Pipe(asyncio.BufferedProtocol):
         try:
             if exc is None or self.stalled:  # a clean end (all was read) or one the send deadline cut
                 return
+            self._into_fresh = False
+            self._unfresh()
             while data := os.read(fd, SCRATCH_BYTES):  # (b"" at the peer's close)
                 self._direct = False
                 self._scratch[:len(data)] = data
@@ -210,10 +239,30 @@ class Pipe(asyncio.BufferedProtocol):
         """From now on, calls `sink()` whenever bytes arrive or the connection ends (None: no more)."""
         self._sink = sink
 
-    def take(self, n: int) -> bytearray | None:
+    def expect(self, nbytes: int) -> None:
+        """Reads the next message's start into a fresh buffer of `nbytes` (0: into the scratch) (push mode)."""
+        self._expect = nbytes
+
+    def _unfresh(self) -> None:
+        """Moves the fresh buffer's untaken bytes to the front of the spill."""
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and self._fresh_end > self._fresh_pos:
+            self._spill[:0] = fresh[self._fresh_pos:self._fresh_end]
+
+    def take(self, n: int) -> bytearray | memoryview | None:
         """The next `n` bytes received, or None while they have not all arrived (push mode).
 
-        Where they are all that arrived (a message's body, read whole), they are taken as they lie, uncopied."""
+        Where they are all that arrived (a message's body, read whole), they are taken as they lie, uncopied, and so
+        are bytes read into a fresh buffer (a view of it)."""
+        fresh = self._fresh
+        if fresh is not None:  # (the spill is empty)
+            pos = self._fresh_pos
+            if self._fresh_end - pos < n:
+                return None
+            self._fresh_pos = pos + n
+            if self._fresh_pos == self._fresh_end:
+                self._fresh = None
+            return fresh[pos:pos + n]
         have = len(self._spill)
         if have < n:
             return None
@@ -228,7 +277,19 @@ class Pipe(asyncio.BufferedProtocol):
     def fill(self, n: int) -> memoryview:
         """A buffer that the next `n` bytes fill straight from the socket, once `filling` is False (push mode).
 
-        It starts with what has arrived of them."""
+        It starts with what has arrived of them. Where they began arriving in a fresh buffer with room for them all,
+        it is that buffer: the rest lands after them."""
+        fresh = self._fresh
+        if fresh is not None:  # (the spill is empty)
+            pos, have = self._fresh_pos, self._fresh_end - self._fresh_pos
+            self._fresh = None
+            if len(fresh) - pos >= n:
+                buf = fresh[pos:pos + n]
+            else:
+                buf = memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]  # (ndarray is a buffer)
+                buf[:have] = fresh[pos:pos + have]
+            self._target, self._filled = buf, have
+            return buf
         buf = memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]  # (ndarray is a buffer)
         take = len(self._spill)
         buf[:take] = self._spill
@@ -259,6 +320,7 @@ class Pipe(asyncio.BufferedProtocol):
 
         Raises asyncio.IncompleteReadError, with the bytes that did arrive, if the connection ends first."""
         view = memoryview(buf)
+        self._unfresh()
         take = min(len(self._spill), len(view))
         if take:
             view[:take] = self._spill[:take]
