@@ -40,6 +40,7 @@ class SimExecutor(ExpertExecutor):
         self.chosen = True
         self._factors: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
         self._tables: dict[int, np.ndarray] = {}  # layer -> every expert's factor
+        self._tables32: dict[int, np.ndarray] = {}  # the same in float32
         self._columns: dict[tuple, torch.Tensor] = {}  # (layer, experts, counts, dtype, device) -> `_column`'s
 
     @property
@@ -76,6 +77,13 @@ class SimExecutor(ExpertExecutor):
             f = self._tables[layer] = np.array([sim_factor(layer, e) for e in range(self.cfg.num_experts)])
         return f
 
+    def _layer_factors32(self, layer: int) -> np.ndarray:
+        """`_layer_factors(layer)` in float32 [E] (rounded as a conversion to a float32 tensor rounds them)."""
+        f = self._tables32.get(layer)
+        if f is None:
+            f = self._tables32[layer] = self._layer_factors(layer).astype(np.float32)
+        return f
+
     def _column(self, c: ExpertCall, like: torch.Tensor) -> torch.Tensor:
         """[R', 1] each row's factor, its expert's, as `like`'s dtype and device: from the layer's table, each expert's
         repeated over its rows (numpy), where a list of a Python float a row took twice as long. A small call's (a few
@@ -85,8 +93,11 @@ class SimExecutor(ExpertExecutor):
         key = (c.layer, tuple(c.experts), tuple(c.counts), like.dtype, like.device) if c.x.shape[0] <= SMALL_CALL else None
         col = self._columns.get(key) if key is not None else None
         if col is None:
-            factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
-            col = torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]
+            if like.dtype == torch.float32 and like.device.type == "cpu":  # (the usual case: no conversion, no copy)
+                col = torch.from_numpy(np.repeat(self._layer_factors32(c.layer)[c.experts], c.counts)[:, None])
+            else:
+                factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
+                col = torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]
             if key is not None and len(self._columns) < COLUMNS:
                 self._columns[key] = col
         return col
