@@ -352,20 +352,22 @@ class ExpertWorker(Service):
             cpu_regions.add("batch: run", c0)
             c0 = cpu_regions.start()
             took = time.perf_counter() - t0
-            self.compute_s += took
-            self.policy.ran(took)
-            self.batches += 1
-            self.mixed_batches += len({p.call.layer for p in batch}) > 1
-            for p, y in zip(batch, outputs):
+            active = self.active_aws
+            for p, y in zip(batch, outputs):  # the results first: their AWs wait for them, the counts below wait for nobody
                 if not p.rows:
                     # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
                     continue
                 try:
-                    # Never wait on one slow AW.
-                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, any(a != p.aw_id for a in self.active_aws), took))
+                    # Never wait on one slow AW. (`others`: an AW other than this one has a batch running.)
+                    others = len(active) > 1 or (len(active) == 1 and p.aw_id not in active)
+                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, others, took))
                     trace.stamp("sent", p.aw_id, p.call.call_id)
                 except PeerDeadError:
                     pass  # that AW is gone; nobody waits for these rows
+            self.compute_s += took
+            self.policy.ran(took)
+            self.batches += 1
+            self.mixed_batches += len(batch) > 1 and len({p.call.layer for p in batch}) > 1
             cpu_regions.add("batch: encode and write the results", c0)
             if cpu_regions.on:
                 cpu_regions.count(batches=1, rows=sum(p.rows for p in batch))
