@@ -88,9 +88,7 @@ class SkinnyGemm:
         return self.ops.pack(w_t)
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W -> [M, N].
-
-        More than 48 rows, as in a prefill, run torch's batched matmul over the blocks."""
+        """x [M, K] @ W -> [M, N], for any M (a prefill's too): a row's result does not depend on the rows with it."""
         return self.ops.mm(x, packed)
 
     def swiglu_ffn(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -76,12 +76,10 @@ torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
   return y;
 }
 
-constexpr int64_t kMaxRows = 48;  // more rows (a prefill): ATen's batched matmul over the packed blocks
-
-torch::Tensor packed_mm(const torch::Tensor& x, const torch::Tensor& w) {
-  if (x.size(0) <= kMaxRows) return skinny(x, w);
-  return at::matmul(x, w).transpose(0, 1).reshape({x.size(0), -1});  // [NB, M, 64] -> [M, N]
-}
+// Every row count, a prefill's included, takes `skinny`: ATen's batched matmul over the packed blocks, which took
+// more than 48 rows before, gave a row other floats than `skinny` does (a token's result then depended on how many
+// rows its step or batch had) and ran 2-2.5x slower here (docs/performance.md).
+torch::Tensor packed_mm(const torch::Tensor& x, const torch::Tensor& w) { return skinny(x, w); }
 
 // One expert's SwiGLU FFN: y [M, D] = (silu(x @ G) * (x @ U)) @ Down, with [G U] = gate_up packed
 // ([2I/64, D, 64]) and Down packed ([D/64, I, 64]). The same ATen ops as fabric/model/ops.py's
@@ -171,7 +169,7 @@ std::vector<torch::Tensor> route(const torch::Tensor& logits, int64_t k, bool no
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
-  m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N] (more than 48 rows: ATen's matmul)", py::call_guard<py::gil_scoped_release>());
+  m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N], any M", py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("ffn_calls", &ffn_calls, "an EW's gathered batch: the calls' rows, each expert's segments of them, its packed "

@@ -55,7 +55,7 @@ def test_products_equal_torch(rows: int) -> None:
 def test_a_gathered_batch_in_one_call_equals_each_expert_alone() -> None:
     """`swiglu_calls` (what an EW runs per batch) gives, bit for bit, what `swiglu_ffn` gives per expert over its
     rows gathered from every call, each row back in its call's place: ragged rows (1, a register block and a
-    remainder, a prefill's on torch's path), an expert's rows from two calls, a call split over three experts;
+    remainder, a prefill's 62), an expert's rows from two calls, a call split over three experts;
     segments that leave rows out, name rows twice or lie outside a call are refused."""
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")
@@ -87,13 +87,16 @@ def test_a_gathered_batch_in_one_call_equals_each_expert_alone() -> None:
 
 
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
+    """Bit for bit, a row alone, in a decode step's few rows and in a prefill's many (past the 48 rows at which a
+    batched matmul once took over, and gave other floats): a token's result whatever its step or batch held."""
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")
     g = gemm()
     w = g.pack(torch.randn(256, 128))
-    x = torch.randn(48, 256)
-    alone = torch.cat([g.mm(x[i : i + 1], w) for i in range(48)])
-    assert torch.equal(alone, g.mm(x, w)) and torch.equal(alone[5:11], g.mm(x[5:11], w))
+    x = torch.randn(130, 256)
+    alone = torch.cat([g.mm(x[i : i + 1], w) for i in range(130)])
+    for rows in (slice(0, 130), slice(5, 11), slice(0, 48), slice(0, 49), slice(40, 113)):
+        assert torch.equal(alone[rows], g.mm(x[rows], w)), rows
     with pytest.raises(RuntimeError, match="multiple of 64"):
         g.pack(torch.randn(8, 100))
     with pytest.raises(RuntimeError, match="columns"):
