@@ -1,11 +1,12 @@
-"""The per-layer glue of an AW's step: RMSNorm, the residual adds, RoPE with the KV cache writes, the router's top-k,
-the MoE layer's plan and its combine.
+"""The per-layer glue of an AW's step: RMSNorm, the residual adds, RoPE with the KV cache writes, the router's logits
+and top-k, the MoE layer's plan and its combine.
 
 `TorchGlue` runs them as fabric/model/ops.py and layer_plan.py write them, 4 to 8 torch ops each. `NativeGlue`
 runs each in one call to the CPU's kernel module (fabric/kernels/layer_ops.cpp): fp32 on the host, AVX-512.
 At 8 decode rows the torch ops' dispatch took more of a step than its attention; the numerics are the same
-(all but RMSNorm and the router's weights bit for bit, those two to their last bit: the sum of squares in
-another order, the C library's exp).
+(all but RMSNorm and the router's logits and weights bit for bit, those to their last bit: the sums in another
+order, the C library's exp). The router's logits are a token's whatever rows its step holds, which torch's matmul's
+are not (from 2 rows on), so that a stream's floats do not depend on how its steps were batched.
 
 Legend: T tokens, D hidden, N heads (H query, K kv), d head dim, k experts a token, E experts.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from attention_worker.layer_plan import LayerPlan, Part, combine, plan_layer, runs_in_order, spans_of
 from fabric.model.ops import apply_rope, rms_norm, route
@@ -50,6 +52,10 @@ class TorchGlue:
         kc.index_copy_(0, slots, k)
         vc.index_copy_(0, slots, v)
         return q, k, v
+
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, D], the router's weights w [E, D] -> its logits [T, E]."""
+        return F.linear(x, w)
 
     def route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int64) (ops.route)."""
@@ -92,6 +98,12 @@ class NativeGlue(TorchGlue):
                    slots: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.ops.rope_cache(qkv, cos, sin, kc, vc, slots, heads)
         return q, k, v
+
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A token's logits whatever rows come with it (torch's matmul sums in an order that changes with the rows)."""
+        if x.dim() != 2 or x.stride(1) != 1 or not w.is_contiguous() or w.dtype != torch.float32:
+            return super().router_logits(x, w)
+        return self.ops.router_logits(x, w)
 
     def route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if logits.dtype != torch.float32 or logits.stride(-1) != 1:

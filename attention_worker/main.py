@@ -80,6 +80,7 @@ class AttentionService(Service):
         self.warmup_s: float | None = None
         self.weights: AttentionWeights | None = None
         self.attention: DecodeAttention | None = None  # chosen with the weights
+        self.rowwise = False  # whether a prefill's rows take `attention` too (`choose.prefills_rowwise`)
         self.glue: TorchGlue | None = None  # likewise
         # CUDA graphs of decode steps (on a GPU): the warm-up's runner captures the first, the serving runner's
         # replays them (the same weights, cache and kernels).
@@ -128,6 +129,7 @@ class AttentionService(Service):
             # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size,
                                                      self.model.head_dim, graphs=self.cfg.cuda_graphs > 0)
+            self.rowwise = choose.prefills_rowwise(self.cfg.kernel, where, self.attention)
             self.glue = self._glue()
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)
@@ -156,7 +158,7 @@ class AttentionService(Service):
         assert self.weights is not None
         t0 = time.perf_counter()
         runner = ModelRunner(self.model, self.weights, self.kv, None, self.attention,  # type: ignore[arg-type]
-                             glue=self.glue)
+                             glue=self.glue, rowwise=self.rowwise)
         runner.graphs = self.graphs = graphs_for(runner, self.cfg.cuda_graphs)
         steps = self.clock.run(warm_up, runner)
         self.warmup_s = time.perf_counter() - t0
@@ -195,7 +197,7 @@ class AttentionService(Service):
         else:
             assert self.weights is not None  # loaded in `start`
             runner = ModelRunner(self.model, self.weights, kv, refe, self.attention, self.clock, faults.slow_steps(),
-                                 self.glue)
+                                 self.glue, self.rowwise)
             runner.graphs = self.graphs
         runner.kv_sink = ckpt.record_step
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)

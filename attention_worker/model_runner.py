@@ -132,7 +132,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: AttentionWeights, kv: KVCache, refe: ForwardingEngine,
                  paged: DecodeAttention | None = None, clock: StepClock | None = None,
-                 slow: Callable[[], None] | None = None, glue: TorchGlue | None = None) -> None:
+                 slow: Callable[[], None] | None = None, glue: TorchGlue | None = None, rowwise: bool = False) -> None:
         self.cfg = cfg
         # RMSNorm, the residual adds, RoPE with the cache writes, the router's top-k, the plan and the
         # combine: torch's ops, or one kernel call each (attention_worker/glue.py).
@@ -147,6 +147,9 @@ class ModelRunner:
         # fabric/kernels/paged_attention.cpp, or Triton's. With None, torch's path gathers into a
         # padded copy, then runs SDPA.
         self.paged = paged
+        # Whether a prefill's rows take `paged` too, each a decode token of its own, so that a token's attention is the
+        # same however it was batched (fabric/kernels/choose.py, `prefills_rowwise`); else SDPA over each chunk.
+        self.rowwise = rowwise and paged is not None
         self.scale = cfg.head_dim ** -0.5  # SDPA's default, which torch's path uses
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         # Wall time spent awaiting expert calls, cumulative, for stats.
@@ -198,6 +201,7 @@ class ModelRunner:
         dec_rows: list[int] = []
         dec_lens: list[int] = []
         dec_tables: list[list[int]] = []
+        reps: list[int] | None = None  # rows of each of dec_tables, where a prefill's rows share one
         prefills = []
         sample_rows = []
         score_rows: list[int] = []
@@ -213,11 +217,19 @@ class ModelRunner:
                 dec_rows.append(row)
                 dec_lens.append(end)
                 dec_tables.append(table)
+                if reps is not None:
+                    reps.append(1)
             else:
                 slots.extend(self.kv.slots(seq.block_table, start, end))
                 ids.extend(seq.token_at(p) for p in range(start, end))
                 positions.extend(range(start, end))
-                if self.attends:
+                if self.rowwise:  # each row as a decode token: its own length, its sequence's table
+                    reps = reps or [1] * len(dec_tables)
+                    reps.append(n)
+                    dec_rows.extend(range(row, row + n))
+                    dec_lens.extend(range(start + 1, end + 1))
+                    dec_tables.append(seq.block_table)
+                elif self.attends:
                     kv_slots = torch.tensor(self.kv.slots(seq.block_table, 0, end), dtype=torch.long)
                     prefills.append((row, n, kv_slots, self._mask(torch.arange(start, end), end)))
             if end == seq.num_tokens:  # (`Chunk.samples`)
@@ -230,6 +242,8 @@ class ModelRunner:
             [t, t, t, bd, bd, s, len(score_rows)])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.cfg.torch_dtype) if self.attends else (pos, pos)
         tables = _padded(dec_tables) if self.attends else torch.empty(bd, 0, dtype=torch.long)  # [Bd, Tb]
+        if reps is not None and self.attends:
+            tables = tables.repeat_interleave(torch.tensor(reps), dim=0)
         dec_kv = dec_mask = None
         # Torch's path: every decode token's slots and mask, padded to the longest.
         if self.paged is None and self.attends:
@@ -333,7 +347,7 @@ class ModelRunner:
                 h = h + swiglu_ffn(x, *lw.dense)
                 continue
             assert lw.router is not None
-            weights, experts = glue.route(F.linear(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
+            weights, experts = glue.route(glue.router_logits(x, lw.router), cfg.top_k, cfg.norm_topk_prob)
             return i, h, (x, weights, experts)
         return len(self.w.layers), h, None
 

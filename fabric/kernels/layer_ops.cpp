@@ -220,6 +220,32 @@ std::vector<torch::Tensor> plan_rows(const torch::Tensor& x, const torch::Tensor
   return {xs, tok, w, counts};
 }
 
+// The router's logits, as F.linear makes them: x [T, D], w [E, D] -> x w^T [T, E]. Each is one dot product over D in
+// one order (16 lanes of fused multiply-adds, then a fixed tree, then the tail), whatever T is: a token's logits do
+// not depend on the rows beside it, where torch's matmul sums in an order that changes with the rows (from 2 on here).
+torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w) {
+  check_rows(x, "router_logits");
+  TORCH_CHECK(w.is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous() &&
+              w.size(1) == x.size(1), "router_logits: w must be a contiguous [E, D] float32 CPU tensor");
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
+  auto y = torch::empty({T, E}, x.options());
+  float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x.data_ptr<float>() + t * x.stride(0);
+    for (int64_t e = 0; e < E; ++e) {
+      const float* wr = wp + e * D;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xr + j), _mm512_loadu_ps(wr + j), acc);
+      float sum = _mm512_reduce_add_ps(acc);
+      for (; j < D; ++j) sum += xr[j] * wr[j];
+      yp[t * E + e] = sum;
+    }
+  }
+  return y;
+}
+
 // The router's choice, as ops.route makes it: logits [T, E] -> (weights [T, k] float32, experts [T, k] int64).
 // Each row's softmax (max subtracted; each exp times 1 / the sum), its k largest probabilities (the lower expert
 // first where two are equal), those divided by their sum where `normalize`. exp is the C library's, not torch's

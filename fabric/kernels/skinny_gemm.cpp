@@ -165,6 +165,7 @@ std::vector<torch::Tensor> rope_cache(const torch::Tensor& qkv, const torch::Ten
 std::vector<torch::Tensor> plan_rows(const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
                                      int64_t E);
 std::vector<torch::Tensor> route(const torch::Tensor& logits, int64_t k, bool normalize);
+torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -188,5 +189,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> (q [T, H, d], k [T, K, d], v [T, K, d])");
   m.def("plan_rows", &plan_rows, "a MoE layer's rows sorted by expert: x [T, D], experts [T, k], weights [T, k], E -> "
         "(rows [R, D], token of each row [R], weights [R], rows per expert [E])");
+  m.def("router_logits", &router_logits, "the router's logits, a token's whatever rows come with it: x [T, D], w [E, D] "
+        "-> [T, E]");
   m.def("route", &route, "the router's top-k: logits [T, E], k, normalize -> (weights [T, k], experts [T, k])");
 }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attention_worker.glue import NativeGlue, TorchGlue, glue_for
 from attention_worker.kv_cache import KVCache
@@ -101,6 +102,21 @@ def test_the_routers_choice_equals_torchs(t: int, e: int, k: int, normalize: boo
     # An exact tie (torch.topk's order there is its sort's): the lower expert first.
     logits[0, 3] = logits[0, 5] = logits[0].max() + 1
     assert native().route(logits, k, normalize)[1][0, :2].tolist() == [3, 5]
+
+
+@pytest.mark.parametrize(("d", "e"), [(64, 8), (512, 8), (70, 60)])
+def test_the_routers_logits_equal_torchs_and_do_not_depend_on_the_rows_beside(d: int, e: int) -> None:
+    """Within fp32 rounding of torch's F.linear; a row's logits bit for bit the same alone as among 1 to 40 rows (torch's
+    matmul gives a row other floats from 2 rows on)."""
+    torch.manual_seed(d + e)
+    x, w = torch.randn(40, d), torch.randn(e, d)
+    got = native().router_logits(x, w)
+    torch.testing.assert_close(got, TorchGlue(EPS).router_logits(x, w), rtol=1e-5, atol=1e-5)
+    alone = torch.cat([native().router_logits(x[i : i + 1], w) for i in range(40)])
+    assert torch.equal(got, alone) and torch.equal(native().router_logits(x[3:9], w), alone[3:9])
+    strided = x[:, ::2]  # (rows not contiguous: torch's way)
+    assert torch.equal(native().router_logits(strided, w[:, : strided.shape[1]].contiguous()),
+                       F.linear(strided, w[:, : strided.shape[1]].contiguous()))
 
 
 def _plan(t: int, seed: int) -> LayerPlan:

@@ -119,3 +119,79 @@ def test_a_step_with_the_kernel_equals_torchs(arch: str, window: int | None, hf_
             outs.append(step(runner, chunks))
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4, msg=f"step {t}")
     assert all(q.num_computed == q.num_tokens - 1 for q in seqs[0])
+
+
+class LocalExperts:
+    """A REFE that runs every expert in this process, on the expert workers' kernel (expert_worker/executor.py)."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig) -> None:
+        from expert_worker.executor import ExpertExecutor
+
+        self.ex = ExpertExecutor(cfg, "auto", "cpu")
+        self.ex.load(model_dir, [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)])
+
+    async def run_plan(self, plan: LayerPlan) -> list[Part]:
+        from expert_worker.gather import PendingCall
+        from fabric.messages.expert import ExpertCall
+
+        experts = sorted(plan.spans)
+        call = ExpertCall(0, 0, plan.layer, experts, [plan.spans[e][1] for e in experts], plan.xs)
+        (y,) = self.ex.run([PendingCall("aw", None, call)])  # type: ignore[arg-type]
+        return [(slice(0, plan.xs.shape[0]), y)]
+
+
+def test_a_tokens_logits_do_not_depend_on_how_its_steps_were_batched(hf_models: dict[str, Path]) -> None:
+    """The same request's logits, bit for bit, whether its prompt went in one chunk or two beside other requests,
+    and whether its first emitted tokens were decoded one a step or recomputed in one chunk, as a restore after a
+    failure does: every row's attention on the paged kernel (`rowwise`), the projections and the experts on the skinny
+    GEMM, the router on its own kernel. (SDPA over a chunk, or torch's matmul, give a token other floats than decoding
+    it: a stream could then part from its failure-free run at a near-tie. The test qwen3_moe's experts, 48 wide, do not
+    fit the kernel's 64-column blocks: they run torch's matmul.)"""
+    from attention_worker.glue import glue_for
+
+    arch = "mixtral"
+    cfg = ModelConfig.from_dir(str(hf_models[arch]))
+    gemm = skinny.gemm_for("auto", torch.float32)
+    weights = AttentionWeights.load(hf_models[arch], cfg, gemm)
+    experts = LocalExperts(hf_models[arch], cfg)
+    glue = glue_for(ops(), cfg.rms_norm_eps, cfg.torch_dtype, torch.device("cpu"))
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(13)]
+    emitted = [rng.randrange(3, cfg.vocab_size) for _ in range(6)]  # (fixed tokens: the logits are what is compared)
+    others = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (9, 21)]
+
+    def run(prompt_chunks: list[int], recompute: int, with_others: bool) -> list[torch.Tensor]:
+        """The logits of each position from the prompt's last on, as one request sees them."""
+        runner = ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 21), experts, ops().paged_decode,  # type: ignore[arg-type, attr-defined]
+                             glue=glue, rowwise=True)
+        seq = Sequence("r", prompt, emitted[:recompute], 32, 0.0, 1.0, -1, 0, frozenset(), True)
+        rest = [Sequence(f"o{i}", p, [], 32, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate(others)]
+        plan = [*prompt_chunks, recompute] if recompute else prompt_chunks  # this request's chunk sizes, in turn
+        out: list[torch.Tensor] = []
+        while seq.num_computed < len(prompt) + len(emitted):
+            n = plan.pop(0) if plan else 1
+            chunks = [Chunk(seq, seq.num_computed, n)]
+            if with_others:
+                chunks += [Chunk(q, q.num_computed, min(8, q.num_tokens - q.num_computed)) for q in rest]
+            for c in chunks:
+                assert runner.kv.blocks.grow(c.seq.block_table, c.start + c.n)
+            logits, _ = asyncio.run(runner.forward(chunks))
+            row = 0
+            for c in chunks:
+                c.seq.num_computed += c.n
+                if c.samples:
+                    if c.seq is seq:
+                        out.append(logits[row].clone())
+                        if len(seq.output_ids) < len(emitted):
+                            seq.append(emitted[len(seq.output_ids)])
+                    else:
+                        c.seq.append(7)
+                    row += 1
+        return out
+
+    alone = run([13], 0, False)  # the prompt in one chunk, then a token a step: positions 12, 13, ..., 18
+    assert len(alone) == 7
+    beside = run([5, 8], 0, True)  # the prompt in two chunks beside two other requests' prefills and decodes
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True))
+    restored = run([13], 3, True)  # the first 3 emitted tokens recomputed in one chunk: positions 15, 16, 17, 18
+    assert all(torch.equal(a, b) for a, b in zip(alone[3:], restored, strict=True))
