@@ -40,7 +40,7 @@ from fabric.transport.base import (
     Transport,
     guarded,
 )
-from fabric.transport.tcp_pipe import DIRECT_BYTES, FRESH_BYTES, FRESH_SLACK, SCRATCH_BYTES, Pipe
+from fabric.transport.tcp_pipe import DIRECT_BYTES, FRESH_BYTES, FRESH_MAX, FRESH_SLACK, SCRATCH_BYTES, Pipe
 from fabric.wire import DEFAULT_LIMITS, PREFIX_SIZE, Frame, WireLimits, encode, parse_prefix
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class TcpConnection(Connection):
                         break
                 self._want = None
                 # The next message likely as large: a large one's bytes then land in a buffer of their own.
-                pipe.expect(PREFIX_SIZE + body_len + FRESH_SLACK if body_len >= FRESH_BYTES else 0)
+                pipe.expect(PREFIX_SIZE + body_len + FRESH_SLACK if FRESH_BYTES <= body_len <= FRESH_MAX else 0)
                 self._hand_on(self._on_message, fast.decode_body(body, header_len, n_frames, self.limits))
         except ProtocolError as exc:  # malformed, or refused by the handler
             log.error("closing connection from %s: %s", self.peer, exc)

@@ -32,9 +32,11 @@ SCRATCH_BYTES = 256 << 10
 SPILL_BYTES = 1 << 20
 # Reads at least this large fill their buffer straight from the socket.
 DIRECT_BYTES = 64 << 10
-# A message at least this large has the next read into a fresh buffer (`Pipe.expect`), this much larger than it, for
-# one a few rows larger.
+# A message at least this large, and at most FRESH_MAX, has the next read into a fresh buffer (`Pipe.expect`) this
+# much larger than it, for one a few rows larger. (Larger ones, rare on a data link, go as before: a buffer is
+# allocated only for a message whose prefix said it is that large.)
 FRESH_BYTES = 16 << 10
+FRESH_MAX = 8 << 20
 FRESH_SLACK = 16 << 10
 _scratch = threading.local()
 
@@ -103,6 +105,7 @@ class Pipe(asyncio.BufferedProtocol):
         # A large read fills its target straight from the socket. A small one (a prefix, a small body) takes
         # whatever has arrived into the scratch. So a small message's prefix and body come in one read and one
         # wake-up of the reader, not two of each.
+        self._into_fresh = False  # (a read that took nothing, EAGAIN, never calls `buffer_updated`)
         if self._target is not None and len(self._target) - self._filled >= DIRECT_BYTES:
             self._direct = True
             return self._target[self._filled:]

@@ -95,7 +95,8 @@ class NoExperts:
 def test_a_step_with_the_kernel_equals_torchs(arch: str, window: int | None, hf_models: dict[str, Path]) -> None:
     cfg = dataclasses.replace(ModelConfig.from_dir(str(hf_models[arch])), sliding_window=window)
     weights = AttentionWeights.load(hf_models[arch], cfg)
-    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), NoExperts(), paged)  # type: ignore[arg-type]
+    runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), NoExperts(), paged,  # type: ignore[arg-type]
+                           rowwise=paged is not None)  # (the kernel's prefill rows each as a decode token)
                for paged in (ops().paged_decode, None)]  # type: ignore[attr-defined]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 5, 13, 30)]

@@ -108,3 +108,21 @@ def test_messages_sent_at_once_arrive_whole_whatever_the_reads(name: str, monkey
     rows = [int(n) for n in rng.choice([0, 1, 3, BIG // 2, BIG - 1, BIG, BIG + 5, 3 * BIG], size=60)]
     got = asyncio.run(_exchange(name, rows, lockstep=False))
     _check(got, rows)
+
+
+def test_a_fresh_buffer_handed_out_and_left_unfilled_loses_nothing() -> None:
+    """A read may take nothing (EAGAIN) after the event loop asked for a buffer: the next read, into the scratch if
+    nothing is expected by then, still places its bytes."""
+
+    async def main() -> None:
+        pipe = Pipe(1.0)
+        pipe.push_to(lambda: None)
+        pipe.expect(100)
+        assert pipe.get_buffer(-1).nbytes == 100  # a fresh buffer, never filled
+        pipe.expect(0)
+        buf = pipe.get_buffer(-1)  # the scratch
+        buf[:5] = b"hello"
+        pipe.buffer_updated(5)
+        assert pipe.buffered() == 5 and bytes(pipe.take(5) or b"") == b"hello"
+
+    asyncio.run(main())
