@@ -1,10 +1,11 @@
 // Skinny fp32 GEMM for expert FFNs: y [M, N] = x [M, K] @ W [K, N], for the few rows (M) an expert
-// sees per decode step. Such a product is bound by reading W once; MKL (torch's BLAS here) runs
-// it at well under the memory bandwidth on CPUs it does not tune for. W is packed once, at load,
-// into column blocks of 64 ([N/64, K, 64]) so that each block streams contiguously; per block, rows
-// go in groups of up to 6 (24 AVX-512 accumulators), the block staying in L2 across the groups.
-// Every output element is one FMA chain over k = 0..K-1, whatever M is: a row's result does not
-// depend on the rows batched with it.
+// sees per decode step, and a prefill's many. Such a product is bound by reading W once; MKL (torch's
+// BLAS here) runs it at well under the memory bandwidth on CPUs it does not tune for, and runs a
+// prefill's 2.3x slower than this here. W is packed once, at load, into column blocks of 64
+// ([N/64, K, 64]) so that each block streams contiguously; per block, rows go in groups of up to 6
+// (24 AVX-512 accumulators), the block staying in L2 across the groups. Every output element is one
+// FMA chain over k = 0..K-1, whatever M is: a row's result does not depend on the rows batched with
+// it (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -76,17 +77,12 @@ torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
   return y;
 }
 
-// Every row count, a prefill's included, takes `skinny`: ATen's batched matmul over the packed blocks, which took
-// more than 48 rows before, gave a row other floats than `skinny` does (a token's result then depended on how many
-// rows its step or batch had) and ran 2-2.5x slower here (docs/performance.md).
-torch::Tensor packed_mm(const torch::Tensor& x, const torch::Tensor& w) { return skinny(x, w); }
-
 // One expert's SwiGLU FFN: y [M, D] = (silu(x @ G) * (x @ U)) @ Down, with [G U] = gate_up packed
 // ([2I/64, D, 64]) and Down packed ([D/64, I, 64]). The same ATen ops as fabric/model/ops.py's
 // swiglu_ffn_t, in the same order (so the same floats).
 torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down) {
-  const std::vector<torch::Tensor> gu = packed_mm(x, gate_up).chunk(2, -1);  // [M, I] each
-  return packed_mm(at::silu(gu[0]) * gu[1], down);
+  const std::vector<torch::Tensor> gu = skinny(x, gate_up).chunk(2, -1);  // [M, I] each
+  return skinny(at::silu(gu[0]) * gu[1], down);
 }
 
 // Experts of one x each, one call: ys[i] = ffn(xs[i], gate_ups[i], downs[i]). The GIL is released for all of it.
@@ -170,7 +166,7 @@ torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
-  m.def("mm", &packed_mm, "x [M, K] @ packed W -> [M, N], any M", py::call_guard<py::gil_scoped_release>());
+  m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("ffn_calls", &ffn_calls, "an EW's gathered batch: the calls' rows, each expert's segments of them, its packed "
