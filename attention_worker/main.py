@@ -129,7 +129,7 @@ class AttentionService(Service):
             # It may build the CPU's kernels.
             self.attention = choose.decode_attention(self.cfg.kernel, where, dtype, self.cfg.block_size,
                                                      self.model.head_dim, graphs=self.cfg.cuda_graphs > 0)
-            self.rowwise = choose.prefills_rowwise(self.cfg.kernel, where, self.attention)
+            self.rowwise = choose.prefills_rowwise(self.cfg.kernel, where)  # (with none chosen, SDPA: `ModelRunner`)
             self.glue = self._glue()
             gemm = choose.gemm(self.cfg.kernel, where, dtype)
             store = open_store(self.cfg.weight_store, self.cfg.model, dtype, gemm, self.cfg.weight_store_wait_s)

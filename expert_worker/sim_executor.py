@@ -39,8 +39,7 @@ class SimExecutor(ExpertExecutor):
         self.row_s = expert_row_us / 1e6
         self.chosen = True
         self._factors: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
-        self._tables: dict[int, np.ndarray] = {}  # layer -> every expert's factor
-        self._tables32: dict[int, np.ndarray] = {}  # the same in float32
+        self._tables: dict[tuple[int, type], np.ndarray] = {}  # (layer, numpy dtype) -> every expert's factor
         self._columns: dict[tuple, torch.Tensor] = {}  # (layer, experts, counts, dtype, device) -> `_column`'s
 
     @property
@@ -69,19 +68,14 @@ class SimExecutor(ExpertExecutor):
             f = self._factors[key] = torch.tensor(sim_factor(layer, expert), dtype=like.dtype, device=like.device)
         return f
 
-    def _layer_factors(self, layer: int) -> np.ndarray:
-        """`sim_factor(layer, e)` of every expert e [E] (float64, converted to a call's dtype as a Python float is), made
-        once a layer."""
-        f = self._tables.get(layer)
+    def _layer_factors(self, layer: int, dtype: type = np.float64) -> np.ndarray:
+        """`sim_factor(layer, e)` of every expert e [E], made once a layer and dtype: float64 (converted to a call's dtype
+        as a Python float is), or float32 (rounded as that conversion rounds)."""
+        f = self._tables.get((layer, dtype))
         if f is None:
-            f = self._tables[layer] = np.array([sim_factor(layer, e) for e in range(self.cfg.num_experts)])
-        return f
-
-    def _layer_factors32(self, layer: int) -> np.ndarray:
-        """`_layer_factors(layer)` in float32 [E] (rounded as a conversion to a float32 tensor rounds them)."""
-        f = self._tables32.get(layer)
-        if f is None:
-            f = self._tables32[layer] = self._layer_factors(layer).astype(np.float32)
+            f = (np.array([sim_factor(layer, e) for e in range(self.cfg.num_experts)]) if dtype is np.float64
+                 else self._layer_factors(layer).astype(dtype))
+            self._tables[(layer, dtype)] = f
         return f
 
     def _column(self, c: ExpertCall, like: torch.Tensor) -> torch.Tensor:
@@ -94,7 +88,7 @@ class SimExecutor(ExpertExecutor):
         col = self._columns.get(key) if key is not None else None
         if col is None:
             if like.dtype == torch.float32 and like.device.type == "cpu":  # (the usual case: no conversion, no copy)
-                col = torch.from_numpy(np.repeat(self._layer_factors32(c.layer)[c.experts], c.counts)[:, None])
+                col = torch.from_numpy(np.repeat(self._layer_factors(c.layer, np.float32)[c.experts], c.counts)[:, None])
             else:
                 factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']
                 col = torch.from_numpy(factors).to(like.dtype).to(like.device)[:, None]

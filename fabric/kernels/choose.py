@@ -85,9 +85,9 @@ def decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, bloc
     return ops.paged_decode if ops is not None else None
 
 
-def prefills_rowwise(kernel: str, device: torch.device, attention: DecodeAttention | None) -> bool:
-    """Whether a prefill's rows go through `attention` (what `decode_attention` chose) too, each as a decode token of
-    its own: the CPU's kernel (`--kernel auto`). It computes a row the same whatever rows come with it, where SDPA
+def prefills_rowwise(kernel: str, device: torch.device) -> bool:
+    """Whether a prefill's rows go through the decode attention `decode_attention` chose, where it chose one, each as a
+    decode token of its own: the CPU's kernel (`--kernel auto`). It computes a row the same whatever rows come with it, where SDPA
     over a prefill chunk gave a token other floats than decoding it (a restore recomputes decoded tokens in one
     chunk), and it runs a prefill about as fast as SDPA here (docs/performance.md)."""
-    return attention is not None and kernel == "auto" and device.type == "cpu"
+    return kernel == "auto" and device.type == "cpu"
