@@ -31,7 +31,7 @@ from fabric.device import to_device_all, to_host
 from fabric.kernels.choose import DecodeAttention
 from fabric.model.attention_weights import AttentionWeights, LayerWeights
 from fabric.model.config import ModelConfig
-from fabric.model.ops import rope_cos_sin, rope_inv_freq, swiglu_ffn
+from fabric.model.ops import rope_cos_sin, rope_inv_freq
 from fabric.steps import StepClock
 
 if TYPE_CHECKING:
@@ -344,7 +344,7 @@ class ModelRunner:
             a = self._attention(i, lw, glue.norm(h, lw.input_norm), meta, written)
             h, x = glue.add_norm(h, a, lw.post_norm)  # h + attention, its norm [T, D]
             if lw.dense is not None:
-                h = h + swiglu_ffn(x, *lw.dense)
+                h = h + lw.dense(x)  # (on the experts' kernel where it has one: a row's floats alone)
                 continue
             assert lw.router is not None
             weights, experts = glue.route(glue.router_logits(x, lw.router), cfg.top_k, cfg.norm_topk_prob)

@@ -20,19 +20,20 @@ from launch.local import free_port
 __all__ = ["free_port"]
 
 
-def write_hf_model(out: Path, arch: str, seed: int = 0) -> Path:
+def write_hf_model(out: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
     """A small random checkpoint written by transformers itself. initializer_range is raised so
-    logits are peaked enough that greedy choices are rarely near-ties."""
+    logits are peaked enough that greedy choices are rarely near-ties. `overrides` go into the config."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
     if arch == "mixtral":
-        model: Any = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=6, **common))
+        model: Any = MixtralForCausalLM(MixtralConfig(**{"intermediate_size": 96, "num_local_experts": 6, **common,
+                                                         **overrides}))
     else:
-        cfg = Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=6, head_dim=16,
-                             norm_topk_prob=True, **common)
+        cfg = Qwen3MoeConfig(**{"intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 6, "head_dim": 16,
+                                "norm_topk_prob": True, **common, **overrides})
         model = Qwen3MoeForCausalLM(cfg)
     model.save_pretrained(out)
     return out

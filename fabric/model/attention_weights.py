@@ -1,8 +1,9 @@
 """Everything an AW holds: embeddings, attention, norms, routers, dense MLPs, lm_head; never experts.
 
-The attention projections and lm_head are `Projection`s. They are packed for the skinny GEMM kernel
-(fabric/kernels/skinny.py) when one is given, else stored transposed ([in, out]). With the few rows of a decode
-step, MKL's x @ W runs about a third faster than x @ W^T on this kind of CPU.
+The attention projections and lm_head are `Projection`s, and a dense layer's MLP a `DenseMlp` in an expert's
+layout. They are packed for the skinny GEMM kernel (fabric/kernels/skinny.py) when one is given, else stored
+transposed ([in, out]). With the few rows of a decode step, MKL's x @ W runs about a third faster than x @ W^T on
+this kind of CPU. On the kernel a row's floats do not depend on the rows beside it.
 
 `serving_tensors` names every tensor in its serving layout. An AW builds its weights from those names, read from
 the checkpoint or mapped from the host's weight store (fabric/model/weight_store.py). So both give the same
@@ -19,6 +20,34 @@ import torch
 from fabric.kernels.skinny import Projection, SkinnyGemm
 from fabric.model.checkpoint import Checkpoint, layer_prefix, moe_prefix
 from fabric.model.config import ModelConfig
+from fabric.model.ops import swiglu_ffn_t
+
+
+class DenseMlp:
+    """A dense layer's SwiGLU MLP in an expert's serving layout (fabric/model/expert_weights.py): gate_up [D, 2I]
+    (gate and up fused) and down [I, D], both packed for the kernel where `gemm` is given and the widths fit, so it
+    runs the expert workers' kernel; else torch's matmul."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemm: SkinnyGemm | None) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.gemm = gemm if gate_up.dim() == 3 else None
+        if gate_up.dim() != down.dim() or (gate_up.dim() == 3 and gemm is None):
+            raise ValueError("a dense MLP's two weights are both packed, for the kernel, or neither")
+
+    @staticmethod
+    def serving(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                gemm: SkinnyGemm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checkpoint's gate, up [I, D] and down [D, I] -> (gate_up, down) in the serving layout."""
+        gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()  # [D, 2I], [I, D]
+        if gemm is not None and gate_up_t.dtype == torch.float32 and SkinnyGemm.fits(gate_up_t.shape[1], down_t.shape[1]):
+            return gemm.pack(gate_up_t), gemm.pack(down_t)
+        return gate_up_t, down_t
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        if self.gemm is not None:
+            return self.gemm.swiglu_ffn(x, self.gate_up, self.down)
+        return swiglu_ffn_t(x, self.gate_up, self.down)
 
 
 @dataclass
@@ -31,7 +60,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [d] (qwen3)
     k_norm: torch.Tensor | None
     router: torch.Tensor | None  # [E, D] for MoE layers
-    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (gate, up, down) for dense layers
+    dense: DenseMlp | None  # dense layers' MLP
 
 
 @dataclass
@@ -75,7 +104,7 @@ class AttentionWeights:
             p = f"layers.{i}"
             dense = None
             if i in cfg.dense_layers:
-                dense = (need(f"{p}.dense.gate"), need(f"{p}.dense.up"), need(f"{p}.dense.down"))
+                dense = DenseMlp(need(f"{p}.dense.gate_up"), need(f"{p}.dense.down"), gemm)
             layers.append(LayerWeights(
                 input_norm=need(f"{p}.input_norm"), post_norm=need(f"{p}.post_norm"), qkv=proj(f"{p}.qkv"),
                 qkv_bias=on_device(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj"), q_norm=on_device(f"{p}.q_norm"),
@@ -103,7 +132,9 @@ def serving_tensors(ckpt: Checkpoint, cfg: ModelConfig, gemm: SkinnyGemm | None)
             yield f"{out}.q_norm", ckpt.get(f"{p}.self_attn.q_norm.weight")
             yield f"{out}.k_norm", ckpt.get(f"{p}.self_attn.k_norm.weight")
         if i in cfg.dense_layers:
-            for n in ("gate", "up", "down"):
-                yield f"{out}.dense.{n}", ckpt.get(f"{p}.mlp.{n}_proj.weight")
+            gate, up, down = (ckpt.get(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            gate_up, down = DenseMlp.serving(gate, up, down, gemm)
+            yield f"{out}.dense.gate_up", gate_up
+            yield f"{out}.dense.down", down
         else:
             yield f"{out}.router", ckpt.get(f"{moe_prefix(cfg, i)}.gate.weight")

@@ -34,13 +34,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def swiglu_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, D], gate/up [I, D], down [D, I] -> [T, D]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-
-
 def swiglu_ffn_t(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
-    """The same FFN with fused, transposed weights: gate_up_t [D, 2I], down_t [I, D]."""
+    """A SwiGLU FFN, x [T, D] -> [T, D], over fused, transposed weights: gate_up_t [D, 2I] (gate, then up), down_t
+    [I, D]."""
     gate, up = (x @ gate_up_t).chunk(2, dim=-1)  # [T, I] each
     return (F.silu(gate) * up) @ down_t
 

@@ -141,20 +141,23 @@ class LocalExperts:
         return [(slice(0, plan.xs.shape[0]), y)]
 
 
-def test_a_tokens_logits_do_not_depend_on_how_its_steps_were_batched(hf_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe_dense"])
+def test_a_tokens_logits_do_not_depend_on_how_its_steps_were_batched(arch: str, hf_models: dict[str, Path]) -> None:
     """The same request's logits, bit for bit, whether its prompt went in one chunk or two beside other requests,
     and whether its first emitted tokens were decoded one a step or recomputed in one chunk, as a restore after a
     failure does: every row's attention on the paged kernel (`rowwise`), the projections and the experts on the skinny
     GEMM, the router on its own kernel. (SDPA over a chunk, or torch's matmul, give a token other floats than decoding
-    it: a stream could then part from its failure-free run at a near-tie. The test qwen3_moe's experts, 48 wide, do not
-    fit the kernel's 64-column blocks: they run torch's matmul.)"""
+    it: a stream could then part from its failure-free run at a near-tie.) The qwen3_moe's dense layer runs on the
+    experts' kernel too; its experts are 64 wide here, as the shared test model's 48 do not fit the kernel's 64-column
+    blocks and run torch's matmul."""
     from attention_worker.glue import glue_for
 
-    arch = "mixtral"
-    cfg = ModelConfig.from_dir(str(hf_models[arch]))
+    model = hf_models[arch]
+    cfg = ModelConfig.from_dir(str(model))
+    assert cfg.dense_layers == (() if arch == "mixtral" else (1,))
     gemm = skinny.gemm_for("auto", torch.float32)
-    weights = AttentionWeights.load(hf_models[arch], cfg, gemm)
-    experts = LocalExperts(hf_models[arch], cfg)
+    weights = AttentionWeights.load(model, cfg, gemm)
+    experts = LocalExperts(model, cfg)
     glue = glue_for(ops(), cfg.rms_norm_eps, cfg.torch_dtype, torch.device("cpu"))
     rng = random.Random(1)
     prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(13)]
