@@ -120,7 +120,7 @@ class NativeGlue(TorchGlue):
 
     def combine_add(self, h: torch.Tensor, plan: LayerPlan, parts: list[Part]) -> torch.Tensor:
         ys = runs_in_order(parts, plan.xs.shape[0])
-        if ys is None or any(y.dtype != torch.float32 or y.stride(-1) != 1 for y in ys):
+        if ys is None or not all(y.dtype == torch.float32 and y.stride(-1) == 1 for y in ys):
             # rows scattered, none answered (a step with no experts), or results in another layout: torch's way
             return super().combine_add(h, plan, parts)
         return self.ops.combine_add(h, ys, plan.weights, plan.token_of_row)

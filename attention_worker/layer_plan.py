@@ -99,7 +99,12 @@ def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Ten
 def runs_in_order(parts: list[Part], rows: int) -> list[torch.Tensor] | None:
     """The results of runs that tile the layer's `rows` rows, in row order, or None where they do not.
 
-    That is the usual case, with every EW's rows one run."""
+    That is the usual case, with every EW's rows one run; one call with all the rows (a collapsed layer) the most
+    usual, taken first."""
+    if len(parts) == 1:
+        r, res = parts[0]
+        if isinstance(r, slice) and r.start == 0 and r.stop == rows and rows:
+            return [to_host(res)]
     runs = [(r, res) for r, res in parts if isinstance(r, slice) and r.stop > r.start]
     if len(runs) != sum(1 for r, _ in parts if not isinstance(r, slice) or r.stop > r.start):
         return None  # some rows come as indices
