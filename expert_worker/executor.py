@@ -24,7 +24,7 @@ from fabric.kernels import choose, skinny
 from fabric.messages.expert import ExpertCall
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
-from fabric.model.expert_weights import ExpertTensors, expert_kernel, expert_names, prepare_expert
+from fabric.model.expert_weights import ExpertTensors, expert_names, prepare_expert
 from fabric.model.ops import swiglu_ffn_t_into
 from fabric.model.weight_store import MappedStore
 
@@ -58,7 +58,7 @@ class ExpertExecutor:
         self.bytes_read = 0  # from the checkpoint
         self.bytes_mapped = 0  # from the host's weight store
         # The skinny GEMM is the CPU's. Elsewhere, and with triton, experts keep torch's layout.
-        self.want_kernel = expert_kernel(cfg, kernel) if self.device.type == "cpu" and kernel != "triton" else "torch"
+        self.want_kernel = kernel if self.device.type == "cpu" and kernel != "triton" else "torch"
         # Chosen by the first load, off the event loop, since it may build.
         self.gemm: skinny.SkinnyGemm | None = None
         self.chosen = False

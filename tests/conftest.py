@@ -16,9 +16,8 @@ from tests.helpers import free_port, write_hf_model
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     models = {arch: write_hf_model(root / arch, arch) for arch in ("mixtral", "qwen3_moe")}
-    # A dense MLP in the middle layer (mlp_only_layers), every width a multiple of the kernel's 64 columns.
-    models["qwen3_moe_dense"] = write_hf_model(root / "qwen3_moe_dense", "qwen3_moe", moe_intermediate_size=64,
-                                               mlp_only_layers=[1])
+    # A qwen3_moe whose middle layer is a dense MLP (mlp_only_layers).
+    models["qwen3_moe_dense"] = write_hf_model(root / "qwen3_moe_dense", "qwen3_moe", mlp_only_layers=[1])
     return models
 
 

@@ -32,7 +32,7 @@ from fabric.kernels import skinny
 from fabric.model.attention_weights import serving_tensors
 from fabric.model.checkpoint import Checkpoint
 from fabric.model.config import ModelConfig
-from fabric.model.expert_weights import expert_kernel, expert_names, prepare_expert
+from fabric.model.expert_weights import expert_names, prepare_expert
 from fabric.model.weight_store import StoreKey, StoreMiss, publish, read_manifest, store_key
 from fabric.notify import notifier
 from fabric.process import run_niced_async
@@ -40,39 +40,33 @@ from fabric.process import run_niced_async
 log = logging.getLogger("weight_store")
 
 
-def keys(cfg: ModelConfig, model_dir: str, kernel: str) -> tuple[StoreKey, skinny.SkinnyGemm | None, skinny.SkinnyGemm | None]:
-    """Returns the store's key and the kernels its AW tensors and expert tensors are packed for.
-
-    The choice is the same the workers make. The AW uses `kernel`. An EW uses `kernel` where the
-    expert shapes fit.
-    """
-    aw_gemm = skinny.gemm_for(kernel, cfg.torch_dtype)
-    ew_gemm = skinny.gemm_for(expert_kernel(cfg, kernel), cfg.torch_dtype)
-    key = store_key(model_dir, cfg.torch_dtype, aw_gemm)
-    return key, aw_gemm, ew_gemm
+def keys(cfg: ModelConfig, model_dir: str, kernel: str) -> tuple[StoreKey, skinny.SkinnyGemm | None]:
+    """Returns the store's key and the kernel its tensors (the AWs' and the experts') are packed for: the one the
+    workers choose with `--kernel kernel`."""
+    gemm = skinny.gemm_for(kernel, cfg.torch_dtype)
+    return store_key(model_dir, cfg.torch_dtype, gemm), gemm
 
 
-def all_tensors(model_dir: str, cfg: ModelConfig, aw_gemm: skinny.SkinnyGemm | None,
-                ew_gemm: skinny.SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:
+def all_tensors(model_dir: str, cfg: ModelConfig, gemm: skinny.SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:
     ckpt = Checkpoint(model_dir, cfg.torch_dtype)
-    yield from serving_tensors(ckpt, cfg, aw_gemm)
+    yield from serving_tensors(ckpt, cfg, gemm)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
-            yield from zip(expert_names(layer, e), prepare_expert(ckpt, cfg, ew_gemm, layer, e), strict=True)
+            yield from zip(expert_names(layer, e), prepare_expert(ckpt, cfg, gemm, layer, e), strict=True)
 
 
 def build(cfg: WeightStoreConfig) -> str:
     """Adopts or publishes the store and returns what it did, for the log."""
     t0 = time.perf_counter()
     model = ModelConfig.from_dir(cfg.model, cfg.dtype)
-    key, aw_gemm, ew_gemm = keys(model, cfg.model, cfg.kernel)
+    key, gemm = keys(model, cfg.model, cfg.kernel)
     directory = Path(cfg.dir)
     try:
         manifest = read_manifest(directory, key)
         return f"adopted the weight store in {directory} ({manifest['size'] / 2**20:.1f} MiB, {key.kernel} layout)"
     except StoreMiss as exc:
         log.info("publishing: %s", exc)
-    manifest = publish(directory, key, all_tensors(cfg.model, model, aw_gemm, ew_gemm))
+    manifest = publish(directory, key, all_tensors(cfg.model, model, gemm))
     return (f"published {len(manifest['tensors'])} tensors ({manifest['size'] / 2**20:.1f} MiB, {key.kernel} layout) "
             f"in {directory} in {time.perf_counter() - t0:.2f}s")
 

@@ -43,7 +43,7 @@ def expert_ffn(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     installed, a layer's batch as one CUDA graph (expert_worker/graphs.py; 1.07x to 1.14x the tokens a second of
     torch's ops on one H200, greedy output as equal to transformers', docs/performance.md). bf16 stays on torch's
     ops: the kernel keeps SwiGLU's product in fp32 where torch rounds it to bf16, and that was not measured against
-    transformers. `kernel` itself otherwise (on the CPU: the skinny GEMM where it fits)."""
+    transformers. `kernel` itself otherwise (on the CPU: the skinny GEMM for fp32 weights)."""
     if (kernel == "auto" and device.type == "cuda" and dtype == torch.float32
             and importlib.util.find_spec("triton") is not None):
         return "triton"

@@ -2,7 +2,8 @@
 
 A decode step gives each expert a few rows. torch's BLAS (MKL) runs [few, K] @ [K, N] at a fraction of what
 reading W once allows on CPUs it does not tune for. It is 2.3x slower than this kernel at 4-8 rows on this
-project's AMD EPYC VM (docs/performance.md). Weights are packed once, at load, into column blocks [N/64, K, 64].
+project's AMD EPYC VM (docs/performance.md). Weights are packed once, at load, into column blocks [NB, K, 64], the
+last padded with zeros, so a product names its N (a packed weight's shape holds only NB).
 The same compiled module carries the AW's paged decode attention (`paged_attention.cpp`, `module_for`)
 and its per-layer glue (`layer_ops.cpp`, attention_worker/glue.py).
 
@@ -10,7 +11,7 @@ It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/`
 `scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). It is built only where the CPU has
 AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
 
-Legend: M rows, K inner dimension, N output columns (a multiple of 64), NB = N / 64.
+Legend: M rows, K inner dimension, N output columns, NB = ceil(N / 64).
 """
 
 from __future__ import annotations
@@ -79,20 +80,17 @@ class SkinnyGemm:
     def __init__(self, ops: Any) -> None:
         self.ops = ops
 
-    @staticmethod
-    def fits(*ns: int) -> bool:
-        return all(n % COLS == 0 for n in ns)
-
     def pack(self, w_t: torch.Tensor) -> torch.Tensor:
         """W [K, N] float32 -> [NB, K, 64]."""
         return self.ops.pack(w_t)
 
-    def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W -> [M, N], for any M (a prefill's too): a row's result does not depend on the rows with it."""
-        return self.ops.mm(x, packed)
+    def mm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] @ W -> [M, n], for any M (a prefill's too): a row's result does not depend on the rows with it."""
+        return self.ops.mm(x, packed, n)
 
     def swiglu_ffn(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """`fabric.model.ops.swiglu_ffn_t` over packed gate_up ([D, 2I]) and down ([I, D]) weights."""
+        """`fabric.model.ops.swiglu_ffn_t` over packed gate_up ([D, 2I]) and down ([I, D]) weights (D and I are their
+        K)."""
         return self.ops.ffn_batch([x], [gate_up], [down])[0]
 
     def swiglu_calls(self, xs: list[torch.Tensor], segments: list[int], ends: list[int], gate_ups: list[torch.Tensor],
@@ -122,25 +120,29 @@ def module_for(kernel: str, dtype: torch.dtype) -> Any | None:
 class Projection:
     """x @ W for one weight W [K, N].
 
-    W is packed for the kernel where `gemm` is given, N fits and W is fp32. Else W is kept as it is, in any
-    layout torch's matmul takes (e.g. a transposed view)."""
+    W is packed for the kernel where `gemm` is given and W is fp32. Else W is kept as it is, in any layout torch's
+    matmul takes (e.g. a transposed view)."""
 
     def __init__(self, w: torch.Tensor, gemm: SkinnyGemm | None) -> None:
-        self.gemm = gemm if gemm is not None and w.dtype == torch.float32 and SkinnyGemm.fits(w.shape[1]) else None
+        self.gemm = gemm if gemm is not None and w.dtype == torch.float32 else None
+        self.n = w.shape[1]
         self.w = self.gemm.pack(w) if self.gemm is not None else w  # [NB, K, 64] or [K, N]
 
     @classmethod
-    def prepared(cls, w: torch.Tensor, gemm: SkinnyGemm | None) -> Projection:
-        """A projection whose W is already in its serving layout (`.w` of another), packed ([NB, K, 64]) or not."""
+    def prepared(cls, w: torch.Tensor, gemm: SkinnyGemm | None, n: int) -> Projection:
+        """A projection to `n` columns whose W is already in its serving layout (`.w` of another), packed ([NB, K,
+        64]) or not ([K, n])."""
         p = cls.__new__(cls)
-        p.gemm, p.w = (gemm if w.dim() == 3 else None), w
+        p.gemm, p.w, p.n = (gemm if w.dim() == 3 else None), w, n
         if w.dim() == 3 and gemm is None:
             raise ValueError("a packed projection needs the skinny GEMM kernel")
+        if not (w.shape[0] * COLS >= n > (w.shape[0] - 1) * COLS if w.dim() == 3 else w.shape[1] == n):
+            raise ValueError(f"a weight of shape {tuple(w.shape)} does not project to {n} columns")
         return p
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N]."""
-        return self.gemm.mm(x, self.w) if self.gemm is not None else x @ self.w
+        return self.gemm.mm(x, self.w, self.n) if self.gemm is not None else x @ self.w
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 // sees per decode step, and a prefill's many. Such a product is bound by reading W once; MKL (torch's
 // BLAS here) runs it at well under the memory bandwidth on CPUs it does not tune for, and runs a
 // prefill's 2.3x slower than this here. W is packed once, at load, into column blocks of 64
-// ([N/64, K, 64]) so that each block streams contiguously; per block, rows go in groups of up to 6
+// ([ceil(N/64), K, 64], the last padded with zeros) so that each block streams contiguously; a product
+// names its N, and a last block's padding is computed and not stored. Per block, rows go in groups of up to 6
 // (24 AVX-512 accumulators), the block staying in L2 across the groups. Every output element is one
 // FMA chain over k = 0..K-1, whatever M is: a row's result does not depend on the rows batched with
 // it (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats).
@@ -19,13 +20,15 @@ constexpr int64_t kRows = 6;   // rows per register block
 
 torch::Tensor pack(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "pack: w must be a [K, N] float32 tensor");
-  const int64_t K = w.size(0), N = w.size(1);
-  TORCH_CHECK(N % kCols == 0, "pack: N must be a multiple of 64");
-  return w.contiguous().view({K, N / kCols, kCols}).permute({1, 0, 2}).contiguous();
+  const int64_t K = w.size(0), N = w.size(1), NB = (N + kCols - 1) / kCols;
+  TORCH_CHECK(N > 0, "pack: w has no columns");
+  const torch::Tensor padded = N % kCols ? at::constant_pad_nd(w, {0, NB * kCols - N}) : w.contiguous();  // [K, NB*64]
+  return padded.view({K, NB, kCols}).permute({1, 0, 2}).contiguous();
 }
 
+// y [MB, cols] = x [MB, K] @ one packed block [K, 64], its first `cols` columns stored (all 64 but in a last block).
 template <int MB>
-void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t cols) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -42,17 +45,30 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
       acc[m][3] = _mm512_fmadd_ps(xv, w3, acc[m][3]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + m * ldy + j * 16, acc[m][j]);
+  if (cols == kCols) {
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + m * ldy + j * 16, acc[m][j]);
+    return;
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t lanes = std::clamp<int64_t>(cols - 16 * j, 0, 16);
+    if (lanes == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * 16, mask, acc[m][j]);
+  }
 }
 
-torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
+// x [M, K] @ W [K, N] -> [M, N], W packed by pack(); N < 0: every packed column.
+torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "mm: x must be a [M, K] float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(2) == kCols && w.is_contiguous(),
               "mm: w must be packed by pack()");
   const torch::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0), N = blocks * kCols;
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
+  if (N < 0) N = blocks * kCols;
   TORCH_CHECK(w.size(1) == K, "mm: x has ", K, " columns, the packed weight ", w.size(1), " rows");
+  TORCH_CHECK(N > (blocks - 1) * kCols && N <= blocks * kCols, "mm: the packed weight's ", blocks,
+              " blocks of 64 columns do not hold N = ", N);
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -60,16 +76,17 @@ torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       const float* wb = wp + nb * K * kCols;
+      const int64_t cols = std::min(kCols, N - nb * kCols);
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const float* xb = xp + m0 * K;
         float* yb = yp + m0 * N + nb * kCols;
         switch (std::min<int64_t>(kRows, M - m0)) {
-          case 1: block<1>(xb, K, wb, K, yb, N); break;
-          case 2: block<2>(xb, K, wb, K, yb, N); break;
-          case 3: block<3>(xb, K, wb, K, yb, N); break;
-          case 4: block<4>(xb, K, wb, K, yb, N); break;
-          case 5: block<5>(xb, K, wb, K, yb, N); break;
-          default: block<6>(xb, K, wb, K, yb, N); break;
+          case 1: block<1>(xb, K, wb, K, yb, N, cols); break;
+          case 2: block<2>(xb, K, wb, K, yb, N, cols); break;
+          case 3: block<3>(xb, K, wb, K, yb, N, cols); break;
+          case 4: block<4>(xb, K, wb, K, yb, N, cols); break;
+          case 5: block<5>(xb, K, wb, K, yb, N, cols); break;
+          default: block<6>(xb, K, wb, K, yb, N, cols); break;
         }
       }
     }
@@ -81,8 +98,9 @@ torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w) {
 // ([2I/64, D, 64]) and Down packed ([D/64, I, 64]). The same ATen ops as fabric/model/ops.py's
 // swiglu_ffn_t, in the same order (so the same floats).
 torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down) {
-  const std::vector<torch::Tensor> gu = skinny(x, gate_up).chunk(2, -1);  // [M, I] each
-  return skinny(at::silu(gu[0]) * gu[1], down);
+  const int64_t D = gate_up.size(1), I = down.size(1);  // (their K: a packed weight's N is not in its shape)
+  const std::vector<torch::Tensor> gu = skinny(x, gate_up, 2 * I).chunk(2, -1);  // [M, I] each
+  return skinny(at::silu(gu[0]) * gu[1], down, D);
 }
 
 // Experts of one x each, one call: ys[i] = ffn(xs[i], gate_ups[i], downs[i]). The GIL is released for all of it.
@@ -165,8 +183,9 @@ torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("pack", &pack, "W [K, N] float32 -> packed [N/64, K, 64]");
-  m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::call_guard<py::gil_scoped_release>());
+  m.def("pack", &pack, "W [K, N] float32 -> packed [ceil(N/64), K, 64]");
+  m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::arg("x"), py::arg("w"), py::arg("n") = -1,
+        py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("ffn_calls", &ffn_calls, "an EW's gathered batch: the calls' rows, each expert's segments of them, its packed "

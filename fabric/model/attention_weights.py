@@ -25,7 +25,7 @@ from fabric.model.ops import swiglu_ffn_t
 
 class DenseMlp:
     """A dense layer's SwiGLU MLP in an expert's serving layout (fabric/model/expert_weights.py): gate_up [D, 2I]
-    (gate and up fused) and down [I, D], both packed for the kernel where `gemm` is given and the widths fit, so it
+    (gate and up fused) and down [I, D], both packed for the kernel where `gemm` is given and they are fp32, so it
     runs the expert workers' kernel; else torch's matmul."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemm: SkinnyGemm | None) -> None:
@@ -39,7 +39,7 @@ class DenseMlp:
                 gemm: SkinnyGemm | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The checkpoint's gate, up [I, D] and down [D, I] -> (gate_up, down) in the serving layout."""
         gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()  # [D, 2I], [I, D]
-        if gemm is not None and gate_up_t.dtype == torch.float32 and SkinnyGemm.fits(gate_up_t.shape[1], down_t.shape[1]):
+        if gemm is not None and gate_up_t.dtype == torch.float32:
             return gemm.pack(gate_up_t), gemm.pack(down_t)
         return gate_up_t, down_t
 
@@ -96,8 +96,10 @@ class AttentionWeights:
             assert t is not None, name
             return t
 
-        def proj(name: str) -> Projection:
-            return Projection.prepared(need(name), gemm)
+        def proj(name: str, n: int) -> Projection:
+            return Projection.prepared(need(name), gemm, n)
+
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
 
         layers = []
         for i in range(cfg.num_layers):
@@ -106,10 +108,10 @@ class AttentionWeights:
             if i in cfg.dense_layers:
                 dense = DenseMlp(need(f"{p}.dense.gate_up"), need(f"{p}.dense.down"), gemm)
             layers.append(LayerWeights(
-                input_norm=need(f"{p}.input_norm"), post_norm=need(f"{p}.post_norm"), qkv=proj(f"{p}.qkv"),
-                qkv_bias=on_device(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj"), q_norm=on_device(f"{p}.q_norm"),
+                input_norm=need(f"{p}.input_norm"), post_norm=need(f"{p}.post_norm"), qkv=proj(f"{p}.qkv", qkv),
+                qkv_bias=on_device(f"{p}.qkv_bias"), o_proj=proj(f"{p}.o_proj", cfg.hidden_size), q_norm=on_device(f"{p}.q_norm"),
                 k_norm=on_device(f"{p}.k_norm"), router=on_device(f"{p}.router"), dense=dense))
-        return cls(need("embed"), layers, need("norm"), proj("lm_head"), bytes_read, bytes_mapped)
+        return cls(need("embed"), layers, need("norm"), proj("lm_head", cfg.vocab_size), bytes_read, bytes_mapped)
 
 
 def serving_tensors(ckpt: Checkpoint, cfg: ModelConfig, gemm: SkinnyGemm | None) -> Iterator[tuple[str, torch.Tensor]]:

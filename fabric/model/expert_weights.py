@@ -15,11 +15,6 @@ from fabric.model.config import ModelConfig
 ExpertTensors = tuple[torch.Tensor, torch.Tensor]  # (gate_up_t, down_t)
 
 
-def expert_kernel(cfg: ModelConfig, kernel: str) -> str:
-    """The kernel an EW asks for: `kernel` where the expert shapes fit the skinny GEMM, else torch."""
-    return kernel if skinny.SkinnyGemm.fits(cfg.hidden_size, 2 * cfg.expert_intermediate) else "torch"
-
-
 def expert_names(layer: int, expert: int) -> tuple[str, str]:
     """The weight store's names of one expert's two tensors."""
     return f"experts.{layer}.{expert}.gate_up_t", f"experts.{layer}.{expert}.down_t"

@@ -35,7 +35,7 @@ from fabric.errors import FabricError
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: a dense layer's MLP as (gate_up, down), as an expert's
+FORMAT = 2  # 2: dense layers' MLPs as (gate_up, down), as experts; weights of any width packed for the kernel
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor starts on a page, so each can be mapped alone
 MANIFEST = "manifest.json"
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read faults now, pages stay shared

@@ -148,8 +148,7 @@ def test_a_tokens_logits_do_not_depend_on_how_its_steps_were_batched(arch: str, 
     failure does: every row's attention on the paged kernel (`rowwise`), the projections and the experts on the skinny
     GEMM, the router on its own kernel. (SDPA over a chunk, or torch's matmul, give a token other floats than decoding
     it: a stream could then part from its failure-free run at a near-tie.) The qwen3_moe's dense layer runs on the
-    experts' kernel too; its experts are 64 wide here, as the shared test model's 48 do not fit the kernel's 64-column
-    blocks and run torch's matmul."""
+    experts' kernel too, and its experts' 48-wide products end in a part-full block of 64 columns."""
     from attention_worker.glue import glue_for
 
     model = hf_models[arch]

@@ -1,7 +1,7 @@
 """The skinny GEMM kernel (fabric/kernels/skinny.py) against torch's matmul: the same products
-within fp32 rounding for every row count the expert worker sees (decode batches and prefills), each
-row's result independent of the rows batched with it, and the expert worker using it for fp32
-weights whose shapes it packs (torch otherwise)."""
+within fp32 rounding for every row count the expert worker sees (decode batches and prefills) and any
+width (a last block of fewer than 64 columns too), each row's result independent of the rows batched
+with it, and the expert worker using it for fp32 weights (torch otherwise)."""
 
 from __future__ import annotations
 
@@ -35,19 +35,20 @@ def test_where_the_cpu_lacks_avx512_the_kernel_is_off() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, 200])
-def test_products_equal_torch(rows: int) -> None:
+@pytest.mark.parametrize(("n", "inter"), [(192, 64), (100, 48), (17, 5)])  # (whole blocks; a last block part-full)
+def test_products_equal_torch(rows: int, n: int, inter: int) -> None:
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")  # (the test above checks the fallback instead)
     g = gemm()
     torch.manual_seed(rows)
-    k, n = 96, 192
+    k = 96
     w = torch.randn(k, n)
     x = torch.randn(rows, k)
-    got = g.mm(x, g.pack(w))
+    got = g.mm(x, g.pack(w), n)
     want = x @ w
-    assert got.shape == (rows, n)
+    assert got.shape == (rows, n) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    gate_up, down = torch.randn(k, 2 * 64), torch.randn(64, 128)
+    gate_up, down = torch.randn(k, 2 * inter), torch.randn(inter, k)
     torch.testing.assert_close(g.swiglu_ffn(x, g.pack(gate_up), g.pack(down)), swiglu_ffn_t(x, gate_up, down),
                                rtol=1e-4, atol=1e-4)
 
@@ -92,29 +93,32 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     if not AVAILABLE:
         pytest.skip(skinny.unavailable_reason() or "")
     g = gemm()
-    w = g.pack(torch.randn(256, 128))
     x = torch.randn(130, 256)
-    alone = torch.cat([g.mm(x[i : i + 1], w) for i in range(130)])
-    for rows in (slice(0, 130), slice(5, 11), slice(0, 48), slice(0, 49), slice(40, 113)):
-        assert torch.equal(alone[rows], g.mm(x[rows], w)), rows
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        g.pack(torch.randn(8, 100))
+    for n in (128, 100):
+        w = g.pack(torch.randn(256, n))
+        alone = torch.cat([g.mm(x[i : i + 1], w, n) for i in range(130)])
+        for rows in (slice(0, 130), slice(5, 11), slice(0, 48), slice(0, 49), slice(40, 113)):
+            assert torch.equal(alone[rows], g.mm(x[rows], w, n)), (n, rows)
+    assert g.pack(torch.randn(8, 100)).shape == (2, 8, 64)  # (the last block padded)
     with pytest.raises(RuntimeError, match="columns"):
-        g.mm(torch.randn(2, 255), w)
+        g.mm(torch.randn(2, 255), w, 100)
+    for n in (129, 64):  # more columns than the 2 blocks hold, or a whole block of them not used
+        with pytest.raises(RuntimeError, match="do not hold"):
+            g.mm(x, w, n)
 
 
-def test_the_expert_worker_packs_fp32_experts_for_it(hf_models: dict[str, Path]) -> None:
-    mixtral = ModelConfig.from_dir(str(hf_models["mixtral"]))  # hidden 64, 2 x 96 intermediate: packable
-    qwen = ModelConfig.from_dir(str(hf_models["qwen3_moe"]))  # 2 x 48 intermediate: not a multiple of 64
-    ex, ref, other = ExpertExecutor(mixtral), ExpertExecutor(mixtral, "torch"), ExpertExecutor(qwen)
-    for e, model in ((ex, "mixtral"), (ref, "mixtral"), (other, "qwen3_moe")):  # (the first load chooses)
-        e.load(hf_models[model], [(0, 1)])
-    assert ex.kernel == ("skinny" if AVAILABLE else "torch")
-    assert ref.kernel == "torch" and other.kernel == "torch"
-    x = torch.randn(7, mixtral.hidden_size)
+@pytest.mark.parametrize(("arch", "inter"), [("mixtral", 96), ("qwen3_moe", 48)])  # (2 x 48: a part-full block)
+def test_the_expert_worker_packs_fp32_experts_for_it(arch: str, inter: int, hf_models: dict[str, Path]) -> None:
+    cfg = ModelConfig.from_dir(str(hf_models[arch]))
+    assert cfg.expert_intermediate == inter
+    ex, ref = ExpertExecutor(cfg), ExpertExecutor(cfg, "torch")
+    for e in (ex, ref):  # (the first load chooses)
+        e.load(hf_models[arch], [(0, 1)])
+    assert ex.kernel == ("skinny" if AVAILABLE else "torch") and ref.kernel == "torch"
+    x = torch.randn(7, cfg.hidden_size)
     got = (ex.gemm.swiglu_ffn(x, *ex.experts[(0, 1)]) if ex.gemm else swiglu_ffn_t(x, *ex.experts[(0, 1)]))
     gate_up_t, down_t = ref.experts[(0, 1)]
-    torch.testing.assert_close(got, (F.silu((x @ gate_up_t)[:, :96]) * (x @ gate_up_t)[:, 96:]) @ down_t,
+    torch.testing.assert_close(got, (F.silu((x @ gate_up_t)[:, :inter]) * (x @ gate_up_t)[:, inter:]) @ down_t,
                                rtol=1e-4, atol=1e-5)
 
 

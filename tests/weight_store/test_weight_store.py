@@ -43,7 +43,7 @@ def test_mapped_weights_equal_the_checkpoints(hf_models: dict[str, Path], tmp_pa
     cfg = ModelConfig.from_dir(model)
     said = build(WeightStoreConfig(model=model, dir=str(tmp_path / "ws"), kernel=kernel))
     assert said.startswith("published")
-    key, aw_gemm, _ = keys(cfg, model, kernel)
+    key, aw_gemm = keys(cfg, model, kernel)
     store = MappedStore(tmp_path / "ws", key)
     read = AttentionWeights.load(model, cfg, aw_gemm)
     mapped = AttentionWeights.build(lambda n: store.get(n) if store.has(n) else None, cfg, aw_gemm)
