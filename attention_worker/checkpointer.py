@@ -1,7 +1,8 @@
 """The AW side of KV checkpointing (Tarragon §6.1, FailSafe §3.2).
 
 The KV every layer of a step wrote is handed over at the step's end without waiting (`record_step`,
-the paper's async_update; held and joined in attention_worker/held_steps.py). It travels to the
+the paper's async_update; held and joined in attention_worker/held_steps.py, once this AW's loop next waits:
+after the step's tokens and the next step's first expert calls are out). It travels to the
 checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls.
 This is "opportunistic interleaving", mostly while the AW waits for expert results. A restoring AW
 fetches a dead AW's request back (`fetch`).
@@ -77,6 +78,7 @@ class Checkpointer:
         self.queued_bytes = 0
         # A step's layers, and whole steps, held until they go as one message.
         self._held = HeldSteps(cfg.num_layers, steps_per_message, self._send)
+        self._unrecorded: tuple[list[tuple[str, int, int]], list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
         self._wake = asyncio.Event()
         self._sent_all = asyncio.Event()  # the queue is empty and nothing is being sent
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,6 +119,7 @@ class Checkpointer:
         self.queue.clear()
         self.queued_bytes = 0
         self._held.clear()
+        self._unrecorded = None  # (its requests are re-sent whole below)
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
         if self.mode == "incremental":
@@ -132,6 +135,7 @@ class Checkpointer:
         """Closes the store link. With `drain_s` (a graceful exit), what is held and queued goes first, for at
         most that long: the requests that resume elsewhere then restore every token this AW computed."""
         if drain_s > 0 and self.mode == "incremental" and self.active and self._tasks:
+            self._record()
             self._held.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sent_all.wait(), drain_s)
@@ -176,9 +180,23 @@ class Checkpointer:
     # -- what the AW hands over --------------------------------------------------------------
     def record_step(self, spans: list[tuple[str, int, int]], layers: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Takes the KV a step wrote for `spans` (request, first token, tokens; rows in order): each layer's
-        (layer, k, v [T, K, d]), in order. Returns at once; the KV goes when an idle gap comes (`HeldSteps`)."""
+        (layer, k, v [T, K, d]), in order. Returns at once. The step is held (`HeldSteps`: stacked, joined) when this
+        loop next waits, off the path from the step's last expert results to its tokens and the next step's first
+        calls; its KV goes when an idle gap comes. (The tensors are the step's own, not views of the cache.)"""
         if self.mode == "incremental" and self.active and spans:
-            self._held.record_step(spans, layers)
+            if self._unrecorded is None:
+                asyncio.get_running_loop().call_soon(self._record)
+            else:
+                self._record()  # (a step before it, still unrecorded: in order)
+            self._unrecorded = (spans, layers)
+
+    def _record(self) -> None:
+        """Holds the step `record_step` took, if it is not yet. Whatever reads or sends what is held calls it first."""
+        step, self._unrecorded = self._unrecorded, None
+        if step is not None and self.active:
+            c0 = cpu_regions.start()
+            self._held.record_step(*step)
+            cpu_regions.add("checkpoints: a step's KV held", c0)
 
     def _send(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
         k, k_done = self.copies.start(k)
@@ -194,6 +212,7 @@ class Checkpointer:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
             # Segments of these requests must not reach the store after their KvDone.
+            self._record()
             self._held.flush()
             self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 

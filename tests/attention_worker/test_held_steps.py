@@ -37,10 +37,21 @@ def checkpointer(steps: int) -> Checkpointer:
 
 def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]], layers: range = range(LAYERS)) -> None:
     """One step's layers, each its rows' KV [T, K, d] in span order, as the model runner hands them over at the
-    step's end (a step stopped part-way hands over the layers it wrote)."""
+    step's end (a step stopped part-way hands over the layers it wrote). Called from outside a loop, a loop then
+    waits, as the AW's does after a step: the step is held then."""
     kvs = [torch.stack([kv_of(rid, t, layer) for rid, start, n in spans for t in range(start, start + n)])
            for layer in layers]
-    ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
+
+    async def step_then_wait() -> None:
+        ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(step_then_wait())
+    else:
+        ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
 
 
 def store(msgs: list[Any]) -> AwBucket:
@@ -179,3 +190,22 @@ def test_a_graceful_close_sends_the_held_steps_first(drain: bool) -> None:
         assert [(m.request_ids, m.starts, m.counts) for m in sent] == [(["a"], [0], [3])]
     else:
         assert sent == []
+
+
+def test_a_step_is_held_once_the_loop_waits_and_before_a_finish() -> None:
+    """`record_step` returns at once, off the way from a step's last results to its tokens; the step is held when the
+    AW's loop next waits. A request's end that comes first takes the step ahead of its KvDone."""
+    async def scenario() -> None:
+        ckpt = checkpointer(1)  # (a whole step goes as soon as it is held)
+        record(ckpt, [("a", 0, 2)])
+        assert not ckpt.queue  # not held yet
+        await asyncio.sleep(0)
+        assert [m.counts for m, _ in ckpt.queue] == [[2]]
+        record(ckpt, [("a", 2, 1), ("b", 0, 1)])
+        ckpt.finished(["a"])  # before the loop waits
+        assert [type(m).__name__ for m, _ in ckpt.queue] == ["KvAppend", "KvAppend", "KvDone"]
+        assert ckpt.queue[1][0].counts == [1, 1]
+        await asyncio.sleep(0)
+        assert len(ckpt.queue) == 3  # held once, not again
+
+    asyncio.run(scenario())
