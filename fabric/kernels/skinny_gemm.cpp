@@ -60,7 +60,7 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
   }
 }
 
-// One packed block's rows from m0 on, in register groups of up to kRows.
+// Every one of the M rows against one packed block, in register groups of up to kRows.
 template <bool kPart>
 void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float* yp, int64_t N, int64_t cols) {
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -77,14 +77,13 @@ void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float
   }
 }
 
-// x [M, K] @ W [K, N] -> [M, N], W packed by pack(); N < 0: every packed column.
+// x [M, K] @ W [K, N] -> [M, N], W packed by pack() (N: its shape holds only the blocks).
 torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "mm: x must be a [M, K] float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(2) == kCols && w.is_contiguous(),
               "mm: w must be packed by pack()");
   const torch::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
-  if (N < 0) N = blocks * kCols;
   TORCH_CHECK(w.size(1) == K, "mm: x has ", K, " columns, the packed weight ", w.size(1), " rows");
   TORCH_CHECK(N > (blocks - 1) * kCols && N <= blocks * kCols, "mm: the packed weight's ", blocks,
               " blocks of 64 columns do not hold N = ", N);
@@ -196,7 +195,7 @@ torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack, "W [K, N] float32 -> packed [ceil(N/64), K, 64]");
-  m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::arg("x"), py::arg("w"), py::arg("n") = -1,
+  m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::arg("x"), py::arg("w"), py::arg("n"),
         py::call_guard<py::gil_scoped_release>());
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());

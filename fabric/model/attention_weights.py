@@ -20,28 +20,20 @@ import torch
 from fabric.kernels.skinny import Projection, SkinnyGemm
 from fabric.model.checkpoint import Checkpoint, layer_prefix, moe_prefix
 from fabric.model.config import ModelConfig
+from fabric.model.expert_weights import ffn_serving
 from fabric.model.ops import swiglu_ffn_t
 
 
 class DenseMlp:
-    """A dense layer's SwiGLU MLP in an expert's serving layout (fabric/model/expert_weights.py): gate_up [D, 2I]
-    (gate and up fused) and down [I, D], both packed for the kernel where `gemm` is given and they are fp32, so it
-    runs the expert workers' kernel; else torch's matmul."""
+    """A dense layer's SwiGLU MLP in an expert's serving layout (fabric/model/expert_weights.py `ffn_serving`):
+    gate_up [D, 2I] (gate and up fused) and down [I, D], both packed for the kernel where the AW has one (fp32 on the
+    CPU), so it runs the expert workers' kernel; else torch's matmul."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemm: SkinnyGemm | None) -> None:
         self.gate_up, self.down = gate_up, down
         self.gemm = gemm if gate_up.dim() == 3 else None
         if gate_up.dim() != down.dim() or (gate_up.dim() == 3 and gemm is None):
             raise ValueError("a dense MLP's two weights are both packed, for the kernel, or neither")
-
-    @staticmethod
-    def serving(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                gemm: SkinnyGemm | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The checkpoint's gate, up [I, D] and down [D, I] -> (gate_up, down) in the serving layout."""
-        gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()  # [D, 2I], [I, D]
-        if gemm is not None and gate_up_t.dtype == torch.float32:
-            return gemm.pack(gate_up_t), gemm.pack(down_t)
-        return gate_up_t, down_t
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -135,7 +127,7 @@ def serving_tensors(ckpt: Checkpoint, cfg: ModelConfig, gemm: SkinnyGemm | None)
             yield f"{out}.k_norm", ckpt.get(f"{p}.self_attn.k_norm.weight")
         if i in cfg.dense_layers:
             gate, up, down = (ckpt.get(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-            gate_up, down = DenseMlp.serving(gate, up, down, gemm)
+            gate_up, down = ffn_serving(gate, up, down, gemm)
             yield f"{out}.dense.gate_up", gate_up
             yield f"{out}.dense.down", down
         else:

@@ -20,10 +20,16 @@ def expert_names(layer: int, expert: int) -> tuple[str, str]:
     return f"experts.{layer}.{expert}.gate_up_t", f"experts.{layer}.{expert}.down_t"
 
 
-def prepare_expert(ckpt: Checkpoint, cfg: ModelConfig, gemm: skinny.SkinnyGemm | None, layer: int,
-                   expert: int) -> ExpertTensors:
-    gate, up, down = load_expert(ckpt, cfg, layer, expert)
-    gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
+def ffn_serving(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                gemm: skinny.SkinnyGemm | None) -> ExpertTensors:
+    """A SwiGLU FFN's checkpoint weights, gate and up [I, D] and down [D, I], in the serving layout: an expert's, and
+    a dense layer's MLP on the AW (fabric/model/attention_weights.py `DenseMlp`)."""
+    gate_up_t, down_t = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()  # [D, 2I], [I, D]
     if gemm is not None:
         gate_up_t, down_t = gemm.pack(gate_up_t), gemm.pack(down_t)
     return gate_up_t, down_t
+
+
+def prepare_expert(ckpt: Checkpoint, cfg: ModelConfig, gemm: skinny.SkinnyGemm | None, layer: int,
+                   expert: int) -> ExpertTensors:
+    return ffn_serving(*load_expert(ckpt, cfg, layer, expert), gemm)
