@@ -1,8 +1,8 @@
 """The AW side of KV checkpointing (Tarragon §6.1, FailSafe §3.2).
 
-The KV every layer of a step wrote is handed over at the step's end without waiting (`record_step`,
-the paper's async_update; held and joined in attention_worker/held_steps.py, once this AW's loop next waits:
-after the step's tokens and the next step's first expert calls are out). It travels to the
+A step's KV is handed over at the step's end without waiting (`record_step`, the paper's async_update): its cache
+slots, held and joined in attention_worker/held_steps.py, its K and V gathered from the cache when they go. It
+travels to the
 checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls.
 This is "opportunistic interleaving", mostly while the AW waits for expert results. A restoring AW
 fetches a dead AW's request back (`fetch`).
@@ -29,6 +29,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +54,22 @@ PUT_TOKENS = 256
 MAX_QUEUE_BYTES = 256 << 20
 
 
-def _nbytes(msg: Message) -> int:
+@dataclass(frozen=True)
+class _ToGather:
+    """A KvAppend whose K and V are still in the cache, at `slots`: gathered when it goes, or before a block of the
+    cache is freed (`Checkpointer.before_release`)."""
+
+    seq_no: int
+    first: int  # layers first .. end-1
+    end: int
+    spans: list[tuple[str, int, int]]
+    slots: torch.Tensor  # [n] the spans' columns
+    nbytes: int
+
+
+def _nbytes(msg: Message | _ToGather) -> int:
+    if isinstance(msg, _ToGather):
+        return msg.nbytes
     return sum(t.numel() * t.element_size() for t in (getattr(msg, "k", None), getattr(msg, "v", None))
                if isinstance(t, torch.Tensor))
 
@@ -72,13 +88,13 @@ class Checkpointer:
         self.pause_every = pause_every
         self.store_id: str | None = None
         self.link: Connection | None = None
-        # (message, whether its KV is in host memory yet)
-        self.queue: deque[tuple[Message, Callable[[], bool]]] = deque()
+        # (message, or one to gather, and whether its KV is in host memory yet)
+        self.queue: deque[tuple[Message | _ToGather, Callable[[], bool]]] = deque()
         self.copies = HostCopies(kv.device)  # KV segments leave the device on a side stream
         self.queued_bytes = 0
-        # A step's layers, and whole steps, held until they go as one message.
-        self._held = HeldSteps(cfg.num_layers, steps_per_message, self._send)
-        self._unrecorded: tuple[list[tuple[str, int, int]], list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
+        # Whole steps, as their cache slots, held until they go as one message.
+        self._row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.torch_dtype.itemsize  # a token's K and V, a layer
+        self._held = HeldSteps(cfg.num_layers, self._row_bytes, steps_per_message, self._send)
         self._wake = asyncio.Event()
         self._sent_all = asyncio.Event()  # the queue is empty and nothing is being sent
         self._tasks: list[asyncio.Task[None]] = []
@@ -118,8 +134,7 @@ class Checkpointer:
         self.link, self.store_id = link, store_id
         self.queue.clear()
         self.queued_bytes = 0
-        self._held.clear()
-        self._unrecorded = None  # (its requests are re-sent whole below)
+        self._held.clear()  # (its requests are re-sent whole below)
         self.sent_upto.clear()
         self._tasks = [asyncio.create_task(self._send_loop(link)), asyncio.create_task(self._read_loop(link))]
         if self.mode == "incremental":
@@ -135,7 +150,6 @@ class Checkpointer:
         """Closes the store link. With `drain_s` (a graceful exit), what is held and queued goes first, for at
         most that long: the requests that resume elsewhere then restore every token this AW computed."""
         if drain_s > 0 and self.mode == "incremental" and self.active and self._tasks:
-            self._record()
             self._held.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sent_all.wait(), drain_s)
@@ -178,31 +192,38 @@ class Checkpointer:
             self._fail_waiters()
 
     # -- what the AW hands over --------------------------------------------------------------
-    def record_step(self, spans: list[tuple[str, int, int]], layers: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """Takes the KV a step wrote for `spans` (request, first token, tokens; rows in order): each layer's
-        (layer, k, v [T, K, d]), in order. Returns at once. The step is held (`HeldSteps`: stacked, joined) when this
-        loop next waits, off the path from the step's last expert results to its tokens and the next step's first
-        calls; its KV goes when an idle gap comes. (The tensors are the step's own, not views of the cache.)"""
+    def record_step(self, spans: list[tuple[str, int, int]], slots: torch.Tensor) -> None:
+        """Takes a step of `spans` (request, first token, tokens; rows in order): the cache slots its rows [T] wrote in
+        every layer. Returns at once: the step is held (`HeldSteps`), no copy made; its K and V are gathered from the
+        cache when its message goes, in an idle gap."""
         if self.mode == "incremental" and self.active and spans:
-            if self._unrecorded is None:
-                asyncio.get_running_loop().call_soon(self._record)
-            else:
-                self._record()  # (a step before it, still unrecorded: in order)
-            self._unrecorded = (spans, layers)
+            self._held.record_step(spans, slots)
 
-    def _record(self) -> None:
-        """Holds the step `record_step` took, if it is not yet. Whatever reads or sends what is held calls it first."""
-        step, self._unrecorded = self._unrecorded, None
-        if step is not None and self.active:
-            c0 = cpu_regions.start()
-            self._held.record_step(*step)
-            cpu_regions.add("checkpoints: a step's KV held", c0)
+    def before_release(self) -> None:
+        """Gathers what is held and queued from the cache before any of its blocks is freed (the block manager's hook:
+        a request's end, a preemption), so that another request's step cannot write them first."""
+        self._held.flush()
+        if any(isinstance(item, _ToGather) for item, _ in self.queue):
+            self.queue = deque(self._gathered(item) if isinstance(item, _ToGather) else (item, ready)
+                               for item, ready in self.queue)
 
-    def _send(self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
-        k, k_done = self.copies.start(k)
-        v, v_done = self.copies.start(v)
-        self._enqueue(KvAppend(next(self._seq), layer, [s[0] for s in spans], [s[1] for s in spans],
-                               [s[2] for s in spans], k, v), lambda: k_done() and v_done())
+    def _send(self, first: int, end: int, spans: list[tuple[str, int, int]], slots: torch.Tensor) -> None:
+        self._enqueue(_ToGather(next(self._seq), first, end, spans, slots,
+                                (end - first) * slots.numel() * self._row_bytes))
+
+    def _gathered(self, item: _ToGather) -> tuple[KvAppend, Callable[[], bool]]:
+        """The message, its K and V [m, n, K, d] copied out of the cache (on a device, on their way to the host)."""
+        c0 = cpu_regions.start()
+        k_all, v_all = self.kv.k_all, self.kv.v_all  # [L, B*S, K, d]
+        if item.first or item.end != k_all.shape[0]:
+            k_all, v_all = k_all[item.first:item.end], v_all[item.first:item.end]
+        slots = item.slots.to(k_all.device)
+        k, k_done = self.copies.start(k_all.index_select(1, slots))
+        v, v_done = self.copies.start(v_all.index_select(1, slots))
+        spans = item.spans
+        msg = KvAppend(item.seq_no, item.first, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans], k, v)
+        cpu_regions.add("checkpoints: gathered from the cache", c0)
+        return msg, lambda: k_done() and v_done()
 
     def finished(self, request_ids: list[str], hand_off: bool = False) -> None:
         """Tells the store these requests left this AW, so it frees their checkpoints.
@@ -212,7 +233,6 @@ class Checkpointer:
             self.sent_upto.pop(rid, None)
         if self.active and request_ids:
             # Segments of these requests must not reach the store after their KvDone.
-            self._record()
             self._held.flush()
             self._enqueue(KvHandOff(request_ids) if hand_off else KvDone(request_ids))
 
@@ -222,7 +242,7 @@ class Checkpointer:
             for seq in running:
                 self.lags.append(seq.num_computed - self.sent_upto.get(seq.request_id, 0))
 
-    def _enqueue(self, msg: Message, ready: Callable[[], bool] = done) -> None:
+    def _enqueue(self, msg: Message | _ToGather, ready: Callable[[], bool] = done) -> None:
         n = _nbytes(msg)
         if self.queued_bytes + n > MAX_QUEUE_BYTES:
             self.dropped_bytes += n
@@ -245,6 +265,8 @@ class Checkpointer:
                     await self._wake.wait()
                     continue
                 msg, ready = self.queue[0]
+                if isinstance(msg, _ToGather):
+                    msg, ready = self.queue[0] = self._gathered(msg)
                 if not ready():  # its KV is still on its way off the device
                     await asyncio.sleep(0.0005)
                     continue

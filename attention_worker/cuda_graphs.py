@@ -11,8 +11,8 @@ What a graph reads and writes stays at fixed addresses. A step's metadata (RoPE'
 cache slots, the block tables in columns as wide as a sequence's may grow, the lengths) is copied into B's
 buffers once a step, the residual into the graph's input before each replay; the cache is written through the
 slots buffer. The B - T rows of padding write and read one block of the cache that no sequence gets. A graph's outputs (the residual, the MoE layer's input and routing, the K/V it wrote) are
-overwritten by its next replay, a step later: the plan copies the routing to the host at once, and the
-checkpointer gets copies of the K/V (it may hold a step's K/V past the next step's first layer).
+overwritten by its next replay, a step later: the plan copies the routing to the host at once (the checkpointer
+reads a step's K/V from the cache, at the step's own slots).
 
 It needs a paged decode attention (on a GPU the Triton kernel, fabric/kernels/triton_attention.py): torch's way
 pads every sequence to the longest, a shape that changes each step. Prefill and mixed steps, steps of more than
@@ -40,8 +40,7 @@ from attention_worker.model_runner import ModelRunner, Routed, StepMeta, StepSta
 log = logging.getLogger(__name__)
 
 Layers = tuple[int, torch.Tensor, Routed | None]  # as ModelRunner.run_layers returns them
-Written = list[tuple[int, torch.Tensor, torch.Tensor]]  # (layer, k, v [T, K, d])
-Replay = Callable[[], tuple[Layers, Written]]
+Replay = Callable[[], Layers]
 
 
 @dataclass
@@ -108,10 +107,8 @@ class LayerGraphs:
                 log.warning("CUDA graphs off: capturing layers %d.. for %d sequences failed (%s); steps run op by op",
                             step.layer, b, self.failed)
                 return None
-        (i, h, routed), written = replay()
+        i, h, routed = replay()
         self.replays += 1
-        # The next replay overwrites them; the checkpointer may hold them longer.
-        step.kv.extend((layer, k[:t].clone(), v[:t].clone()) for layer, k, v in written)
         assert routed is not None  # (`takes`: a MoE layer ahead)
         x, weights, experts = routed
         return i, h[:t], (x[:t], weights[:t], experts[:t])
@@ -147,14 +144,11 @@ class LayerGraphs:
 
     def _capture(self, first: int, buf: _Buffers) -> Replay:
         """The layers from `first` on, over the buffers, as a graph (or, without capture, as a function)."""
-        written: Written = []
-
         def body() -> Layers:
-            written.clear()
-            return self.runner.run_layers(first, buf.h, buf.meta, written)
+            return self.runner.run_layers(first, buf.h, buf.meta)
 
         if not self.capture:
-            return lambda: (body(), list(written))
+            return body
         t0 = time.perf_counter()
         side = self.side
         assert side is not None
@@ -170,14 +164,13 @@ class LayerGraphs:
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        kept = list(written)
         self.capture_s += time.perf_counter() - t0
         log.debug("captured layers %d.. for %d sequences in %.1f ms (%d graphs)", first, buf.size,
                   (time.perf_counter() - t0) * 1e3, len(self.graphs) + 1)
 
-        def replay() -> tuple[Layers, Written]:
+        def replay() -> Layers:
             graph.replay()
-            return out, kept
+            return out
 
         return replay
 

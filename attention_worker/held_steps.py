@@ -1,14 +1,18 @@
 """The KV an AW's steps wrote, held until it goes to the checkpoint store, four steps to a message.
 
-A step's layers are stacked once, at its end, into one segment (k, v [L, T, K, d]). Whole steps are
-then held until `steps` are (or MAX_BYTES), and go as one message in which each request's consecutive
-tokens are one span: the store wakes, reads and writes a span once for four tokens, which halved its
-CPU a token (docs/performance.md). The checkpointed frontier then trails the live one by up to `steps`
+A step's KV is already in the AW's paged cache, and its slots there do not change while its requests run. So a
+step is held as its spans and its rows' cache slots, no copy, and a message goes out as the slots of its columns: the
+checkpointer gathers their K and V out of the cache, every layer in one op, when it sends the message. Whole steps are held until `steps` are (or MAX_BYTES), and go as one message in which each
+request's consecutive tokens are one span: the store wakes, reads and writes a span once for four tokens, which
+halved its CPU a token (docs/performance.md). The checkpointed frontier then trails the live one by up to `steps`
 tokens (three held, a fourth's message not yet out), where it trailed by one: a restore recomputes them
-(attention_worker/checkpointer.py). A step stopped part-way, or too large for one message, goes as its
-layers come, after what is held, in order.
+(attention_worker/checkpointer.py). A step too large for one message goes at once, after what is held, a run of
+its layers a message.
 
-Legend: L layers, m of them, T rows of a step, K kv heads, d head dim.
+What is held, and what is queued to be gathered, must be gathered before the cache blocks it reads are freed
+(`Checkpointer.before_release`).
+
+Legend: L layers, m of them, T rows of a step, S steps held, K kv heads, d head dim.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections.abc import Callable
 import torch
 
 Span = tuple[str, int, int]  # (request, first token, tokens)
-Send = Callable[[int, list[Span], torch.Tensor, torch.Tensor], None]  # (first layer, spans, k, v [m, T, K, d])
+# (first layer, end layer, spans, cache slots [T] of the spans' columns in order): a message of those layers' K and V.
+Send = Callable[[int, int, list[Span], torch.Tensor], None]
 
-# A message's bytes at most: consecutive layers of a step, or whole steps, are joined up to this. A step of
-# 64 decodes of the bench model is 1 MiB.
+# A message's bytes at most: whole steps are joined up to this, and a larger step's layers are sent in runs of at most
+# this. A step of 64 decodes of the bench model is 1 MiB.
 MAX_BYTES = 4 << 20
 
 
@@ -63,86 +68,50 @@ def in_lockstep(steps: list[list[Span]]) -> list[Span] | None:
 
 
 class HeldSteps:
-    """A step's layers, and whole steps, until they go through `send`."""
+    """Whole steps, as their spans and cache slots, until they go through `send`."""
 
-    def __init__(self, num_layers: int, steps: int, send: Send, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, num_layers: int, row_bytes: int, steps: int, send: Send, max_bytes: int = MAX_BYTES) -> None:
         self.num_layers = num_layers
+        self.row_bytes = row_bytes  # one token's K and V in one layer
         self.steps = steps
         self.send = send
         self.max_bytes = max_bytes
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # a step's layers, not yet a segment
-        self._pending_layer = 0  # the first of them
-        self._pending_spans: list[Span] = []
-        self._held: list[tuple[list[Span], torch.Tensor, torch.Tensor]] = []  # whole steps: spans, k, v [L, T, K, d]
+        self._held: list[tuple[list[Span], torch.Tensor]] = []  # (spans, slots [T]) of each step held
         self._bytes = 0
 
     def clear(self) -> None:
-        self._pending, self._held, self._bytes = [], [], 0
+        self._held, self._bytes = [], 0
 
-    def record_step(self, spans: list[Span], layers: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """A step's layers (layer, k, v [T, K, d]), in order. A whole step that fits one message is stacked at once."""
-        if not layers:
-            return
-        k0 = layers[0][1]
-        if not self._pending and layers[0][0] == 0 and len(layers) == self.num_layers \
-                and 2 * len(layers) * k0.numel() * k0.element_size() < self.max_bytes:
-            self._pending_layer, self._pending_spans = 0, spans
-            self._pending = [(k, v) for _, k, v in layers]
-            self._segment()
-            return
-        for layer, k, v in layers:
-            self.record_layer(layer, spans, k, v)
+    def __bool__(self) -> bool:
+        return bool(self._held)
 
-    def record_layer(self, layer: int, spans: list[Span], k: torch.Tensor, v: torch.Tensor) -> None:
-        """One layer's k, v [T, K, d]. Consecutive layers of a step are joined, up to `max_bytes` and always
-        at the last layer."""
-        if self._pending and (layer != self._pending_layer + len(self._pending) or spans != self._pending_spans):
-            # A step that stopped part-way. Its data is still right, as KV is deterministic.
-            self._segment()
-        if not self._pending:
-            self._pending_layer, self._pending_spans = layer, spans
-        self._pending.append((k, v))  # every layer of a step has the same shape
-        if layer == self.num_layers - 1 or 2 * len(self._pending) * k.numel() * k.element_size() >= self.max_bytes:
-            self._segment()
+    def record_step(self, spans: list[Span], slots: torch.Tensor) -> None:
+        """A step's spans and the cache slots its rows [T] wrote in every layer."""
+        step_bytes = self.num_layers * slots.numel() * self.row_bytes
+        if step_bytes >= self.max_bytes or self.steps == 1:
+            self.flush()  # (in order: the store counts segments that arrive out of order)
+            per = max(1, self.max_bytes // max(1, slots.numel() * self.row_bytes))  # layers a message
+            for first in range(0, self.num_layers, per):
+                self.send(first, min(self.num_layers, first + per), spans, slots)
+            return
+        self._held.append((spans, slots))
+        self._bytes += step_bytes
+        if len(self._held) >= self.steps or self._bytes >= self.max_bytes:
+            self.flush()
 
     def flush(self) -> None:
-        """Sends everything held, in order (before a request's end goes to the store)."""
-        self._segment()
-        self._send_held()
-
-    def _segment(self) -> None:
-        """The layers recorded of a step, stacked: held if they are the whole step, else sent behind those held."""
-        if not self._pending:
-            return
-        spans, layer = self._pending_spans, self._pending_layer
-        k = torch.stack([kk for kk, _ in self._pending])  # [m, T, K, d]
-        v = torch.stack([vv for _, vv in self._pending])
-        self._pending = []
-        if layer == 0 and k.shape[0] == self.num_layers and self.steps > 1:
-            self._held.append((spans, k, v))
-            self._bytes += 2 * k.numel() * k.element_size()
-            if len(self._held) >= self.steps or self._bytes >= self.max_bytes:
-                self._send_held()
-            return
-        self._send_held()  # (in order: the store counts segments that arrive out of order)
-        self.send(layer, spans, k, v)
-
-    def _send_held(self) -> None:
-        """Every whole step held, as one message: each request's consecutive tokens one span, k, v [L, sum T, K, d]
-        in their order."""
+        """Every step held, as one message: each request's consecutive tokens one span, the slots of their columns in
+        order."""
         held, self._held, self._bytes = self._held, [], 0
         if not held:
             return
         if len(held) == 1:
-            self.send(0, *held[0])
-        elif (spans := in_lockstep([s for s, _, _ in held])) is not None:
-            # Steady decoding: the same requests, a token each, in the same order every step. Joining them is
-            # stacking the steps beside each column: [L, T, S, K, d] viewed as [L, T*S, K, d], one copy.
-            self.send(0, spans, torch.stack([kk for _, kk, _ in held], 2).flatten(1, 2),
-                      torch.stack([vv for _, _, vv in held], 2).flatten(1, 2))
+            spans, slots = held[0]
+        elif (joined := in_lockstep([s for s, _ in held])) is not None:
+            # Steady decoding: the same requests, a token each, in the same order every step. Each request's tokens
+            # are its column of every step: the steps' slots [S, T] read down the columns.
+            spans, slots = joined, torch.stack([s for _, s in held], 1).flatten()
         else:
-            spans, cols = join_spans([s for s, _, _ in held])
-            idx = torch.tensor(cols, dtype=torch.long, device=held[0][1].device)
-            k = torch.cat([kk for _, kk, _ in held], 1).index_select(1, idx)
-            v = torch.cat([vv for _, _, vv in held], 1).index_select(1, idx)
-            self.send(0, spans, k, v)
+            spans, cols = join_spans([s for s, _ in held])
+            slots = torch.cat([s for _, s in held])[torch.tensor(cols, dtype=torch.long, device=held[0][1].device)]
+        self.send(0, self.num_layers, spans, slots)

@@ -6,6 +6,8 @@ in slot `block_table[p // S] * S + p % S` of the flat [B*S, K, d] view.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fabric.model.config import ModelConfig
@@ -16,6 +18,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
+        # Called before blocks are freed: the checkpointer sends the steps it holds, which it reads from the cache.
+        self.before_release: Callable[[], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -41,6 +45,8 @@ class BlockManager:
         return self._free.pop(0)
 
     def release(self, table: list[int]) -> None:
+        if table and self.before_release is not None:
+            self.before_release()
         self._free.extend(reversed(table))
         table.clear()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,8 +107,8 @@ class StepMeta:
 
 
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a MoE layer's input x [T, D], weights, experts [T, k]
-# A step's spans (request, first token, tokens) and each layer it wrote: (layer, k [T, K, d], v [T, K, d]), in order.
-KvSink = Callable[[list[tuple[str, int, int]], list[tuple[int, torch.Tensor, torch.Tensor]]], None]
+# A whole step's spans (request, first token, tokens) and the cache slots [T] its rows wrote in every layer.
+KvSink = Callable[[list[tuple[str, int, int]], torch.Tensor], None]
 
 
 @dataclass
@@ -120,8 +120,6 @@ class StepState:
     # The next layer to run. With `plan`, the layer whose experts are awaited.
     layer: int = 0
     plan: LayerPlan | None = None
-    # (layer, k, v [T, K, d]) just written.
-    kv: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [S, V] once the last layer is done
     scored: torch.Tensor | None = None  # [R, V]
 
@@ -273,7 +271,8 @@ class ModelRunner:
             step = self.clock.run(self._resume, step, parts)
             cpu_regions.add("layer: combine, layers, next plan", c0)
         c0 = cpu_regions.start()
-        self._sink(step)  # the step's KV, every layer at once (checkpoints go out at a step's end, not before)
+        if self.kv_sink is not None:  # the step's KV, every layer's, in the cache (checkpoints go at a step's end)
+            self.kv_sink(step.meta.spans, step.meta.slots)
         cpu_regions.add("step: KV to the checkpointer", c0)
         self.forward_s += time.perf_counter() - t0
         trace.stamp("logits", "", 0)
@@ -298,11 +297,6 @@ class ModelRunner:
             self.slow()
         return self._begin(chunks)
 
-    def _sink(self, step: StepState) -> None:
-        if self.kv_sink is not None and step.kv:
-            self.kv_sink(step.meta.spans, step.kv)
-        step.kv = []
-
     def _begin(self, chunks: list[Chunk]) -> StepState:
         """The step's metadata and embeddings, then the layers up to the first MoE layer's routing."""
         meta = self.prepare(chunks).to(self.kv.device)
@@ -322,7 +316,7 @@ class ModelRunner:
         replays the layers' CUDA graph where it has one (attention_worker/cuda_graphs.py)."""
         meta = step.meta
         ran = self.graphs.run(step) if self.graphs is not None else None
-        i, step.h, routed = ran if ran is not None else self.run_layers(step.layer, step.h, meta, step.kv)
+        i, step.h, routed = ran if ran is not None else self.run_layers(step.layer, step.h, meta)
         if routed is not None:
             x, weights, experts = routed
             step.layer, step.plan = i, self.glue.plan(i, x, experts, weights, self.cfg.num_experts)
@@ -334,14 +328,13 @@ class ModelRunner:
         step.logits, step.scored = logits[:s], logits[s:]
         return step
 
-    def run_layers(self, first: int, h: torch.Tensor, meta: StepMeta,
-                   written: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[int, torch.Tensor, Routed | None]:
+    def run_layers(self, first: int, h: torch.Tensor, meta: StepMeta) -> tuple[int, torch.Tensor, Routed | None]:
         """The layers from `first` on, h [T, D], up to the next MoE layer's routing: (that layer, h, (its input x
         [T, D], weights [T, k], experts [T, k])), or (layers, h, None) past the last. Device ops only, no wait."""
         cfg, glue = self.cfg, self.glue
         for i in range(first, len(self.w.layers)):
             lw = self.w.layers[i]
-            a = self._attention(i, lw, glue.norm(h, lw.input_norm), meta, written)
+            a = self._attention(i, lw, glue.norm(h, lw.input_norm), meta)
             h, x = glue.add_norm(h, a, lw.post_norm)  # h + attention, its norm [T, D]
             if lw.dense is not None:
                 h = h + lw.dense(x)  # (on the experts' kernel where it has one: a row's floats alone)
@@ -363,8 +356,7 @@ class ModelRunner:
                                             enable_gqa=True)  # [Bd, H, 1, d]
         return od.squeeze(2)
 
-    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta,
-                   written: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = lw.qkv(x)  # [T, (H + 2K) d]
@@ -381,7 +373,6 @@ class ModelRunner:
             vc.index_copy_(0, meta.slots, v)
         else:
             q, k, v = self.glue.rope_cache(qkv, meta.cos, meta.sin, kc, vc, meta.slots, cfg.num_heads)
-        written.append((i, k, v))  # checkpointed from the loop (`_sink`)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
         out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype, device=qkv.device)  # [T, H, d]

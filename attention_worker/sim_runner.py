@@ -91,13 +91,13 @@ class SimRunner(ModelRunner):
         # Every layer's routing, made once a step.
         experts = self.routes[(ids * 7919 + pos * 104729 + self.layer_keys) % ROUTES]  # [L, T, k]
         # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
-        # cost is not the fabric's) and handed to the checkpoints at the step's end, each layer's, as attention's are.
+        # cost is not the fabric's); the checkpoints read them from there at the step's end, as they do attention's.
         kv = torch.from_numpy(np.repeat(h8[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = kv.to(cfg.torch_dtype)
         _write_every_layer(self.kv.k_all, meta.slots, kv)
         _write_every_layer(self.kv.v_all, meta.slots, kv)
         return self._advance(SimStep(meta, torch.from_numpy(np.ascontiguousarray(h)).to(cfg.torch_dtype), experts=experts,
-                                     weights=self._weights(t), stand_in_kv=kv))
+                                     weights=self._weights(t)))
 
     def _weights(self, t: int) -> torch.Tensor:
         """The router weights' stand-in, 1/k each [t, k]: views of one tensor, made again only for a larger step."""
@@ -113,8 +113,6 @@ class SimRunner(ModelRunner):
             step.layer = i
             if self.attention_s and self.blocking:
                 time.sleep(self.attention_s)  # the cost model, blocking as real compute does
-            kv = step.stand_in_kv
-            step.kv.append((i, kv, kv))
             if i in cfg.dense_layers:
                 continue
             step.plan = self.glue.plan(i, step.h, torch.from_numpy(step.experts[i]), step.weights, cfg.num_experts)
@@ -164,6 +162,5 @@ def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Ten
 class SimStep(StepState):
     experts: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int64))  # [L, T, k] each layer's experts
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, k] router weights (1/k each)
-    stand_in_kv: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [T, K, d] every layer's K and V
     # The first layer the last compute call ran, for the inline cost model's sleep.
     first: int = 0

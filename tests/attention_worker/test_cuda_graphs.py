@@ -50,10 +50,9 @@ def test_decode_steps_through_graphs_equal_op_by_op(arch: str, hf_models: dict[s
     runners = [ModelRunner(cfg, weights, KVCache(cfg, 4, 1 << 20), ScaledExperts(), paged)  # type: ignore[arg-type]
                for _ in range(2)]
     graphs = runners[1].graphs = LayerGraphs(runners[1], max_tokens=6, capture=False)
-    sunk: list[list[tuple[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor]]] = [[], []]
+    sunk: list[list[tuple[list[tuple[str, int, int]], list[int]]]] = [[], []]
     for runner, into in zip(runners, sunk):
-        runner.kv_sink = lambda spans, layers, into=into: into.extend(
-            (layer, spans, k.clone(), v.clone()) for layer, k, v in layers)
+        runner.kv_sink = lambda spans, slots, into=into: into.append((spans, slots.tolist()))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 5, 13, 30, 2, 3, 4, 7)]
     seqs = [[Sequence(f"r{i}", p, [], 40, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate(prompts)]
@@ -93,11 +92,9 @@ def test_decode_steps_through_graphs_equal_op_by_op(arch: str, hf_models: dict[s
         torch.testing.assert_close(runners[1].kv.k[layer][real], runners[0].kv.k[layer][real], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(runners[1].kv.v[layer][real], runners[0].kv.v[layer][real], rtol=1e-5, atol=1e-5)
     assert runners[1].kv.k[0][graphs.scratch * s].abs().sum() > 0
-    assert len(sunk[0]) == len(sunk[1])
-    for (la, sa, ka, va), (lb, sb, kb, vb) in zip(*sunk):
-        assert (la, sa) == (lb, sb)
-        torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5)
+    # Each step hands the checkpointer its spans and the slots its rows wrote (whose K and V are compared above), the
+    # graphs' steps the same as the ops'.
+    assert len(sunk[0]) == 19 and sunk[0] == sunk[1]
     # Every layer is a MoE layer here: a graph from each layer on, for buckets 4, 2 and 1.
     assert graphs.buckets == [1, 2, 4, 6]
     assert sorted(graphs.graphs) == sorted((i, b) for i in range(cfg.num_layers) for b in (1, 2, 4))

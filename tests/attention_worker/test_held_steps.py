@@ -1,7 +1,8 @@
-"""Checkpoints of several steps in one message: each request's new tokens joined into one span, the
-store left holding exactly what every step's layers wrote, whole steps held until four are, a step
-stopped part-way sent at once behind them, a request's segments ahead of its KvDone, and what is held sent
-before the store link closes on a graceful exit."""
+"""Checkpoints of several steps in one message: a step held as its cache slots, each request's new tokens joined
+into one span and gathered from the cache when they go, the store left holding exactly what every step's layers
+wrote, whole steps held until four are, a step too large for one message sent at once behind them in runs of
+layers, what is held sent before its cache blocks are freed and before a request's KvDone, and before the store
+link closes on a graceful exit."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from typing import Any, cast
 import pytest
 import torch
 
-from attention_worker.checkpointer import Checkpointer
+from attention_worker.checkpointer import Checkpointer, _ToGather
 from attention_worker.held_steps import in_lockstep, join_spans
+from attention_worker.kv_cache import BlockManager
 from checkpoint_store.log import AwBucket, KvLayout
 from fabric.messages.checkpoint import KvAppend, KvDone
 
 LAYERS, HEADS, DIM = 3, 2, 4
 LAYOUT = KvLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
 IDS = {"a": 1, "b": 2, "c": 3}
+ROW_BYTES = 2 * HEADS * DIM * 4  # a token's K and V in one layer
 
 
 def kv_of(rid: str, token: int, layer: int) -> torch.Tensor:
@@ -27,31 +30,38 @@ def kv_of(rid: str, token: int, layer: int) -> torch.Tensor:
     return torch.arange(HEADS * DIM, dtype=torch.float32).view(HEADS, DIM) + 1000 * IDS[rid] + 10 * token + layer
 
 
+def slot_of(rid: str, token: int) -> int:
+    """A request's token's cache slot: its own 16, out of order (as a block table's blocks are)."""
+    return 16 * (len(IDS) - IDS[rid]) + (token * 5) % 16
+
+
 def checkpointer(steps: int) -> Checkpointer:
-    model = cast(Any, SimpleNamespace(num_layers=LAYERS))
-    kv = cast(Any, SimpleNamespace(device=torch.device("cpu")))
+    model = cast(Any, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, torch_dtype=torch.float32))
+    shape = (LAYERS, 16 * len(IDS), HEADS, DIM)  # [L, slots, K, d]
+    kv = cast(Any, SimpleNamespace(device=torch.device("cpu"), k_all=torch.zeros(shape), v_all=torch.zeros(shape),
+                                   blocks=BlockManager(len(IDS), 16)))
     ckpt = Checkpointer("aw-0", model, kv, cast(Any, None), cast(Any, None), steps_per_message=steps)
+    kv.blocks.before_release = ckpt.before_release  # as attention_worker/main.py wires it
     ckpt.link = cast(Any, SimpleNamespace(closed=False))  # the queue is read here, not sent
     return ckpt
 
 
-def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]], layers: range = range(LAYERS)) -> None:
-    """One step's layers, each its rows' KV [T, K, d] in span order, as the model runner hands them over at the
-    step's end (a step stopped part-way hands over the layers it wrote). Called from outside a loop, a loop then
-    waits, as the AW's does after a step: the step is held then."""
-    kvs = [torch.stack([kv_of(rid, t, layer) for rid, start, n in spans for t in range(start, start + n)])
-           for layer in layers]
+def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]]) -> None:
+    """One step: its rows' K and V written into every layer's cache at their slots, then handed over as the model
+    runner does at the step's end (its spans and slots)."""
+    slots = [slot_of(rid, t) for rid, start, n in spans for t in range(start, start + n)]
+    rows = [(rid, t) for rid, start, n in spans for t in range(start, start + n)]
+    for layer in range(LAYERS):
+        for slot, (rid, t) in zip(slots, rows):
+            ckpt.kv.k_all[layer, slot] = kv_of(rid, t, layer)
+            ckpt.kv.v_all[layer, slot] = -kv_of(rid, t, layer)
+    ckpt.record_step(spans, torch.tensor(slots))
 
-    async def step_then_wait() -> None:
-        ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
-        await asyncio.sleep(0)
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(step_then_wait())
-    else:
-        ckpt.record_step(spans, [(layer, k, -k) for layer, k in zip(layers, kvs)])
+def queued(ckpt: Checkpointer) -> list[Any]:
+    """The messages queued, each as it goes: its K and V gathered from the cache now, as the send loop does (and any
+    release of cache blocks does first)."""
+    return [ckpt._gathered(m)[0] if isinstance(m, _ToGather) else m for m, _ in ckpt.queue]
 
 
 def store(msgs: list[Any]) -> AwBucket:
@@ -80,8 +90,7 @@ def test_four_whole_steps_go_as_one_message_that_stores_every_segment() -> None:
     for i, spans in enumerate(steps):
         assert not ckpt.queue, f"sent after {i} steps"
         record(ckpt, spans)
-    assert len(ckpt.queue) == 1
-    msg = ckpt.queue[0][0]
+    (msg,) = queued(ckpt)
     assert isinstance(msg, KvAppend) and msg.layer == 0 and msg.k.shape == (LAYERS, 12, HEADS, DIM)
     assert list(zip(msg.request_ids, msg.starts, msg.counts)) == [("a", 0, 5), ("b", 5, 4), ("c", 0, 3)]
     bucket = store([msg])
@@ -103,7 +112,7 @@ def test_steady_decoding_joins_by_stacking_steps_and_stores_every_segment() -> N
     starts = {"a": 7, "b": 2, "c": 0}
     for i in range(4):
         record(ckpt, [(rid, start + i, 1) for rid, start in starts.items()])
-    (msg, _), = ckpt.queue
+    (msg,) = queued(ckpt)
     assert list(zip(msg.request_ids, msg.starts, msg.counts)) == [("a", 7, 4), ("b", 2, 4), ("c", 0, 4)]
     col = 0
     for rid, start in starts.items():
@@ -129,31 +138,59 @@ def test_lockstep_is_only_the_same_requests_a_token_each_in_order() -> None:
     assert in_lockstep([[("a", 0, 3)], [("a", 3, 1)]]) is None  # a prefill
 
 
-def test_a_partial_step_and_a_finish_send_what_is_held_first() -> None:
+def test_a_step_too_large_and_a_finish_send_what_is_held_first() -> None:
     ckpt = checkpointer(4)
+    ckpt._held.max_bytes = LAYERS * 4 * ROW_BYTES  # a step of 4 rows or more goes at once, in runs of layers
     record(ckpt, [("a", 0, 2), ("b", 0, 1)])
-    record(ckpt, [("a", 2, 1), ("b", 1, 1)])
-    record(ckpt, [("a", 3, 1), ("b", 2, 1)], layers=range(2))  # a step that stopped after two layers
-    record(ckpt, [("a", 3, 1), ("b", 2, 1)])  # run again whole: held anew
-    msgs = [m for m, _ in ckpt.queue]
-    assert [(m.layer, m.k.shape[0], m.counts) for m in msgs if isinstance(m, KvAppend)] == [(0, 3, [3, 2]), (0, 2, [1, 1])]
+    record(ckpt, [("a", 2, 1), ("b", 1, 1), ("c", 0, 4)])  # 6 rows: two layers a message
+    msgs = queued(ckpt)
+    assert [(m.layer, m.k.shape[0], m.counts) for m in msgs] == [(0, 3, [2, 1]), (0, 2, [1, 1, 4]), (2, 1, [1, 1, 4])]
+    record(ckpt, [("a", 3, 1), ("b", 2, 1)])
     ckpt.finished(["b"])
-    msgs = [m for m, _ in ckpt.queue]
+    msgs = queued(ckpt)
     assert isinstance(msgs[-1], KvDone) and msgs[-1].request_ids == ["b"]
     assert isinstance(msgs[-2], KvAppend) and msgs[-2].counts == [1, 1]  # the held step, ahead of b's KvDone
     bucket = store(msgs[:-1])
-    assert bucket.frontier("a") == 4 and bucket.frontier("b") == 3
-    k, v = bucket.requests["a"].kv(4)
-    for t in range(4):
-        for layer in range(LAYERS):
-            assert torch.equal(k[layer, t], kv_of("a", t, layer)) and torch.equal(v[layer, t], -kv_of("a", t, layer))
+    assert bucket.frontier("a") == 4 and bucket.frontier("b") == 3 and bucket.frontier("c") == 4
+    for rid, n in (("a", 4), ("c", 4)):
+        k, v = bucket.requests[rid].kv(n)
+        for t in range(n):
+            for layer in range(LAYERS):
+                assert torch.equal(k[layer, t], kv_of(rid, t, layer)) and torch.equal(v[layer, t], -kv_of(rid, t, layer))
+
+
+def test_held_and_queued_steps_are_gathered_before_their_blocks_are_freed() -> None:
+    """A held step is its slots, no copy, and so is a queued message until it goes. Any release of cache blocks (a
+    request's end, a preemption) first gathers both from the cache: what then goes is a copy, which the freed blocks
+    written anew do not change."""
+    ckpt = checkpointer(2)
+    for t in range(3):  # two steps queued as one message, the third held
+        record(ckpt, [("a", t, 1), ("b", t, 1)])
+    (item, _), = ckpt.queue
+    assert isinstance(item, _ToGather) and item.spans == [("a", 0, 2), ("b", 0, 2)]
+    ckpt.kv.blocks.release([0])
+    assert [type(m) for m, _ in ckpt.queue] == [KvAppend, KvAppend]
+    ckpt.kv.k_all.fill_(7.0)
+    ckpt.kv.v_all.fill_(7.0)
+    first, second = queued(ckpt)
+    assert list(zip(second.request_ids, second.starts, second.counts)) == [("a", 2, 1), ("b", 2, 1)]
+    cols = [(first, [("a", 0), ("a", 1), ("b", 0), ("b", 1)]), (second, [("a", 2), ("b", 2)])]
+    for msg, tokens in cols:
+        for col, (rid, t) in enumerate(tokens):
+            for layer in range(LAYERS):
+                want = kv_of(rid, t, layer)
+                assert torch.equal(msg.k[layer, col], want) and torch.equal(msg.v[layer, col], -want)
+    ckpt.kv.blocks.release([])  # nothing freed: nothing gathered
+    record(ckpt, [("a", 3, 1)])
+    ckpt.kv.blocks.release([])
+    assert len(ckpt.queue) == 2
 
 
 def test_one_step_a_message_sends_each_step_at_once() -> None:
     ckpt = checkpointer(1)
     record(ckpt, [("a", 0, 2)])
     record(ckpt, [("a", 2, 1)])
-    assert [m.counts for m, _ in ckpt.queue if isinstance(m, KvAppend)] == [[2], [1]]
+    assert [m.counts for m in queued(ckpt) if isinstance(m, KvAppend)] == [[2], [1]]
 
 
 class Link:
@@ -190,22 +227,3 @@ def test_a_graceful_close_sends_the_held_steps_first(drain: bool) -> None:
         assert [(m.request_ids, m.starts, m.counts) for m in sent] == [(["a"], [0], [3])]
     else:
         assert sent == []
-
-
-def test_a_step_is_held_once_the_loop_waits_and_before_a_finish() -> None:
-    """`record_step` returns at once, off the way from a step's last results to its tokens; the step is held when the
-    AW's loop next waits. A request's end that comes first takes the step ahead of its KvDone."""
-    async def scenario() -> None:
-        ckpt = checkpointer(1)  # (a whole step goes as soon as it is held)
-        record(ckpt, [("a", 0, 2)])
-        assert not ckpt.queue  # not held yet
-        await asyncio.sleep(0)
-        assert [m.counts for m, _ in ckpt.queue] == [[2]]
-        record(ckpt, [("a", 2, 1), ("b", 0, 1)])
-        ckpt.finished(["a"])  # before the loop waits
-        assert [type(m).__name__ for m, _ in ckpt.queue] == ["KvAppend", "KvAppend", "KvDone"]
-        assert ckpt.queue[1][0].counts == [1, 1]
-        await asyncio.sleep(0)
-        assert len(ckpt.queue) == 3  # held once, not again
-
-    asyncio.run(scenario())

@@ -65,13 +65,13 @@ def test_a_sim_expert_worker_scales_each_row_by_its_experts_factor(hf_models: di
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: dict[str, Path], dtype: str) -> None:
-    """The sim AW writes each layer's stand-in K and V into its caches: what its checkpointer
-    is handed for a layer is what that layer's cache holds at the step's slots, and nothing else changes."""
+    """The sim AW writes each layer's stand-in K and V into its caches at the step's slots, and nothing else; its
+    checkpointer is handed the step's spans and those slots, and reads the K and V from there."""
     cfg = dataclasses.replace(ModelConfig.from_dir(hf_models["mixtral"]), dtype=dtype)
     kv = KVCache(cfg, 4, 1 << 20)
     runner = SimRunner(cfg, kv, cast(ForwardingEngine, NoExperts()), 0.0, glue=TorchGlue(cfg.rms_norm_eps))
-    seen: list[tuple[int, list[tuple[str, int, int]], torch.Tensor, torch.Tensor]] = []
-    runner.kv_sink = lambda spans, layers: seen.extend((layer, spans, k, v) for layer, k, v in layers)
+    seen: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []
+    runner.kv_sink = lambda spans, slots: seen.append((spans, slots.clone()))
     seqs = [Sequence(f"r{i}", p, [], 4, 0.0, 1.0, -1, 0, frozenset(), True) for i, p in enumerate([[5], [7, 8, 9]])]
     for _ in range(3):
         before = [t.clone() for t in kv.k + kv.v]
@@ -81,10 +81,12 @@ def test_a_sim_aws_stand_in_kv_lands_in_its_cache_at_the_steps_slots(hf_models: 
             assert kv.blocks.grow(c.seq.block_table, c.start + c.n)
         logits, _ = asyncio.run(runner.forward(chunks))
         slots = torch.tensor([s for c in chunks for s in kv.slots(c.seq.block_table, c.start, c.start + c.n)])
-        assert sorted(layer for layer, *_ in seen) == list(range(cfg.num_layers))
-        for layer, _, k, v in seen:
-            assert k.dtype == kv.k[layer].dtype and torch.equal(kv.k[layer][slots], k)
-            assert torch.equal(kv.v[layer][slots], v)
+        (spans, handed), = seen
+        assert spans == [(c.seq.request_id, c.start, c.n) for c in chunks] and torch.equal(handed, slots)
+        stand_in = kv.k[0][slots]
+        assert stand_in.abs().sum() > 0 and not torch.equal(stand_in, before[0][slots])
+        for layer in range(cfg.num_layers):
+            assert torch.equal(kv.k[layer][slots], stand_in) and torch.equal(kv.v[layer][slots], stand_in)
             for cache, old in ((kv.k[layer], before[layer]), (kv.v[layer], before[cfg.num_layers + layer])):
                 untouched = torch.ones(cache.shape[0], dtype=torch.bool)
                 untouched[slots] = False
