@@ -29,13 +29,12 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from attention_worker.forwarding import ForwardingEngine
-from attention_worker.held_steps import HeldSteps
+from attention_worker.held_steps import HeldSteps, ToGather
 from attention_worker.kv_cache import KVCache
 from attention_worker.request import Sequence
 from fabric import cpu_regions
@@ -54,21 +53,8 @@ PUT_TOKENS = 256
 MAX_QUEUE_BYTES = 256 << 20
 
 
-@dataclass(frozen=True)
-class _ToGather:
-    """A KvAppend whose K and V are still in the cache, at `slots`: gathered when it goes, or before a block of the
-    cache is freed (`Checkpointer.before_release`)."""
-
-    seq_no: int
-    first: int  # layers first .. end-1
-    end: int
-    spans: list[tuple[str, int, int]]
-    slots: torch.Tensor  # [n] the spans' columns
-    nbytes: int
-
-
-def _nbytes(msg: Message | _ToGather) -> int:
-    if isinstance(msg, _ToGather):
+def _nbytes(msg: Message | ToGather) -> int:
+    if isinstance(msg, ToGather):
         return msg.nbytes
     return sum(t.numel() * t.element_size() for t in (getattr(msg, "k", None), getattr(msg, "v", None))
                if isinstance(t, torch.Tensor))
@@ -89,7 +75,7 @@ class Checkpointer:
         self.store_id: str | None = None
         self.link: Connection | None = None
         # (message, or one to gather, and whether its KV is in host memory yet)
-        self.queue: deque[tuple[Message | _ToGather, Callable[[], bool]]] = deque()
+        self.queue: deque[tuple[Message | ToGather, Callable[[], bool]]] = deque()
         self.copies = HostCopies(kv.device)  # KV segments leave the device on a side stream
         self.queued_bytes = 0
         # Whole steps, as their cache slots, held until they go as one message.
@@ -203,23 +189,20 @@ class Checkpointer:
         """Gathers what is held and queued from the cache before any of its blocks is freed (the block manager's hook:
         a request's end, a preemption), so that another request's step cannot write them first."""
         self._held.flush()
-        if any(isinstance(item, _ToGather) for item, _ in self.queue):
-            self.queue = deque(self._gathered(item) if isinstance(item, _ToGather) else (item, ready)
+        if any(isinstance(item, ToGather) for item, _ in self.queue):
+            self.queue = deque(self._gathered(item) if isinstance(item, ToGather) else (item, ready)
                                for item, ready in self.queue)
 
     def _send(self, first: int, end: int, spans: list[tuple[str, int, int]], slots: torch.Tensor) -> None:
-        self._enqueue(_ToGather(next(self._seq), first, end, spans, slots,
+        self._enqueue(ToGather(next(self._seq), first, end, spans, slots,
                                 (end - first) * slots.numel() * self._row_bytes))
 
-    def _gathered(self, item: _ToGather) -> tuple[KvAppend, Callable[[], bool]]:
+    def _gathered(self, item: ToGather) -> tuple[KvAppend, Callable[[], bool]]:
         """The message, its K and V [m, n, K, d] copied out of the cache (on a device, on their way to the host)."""
         c0 = cpu_regions.start()
-        k_all, v_all = self.kv.k_all, self.kv.v_all  # [L, B*S, K, d]
-        if item.first or item.end != k_all.shape[0]:
-            k_all, v_all = k_all[item.first:item.end], v_all[item.first:item.end]
-        slots = item.slots.to(k_all.device)
-        k, k_done = self.copies.start(k_all.index_select(1, slots))
-        v, v_done = self.copies.start(v_all.index_select(1, slots))
+        k, v = item.gather(self.kv.k_all, self.kv.v_all)
+        k, k_done = self.copies.start(k)
+        v, v_done = self.copies.start(v)
         spans = item.spans
         msg = KvAppend(item.seq_no, item.first, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans], k, v)
         cpu_regions.add("checkpoints: gathered from the cache", c0)
@@ -242,7 +225,7 @@ class Checkpointer:
             for seq in running:
                 self.lags.append(seq.num_computed - self.sent_upto.get(seq.request_id, 0))
 
-    def _enqueue(self, msg: Message | _ToGather, ready: Callable[[], bool] = done) -> None:
+    def _enqueue(self, msg: Message | ToGather, ready: Callable[[], bool] = done) -> None:
         n = _nbytes(msg)
         if self.queued_bytes + n > MAX_QUEUE_BYTES:
             self.dropped_bytes += n
@@ -265,7 +248,7 @@ class Checkpointer:
                     await self._wake.wait()
                     continue
                 msg, ready = self.queue[0]
-                if isinstance(msg, _ToGather):
+                if isinstance(msg, ToGather):
                     msg, ready = self.queue[0] = self._gathered(msg)
                 if not ready():  # its KV is still on its way off the device
                     await asyncio.sleep(0.0005)

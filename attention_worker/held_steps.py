@@ -18,6 +18,7 @@ Legend: L layers, m of them, T rows of a step, S steps held, K kv heads, d head 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,26 @@ Send = Callable[[int, int, list[Span], torch.Tensor], None]
 # A message's bytes at most: whole steps are joined up to this, and a larger step's layers are sent in runs of at most
 # this. A step of 64 decodes of the bench model is 1 MiB.
 MAX_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ToGather:
+    """A KvAppend whose K and V are still in the cache, at `slots`: gathered when it goes, or before a block of the
+    cache is freed (`Checkpointer.before_release`)."""
+
+    seq_no: int
+    first: int  # layers first .. end-1
+    end: int
+    spans: list[Span]
+    slots: torch.Tensor  # [n] the spans' columns
+    nbytes: int
+
+    def gather(self, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its layers' rows at its slots out of the caches k_all, v_all [L, B*S, K, d]: k, v [m, n, K, d], copies."""
+        if self.first or self.end != k_all.shape[0]:
+            k_all, v_all = k_all[self.first:self.end], v_all[self.first:self.end]
+        slots = self.slots.to(k_all.device)
+        return k_all.index_select(1, slots), v_all.index_select(1, slots)
 
 
 def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:

@@ -13,8 +13,8 @@ from typing import Any, cast
 import pytest
 import torch
 
-from attention_worker.checkpointer import Checkpointer, _ToGather
-from attention_worker.held_steps import in_lockstep, join_spans
+from attention_worker.checkpointer import Checkpointer
+from attention_worker.held_steps import ToGather, in_lockstep, join_spans
 from attention_worker.kv_cache import BlockManager
 from checkpoint_store.log import AwBucket, KvLayout
 from fabric.messages.checkpoint import KvAppend, KvDone
@@ -61,7 +61,7 @@ def record(ckpt: Checkpointer, spans: list[tuple[str, int, int]]) -> None:
 def queued(ckpt: Checkpointer) -> list[Any]:
     """The messages queued, each as it goes: its K and V gathered from the cache now, as the send loop does (and any
     release of cache blocks does first)."""
-    return [ckpt._gathered(m)[0] if isinstance(m, _ToGather) else m for m, _ in ckpt.queue]
+    return [ckpt._gathered(m)[0] if isinstance(m, ToGather) else m for m, _ in ckpt.queue]
 
 
 def store(msgs: list[Any]) -> AwBucket:
@@ -167,7 +167,7 @@ def test_held_and_queued_steps_are_gathered_before_their_blocks_are_freed() -> N
     for t in range(3):  # two steps queued as one message, the third held
         record(ckpt, [("a", t, 1), ("b", t, 1)])
     (item, _), = ckpt.queue
-    assert isinstance(item, _ToGather) and item.spans == [("a", 0, 2), ("b", 0, 2)]
+    assert isinstance(item, ToGather) and item.spans == [("a", 0, 2), ("b", 0, 2)]
     ckpt.kv.blocks.release([0])
     assert [type(m) for m, _ in ckpt.queue] == [KvAppend, KvAppend]
     ckpt.kv.k_all.fill_(7.0)
