@@ -9,8 +9,8 @@ runs for its receiver. Side by side on the 2-core VM (2026-11-28, 2 AW + 2 EW; 8
 real compute) a fabric with them ran 2-6 % faster than one over loopback TCP (docs/performance.md). Before the data
 path's messages took compiled code (2026-11-26) the same comparison found them no faster, and slower at 16 streams.
 A write to a Unix socket whose peer has closed fails at once, where TCP's succeeds; what the peer sent before it
-closed is read all the same (fabric/transport/tcp_pipe.py, `Pipe._drain_unread`). Where the kernel caps a socket's
-buffer below SNDBUF (net.core.wmem_max), they are off: see SNDBUF.
+closed is read all the same (fabric/transport/tcp_pipe.py, `Pipe._drain_unread`). They are on whatever the kernel
+caps a socket's buffer at (net.core.wmem_max): see SNDBUF.
 
 The directory is $MOE_FABRIC_SOCKET_DIR, else moe-fabric-<uid> in the temp directory. A directory that another
 user owns or can write into disables same-host sockets (TCP only). A process killed outright leaves its socket file
@@ -37,36 +37,22 @@ MAX_PATH = 100  # bytes; sun_path holds 108 with its terminator
 ENABLE = "MOE_FABRIC_SAME_HOST"
 
 
-# A Unix socket's writes are bounded by the sender's buffer alone, 208 KiB by default, where loopback TCP's grow to
-# 4 MiB on their own: a step's KV checkpoint (up to 256 KiB and more) then took a wake-up of each side per 208 KiB,
-# and incremental checkpointing cost 0.81x the tokens a second at 16 streams, against 1.00x over TCP (2026-11-28,
-# docs/performance.md). Each end of a same-host connection asks for this much (fabric/transport/tcp_pipe.py); the
-# kernel doubles what it grants, up to twice net.core.wmem_max. Where wmem_max is below half of it, TCP is used.
+# A Unix socket's writes are bounded by the sender's buffer alone, 208 KiB by default (the kernel doubles what it
+# grants, up to twice net.core.wmem_max), where loopback TCP's grow to 4 MiB on their own. Each end of a same-host
+# connection asks for this much (fabric/transport/tcp_pipe.py), so a large message (four steps' KV checkpoint,
+# 2 MiB at 64 streams) goes in one write where the kernel allows it. Where it does not (Linux's default wmem_max),
+# they are on all the same: on 2026-11-28 a step's checkpoint, a message a step, then took a wake-up of each side
+# per 416 KiB, and incremental checkpointing cost 0.81x the tokens a second at 16 streams (TCP: 1.00x), so they
+# were off there; since checkpoints go four steps to a message, gathered when they go, the same cap measured 1.00x
+# of none, and against TCP 0.97x / 0.99x / 0.79x the time a layer with no compute (docs/performance.md, seventh
+# round).
 SNDBUF = 4 << 20
-WMEM_MAX = "/proc/sys/net/core/wmem_max"
 
 
 def enabled() -> bool:
-    """Whether listeners and dialers made now use same-host sockets.
-
-    The environment says so, and a process's children inherit it; and the kernel lets their buffers grow."""
-    return os.environ.get(ENABLE, "1") != "0" and directory() is not None and buffers_can_grow()
-
-
-@functools.cache
-def buffers_can_grow() -> bool:
-    """Whether a Unix socket's send buffer may be SNDBUF (net.core.wmem_max >= SNDBUF / 2)."""
-    try:
-        with open(WMEM_MAX) as f:
-            wmem_max = int(f.read())
-    except (OSError, ValueError):
-        log.info("same-host sockets off: %s unreadable (TCP, whose buffers grow on their own)", WMEM_MAX)
-        return False
-    if wmem_max < SNDBUF // 2:
-        log.info("same-host sockets off: net.core.wmem_max is %d, below %d (a Unix socket's writes would go %d "
-                 "bytes at a time; TCP's buffers grow on their own)", wmem_max, SNDBUF // 2, 2 * wmem_max)
-        return False
-    return True
+    """Whether listeners and dialers made now use same-host sockets: the environment says so (a process's children
+    inherit it), and this user's socket directory can be trusted."""
+    return os.environ.get(ENABLE, "1") != "0" and directory() is not None
 
 
 @functools.cache
