@@ -44,8 +44,8 @@ ENABLE = "MOE_FABRIC_SAME_HOST"
 # they are on all the same: on 2026-11-28 a step's checkpoint, a message a step, then took a wake-up of each side
 # per 416 KiB, and incremental checkpointing cost 0.81x the tokens a second at 16 streams (TCP: 1.00x), so they
 # were off there; since checkpoints go four steps to a message, gathered when they go, the same cap measured 1.00x
-# of none, and against TCP 0.97x / 0.99x / 0.79x the time a layer with no compute (docs/performance.md, seventh
-# round).
+# of none, and against TCP 0.97x / 0.99x / 0.79x the time a layer with no compute; against a 4 MiB cap 1.00x /
+# 0.87x / 1.02x (docs/performance.md, seventh round).
 SNDBUF = 4 << 20
 
 
