@@ -15,7 +15,7 @@ gateway's chunks with no fabric behind it, paced at the goal's time a layer, rea
 table sets them against the budget at the goal's pace: the cores' CPU a token when a step takes the model's layers x
 the goal's µs a layer, less what the edge alone takes of it; what is left is what the gateways' own work, the AWs,
 the EWs and the checkpoint store may spend a token. Against a baseline fabric (`--baseline-tree`, `--aa`,
-`--collapse-ab`) a third table gives each role's CPU a token, this / baseline: a slower hour on this VM stretches
+`--collapse-ab`, `--checkpoint-ab`) a third table gives each role's CPU a token, this / baseline: a slower hour on this VM stretches
 both fabrics' waits, not what a token costs, so it resolves smaller changes than time does.
 
 Against a baseline (`--baseline-tree`, `--collapse-ab`, ...) each concurrency's ratio is the median of the per-round
@@ -24,6 +24,9 @@ shows what the method resolves on this machine: rounds of 64 tokens once gave an
 (10 repeats), rounds of 256 tokens 0.98x-1.05x at every concurrency in two runs (16 repeats; docs/performance.md):
 
     python bench/bench_fabric_cost.py --aa --repeats 16
+
+`--checkpoint-ab` measures what incremental checkpoints cost: two fabrics of this tree, the default as "this" and one
+that checkpoints nothing (`--checkpoint off`) as "baseline".
 
 The fabric's processes ask the kernel to keep idle CPUs polling while they serve (`--cpu-latency-us`,
 fabric/cpu_latency.py). The request is system-wide: a baseline tree's fabric up beside this one runs its rounds
@@ -80,7 +83,7 @@ def goal_us(streams: int) -> float:
 @contextlib.contextmanager
 def this_fabric(model: Path, log_root: str, expert_workers: int = 2, cpu_latency_us: int = 0, expert_ms: float = 0.0,
                 roles: dict[str, Callable[[], dict[str, list[int]]]] | None = None, name: str = "this",
-                **over: float) -> Iterator[str]:
+                **over: float | str) -> Iterator[str]:
     """A zero-compute fabric of this tree; its processes' pids by role go into `roles[name]` (a function: a process
     restarted since is its new one)."""
     cfg = ServeConfig(model=str(model), attention_workers=2, expert_workers=expert_workers, compute="sim",
@@ -194,6 +197,9 @@ def main() -> None:
     ap.add_argument("--collapse-ab", action="store_true",
                     help="two fabrics of this tree: the default ('this') and one that always spreads a layer's rows "
                          "('baseline', --collapse-below-us 0)")
+    ap.add_argument("--checkpoint-ab", action="store_true",
+                    help="two fabrics of this tree: the default ('this', incremental checkpoints) and one that "
+                         "checkpoints nothing ('baseline', --checkpoint off): what checkpoints cost")
     ap.add_argument("--aa", action="store_true",
                     help="two fabrics of this tree, the same flags ('this' and 'baseline'): the method's own noise")
     ap.add_argument("--edge-repeats", type=int, default=3,
@@ -201,8 +207,8 @@ def main() -> None:
     ap.add_argument("--sim-expert-ms", type=float, default=0.0,
                     help="what an EW's batch costs in every fabric (0: zero compute)")
     args = ap.parse_args()
-    if sum((args.cpu_latency_ab, args.collapse_ab, args.aa, args.baseline_tree is not None)) > 1:
-        ap.error("one of --cpu-latency-ab, --collapse-ab, --aa and --baseline-tree")
+    if sum((args.cpu_latency_ab, args.collapse_ab, args.checkpoint_ab, args.aa, args.baseline_tree is not None)) > 1:
+        ap.error("one of --cpu-latency-ab, --collapse-ab, --checkpoint-ab, --aa and --baseline-tree")
     if args.cpu_latency_ab:
         with cpu_latency.held(0) as taken:
             if not taken:
@@ -233,8 +239,9 @@ def main() -> None:
         around = {"this": lambda: cpu_latency.held(0)} if args.cpu_latency_ab else None
         if args.cpu_latency_ab:
             urls["baseline"] = urls["this"]
-        elif args.collapse_ab or args.aa:
-            over = {"collapse_below_us": 0.0} if args.collapse_ab else {}
+        elif args.collapse_ab or args.checkpoint_ab or args.aa:
+            over: dict[str, float | str] = ({"collapse_below_us": 0.0} if args.collapse_ab
+                                            else {"checkpoint": "off"} if args.checkpoint_ab else {})
             urls["baseline"] = stack.enter_context(this_fabric(args.model_dir, log_root, args.expert_workers,
                                                                expert_ms=args.sim_expert_ms, roles=roles,
                                                                name="baseline", **over))
@@ -258,6 +265,8 @@ def main() -> None:
     if args.collapse_ab:
         print("\nthis = the default (a layer's rows onto one EW while its experts are cheap); baseline = always spread "
               "(--collapse-below-us 0)")
+    if args.checkpoint_ab:
+        print("\nthis = the default (incremental checkpoints); baseline = no checkpoints (--checkpoint off)")
     if args.aa:
         print("\nthis and baseline = two fabrics of this tree, the same flags (A/A: the method's noise)")
     if args.sim_expert_ms:
@@ -309,7 +318,8 @@ def main() -> None:
         if base:
             ax.plot(xs, [r["baseline_us_per_layer"] for r in rows], "o-", alpha=0.5,
                     label="idle CPUs sleeping" if ab else "always spread" if args.collapse_ab
-                    else "the same tree (A/A)" if args.aa else "baseline tree")
+                    else "no checkpoints" if args.checkpoint_ab else "the same tree (A/A)" if args.aa
+                    else "baseline tree")
         ax.plot(xs, [r["transport_us"] for r in rows], "s--", label="bare transport round trip (tcp)")
         ax.plot(xs, [r["unix_us"] for r in rows], "d--", label="bare transport round trip (same-host socket)")
         ax.plot(xs, [r["socket_us"] for r in rows], "^:", label="plain socket round trip")
