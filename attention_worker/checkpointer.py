@@ -204,7 +204,8 @@ class Checkpointer:
         k, k_done = self.copies.start(k)
         v, v_done = self.copies.start(v)
         spans = item.spans
-        msg = KvAppend(item.seq_no, item.first, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans], k, v)
+        msg = KvAppend(item.seq_no, item.first, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans],
+                       k, v)
         cpu_regions.add("checkpoints: gathered from the cache", c0)
         return msg, lambda: k_done() and v_done()
 

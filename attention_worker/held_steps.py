@@ -2,9 +2,10 @@
 
 A step's KV is already in the AW's paged cache, and its slots there do not change while its requests run. So a
 step is held as its spans and its rows' cache slots, no copy, and a message goes out as the slots of its columns: the
-checkpointer gathers their K and V out of the cache, every layer in one op, when it sends the message. Whole steps are held until `steps` are (or MAX_BYTES), and go as one message in which each
-request's consecutive tokens are one span: the store wakes, reads and writes a span once for four tokens, which
-halved its CPU a token (docs/performance.md). The checkpointed frontier then trails the live one by up to `steps`
+checkpointer gathers their K and V out of the cache, every layer in one op, when it sends the message. Whole steps
+are held until `steps` are (or MAX_BYTES), and go as one message in which each request's consecutive tokens are one
+span: the store wakes, reads and writes a span once for four tokens, which halved its CPU a token
+(docs/performance.md). The checkpointed frontier then trails the live one by up to `steps`
 tokens (three held, a fourth's message not yet out), where it trailed by one: a restore recomputes them
 (attention_worker/checkpointer.py). A step too large for one message goes at once, after what is held, a run of
 its layers a message.
