@@ -81,6 +81,7 @@ class Checkpointer:
         # Whole steps, as their cache slots, held until they go as one message.
         self._row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.torch_dtype.itemsize  # a token's K and V, a layer
         self._held = HeldSteps(cfg.num_layers, self._row_bytes, steps_per_message, self._send)
+        kv.blocks.before_release = self.before_release  # what is held and queued reads the cache
         self._wake = asyncio.Event()
         self._sent_all = asyncio.Event()  # the queue is empty and nothing is being sent
         self._tasks: list[asyncio.Task[None]] = []

@@ -200,7 +200,6 @@ class AttentionService(Service):
                                  self.glue, self.rowwise)
             runner.graphs = self.graphs
         runner.kv_sink = ckpt.record_step
-        kv.blocks.before_release = ckpt.before_release  # (it holds steps as their cache slots)
         self.aw = AttentionWorker(cfg, self.model, kv, refe, ckpt, runner)
 
     async def handle(self, msg: Message) -> None:

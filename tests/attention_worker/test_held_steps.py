@@ -41,7 +41,6 @@ def checkpointer(steps: int) -> Checkpointer:
     kv = cast(Any, SimpleNamespace(device=torch.device("cpu"), k_all=torch.zeros(shape), v_all=torch.zeros(shape),
                                    blocks=BlockManager(len(IDS), 16)))
     ckpt = Checkpointer("aw-0", model, kv, cast(Any, None), cast(Any, None), steps_per_message=steps)
-    kv.blocks.before_release = ckpt.before_release  # as attention_worker/main.py wires it
     ckpt.link = cast(Any, SimpleNamespace(closed=False))  # the queue is read here, not sent
     return ckpt
 
