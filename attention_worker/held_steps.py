@@ -46,10 +46,8 @@ class ToGather:
 
     def gather(self, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Its layers' rows at its slots out of the caches k_all, v_all [L, B*S, K, d]: k, v [m, n, K, d], copies."""
-        if self.first or self.end != k_all.shape[0]:
-            k_all, v_all = k_all[self.first:self.end], v_all[self.first:self.end]
         slots = self.slots.to(k_all.device)
-        return k_all.index_select(1, slots), v_all.index_select(1, slots)
+        return k_all[self.first:self.end].index_select(1, slots), v_all[self.first:self.end].index_select(1, slots)
 
 
 def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:
@@ -103,9 +101,6 @@ class HeldSteps:
 
     def clear(self) -> None:
         self._held, self._bytes = [], 0
-
-    def __bool__(self) -> bool:
-        return bool(self._held)
 
     def record_step(self, spans: list[Span], slots: torch.Tensor) -> None:
         """A step's spans and the cache slots its rows [T] wrote in every layer."""

@@ -18,7 +18,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
-        # Called before blocks are freed: the checkpointer sends the steps it holds, which it reads from the cache.
+        # Called before blocks are freed: the checkpointer gathers from the cache the steps it holds and queues.
         self.before_release: Callable[[], None] | None = None
 
     @property
