@@ -113,7 +113,7 @@ class NativeGlue(TorchGlue):
 
     def plan(self, layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
              num_experts: int) -> LayerPlan:
-        if x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or weights.dtype != torch.float32:
+        if not x.is_cpu or x.dim() != 2 or x.stride(1) != 1 or weights.dtype != torch.float32:
             return plan_layer(layer, x, experts, weights, num_experts)
         xs, token_of_row, w, counts = self.ops.plan_rows(x, experts.contiguous(), weights.contiguous(), num_experts)
         return LayerPlan(layer, xs, spans_of(counts.tolist()), token_of_row, w, x.shape[0])

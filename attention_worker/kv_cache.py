@@ -59,10 +59,11 @@ class KVCache:
         num_blocks = max(1, budget_bytes // per_block)
         self.blocks = BlockManager(num_blocks, block_size)
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # [L, B*S, K, d]
-        # Every layer's cache in one tensor, so a read or write of the same slots in all layers is one op (a restore,
-        # a store's re-send, the simulator's stand-in K and V); `k[i]` and `v[i]` are layer i's [B*S, K, d], its views.
-        self.k_all = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
-        self.v_all = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
+        # K and V of every layer in one tensor [2, L, B*S, K, d], so that a read or write of the same slots in all
+        # layers is one op (a restore, a store's re-send; the simulator's stand-ins, K and V together). `k_all` and
+        # `v_all` are its halves [L, B*S, K, d], and `k[i]` and `v[i]` layer i's [B*S, K, d]: views.
+        self.kv_all = torch.zeros((2, *shape), dtype=cfg.torch_dtype, device=self.device)
+        self.k_all, self.v_all = self.kv_all.unbind(0)
         self.k = list(self.k_all.unbind(0))
         self.v = list(self.v_all.unbind(0))
 

@@ -49,7 +49,7 @@ def plan_layer(layer: int, x: torch.Tensor, experts: torch.Tensor, weights: torc
 
     The plan is made in host memory, where its rows go on the wire and a decode step's few rows sort in a few µs
     an op. On a GPU, x and its routing come to the host first, in one wait."""
-    if x.device.type != "cpu":  # (the check alone: on the host a call costs a few µs of a layer's plan)
+    if not x.is_cpu:  # (the check alone: on the host a call costs a few µs of a layer's plan)
         x, experts, weights = to_host_all(x, experts, weights)
     t, k = experts.shape
     flat = experts.numpy().reshape(-1)  # [R]
@@ -90,7 +90,7 @@ def combine(plan: LayerPlan, parts: list[Part], like: torch.Tensor) -> torch.Ten
     transformers adds them); on a GPU the sum then goes to the device in one copy. `like` [T, D] gives its dtype
     and device."""
     yw = _joined(parts, plan.xs) * plan.weights[:, None]  # [R, D]
-    if like.device.type == "cpu":
+    if like.is_cpu:
         return torch.zeros_like(like).index_add_(0, plan.token_of_row, yw)
     out = torch.zeros(like.shape, dtype=like.dtype, pin_memory=True)
     return to_device(out.index_add_(0, plan.token_of_row, yw), like.device)

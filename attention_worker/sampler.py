@@ -40,7 +40,7 @@ def greedy_rows(logits: torch.Tensor) -> list[int]:
     such a row has one) is done again with NaN made -inf. Ties go to the lowest id in both."""
     if not logits.shape[0]:
         return []
-    if logits.device.type != "cpu":
+    if not logits.is_cpu:
         return _greedy_torch(logits)
     a = logits.detach().float().numpy()  # [S, V]
     picked = np.argmax(a, axis=1)  # [S]

@@ -90,14 +90,11 @@ class SimRunner(ModelRunner):
         h = np.tile(h8, (1, -(-cfg.hidden_size // self.width)))[:, : cfg.hidden_size]  # [T, D]
         # Every layer's routing, made once a step.
         experts = self.routes[(ids * 7919 + pos * 104729 + self.layer_keys) % ROUTES]  # [L, T, k]
-        # The stand-in K and V rows of every layer, written to every layer's cache at once (one op each: the stand-in's
-        # cost is not the fabric's); the checkpoints read them from there at the step's end, as they do attention's.
-        kv = torch.from_numpy(np.repeat(h8[:, :1], self.kv_size, axis=1)).view(t, cfg.num_kv_heads, cfg.head_dim)
-        kv = kv.to(cfg.torch_dtype)
-        _write_every_layer(self.kv.k_all, meta.slots, kv)
-        _write_every_layer(self.kv.v_all, meta.slots, kv)
-        return self._advance(SimStep(meta, torch.from_numpy(np.ascontiguousarray(h)).to(cfg.torch_dtype), experts=experts,
-                                     weights=self._weights(t)))
+        # The stand-in K and V rows of every layer: each row's every value its h8[:, 0], written to K and V of every
+        # layer at once (one op: the stand-in's cost is not the fabric's); the checkpoints read them from there at the
+        # step's end, as they do attention's.
+        _write_stand_ins(self.kv.kv_all, meta.slots, h8[:, 0])
+        return self._advance(SimStep(meta, _as_tensor(h, cfg.torch_dtype), experts=experts, weights=self._weights(t)))
 
     def _weights(self, t: int) -> torch.Tensor:
         """The router weights' stand-in, 1/k each [t, k]: views of one tensor, made again only for a larger step."""
@@ -146,16 +143,26 @@ def _at_least(buf: B, n: int, make: Callable[[int], B]) -> B:
     return buf if buf.shape[0] >= n else make(max(n, 2 * buf.shape[0]))
 
 
-def _write_every_layer(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache [L, S, K, d][:, slots] = rows [T, K, d], in every layer. On the host numpy's assignment takes a fifth of
-    `index_copy_`'s time with the rows broadcast over the layers (4.6 µs against 24 at 32 rows), on a bit view of a
-    2-byte dtype numpy lacks; elsewhere `index_copy_`."""
-    if cache.device.type != "cpu":
-        cache.index_copy_(1, slots, rows.expand(cache.shape[0], *rows.shape))
+def _write_stand_ins(cache: torch.Tensor, slots: torch.Tensor, values: np.ndarray) -> None:
+    """cache [2, L, S, K, d][:, :, slots] = values [T] float32, each row's every K and V value in every layer its one.
+
+    On the host numpy's assignment broadcasts the values in one op (a fifth of `index_copy_`'s time, which takes
+    TensorIterator's slow path for rows broadcast over layers); a 2-byte dtype, which numpy lacks, as bits."""
+    if cache.is_cpu and cache.dtype == torch.float32:
+        cache.numpy()[:, :, slots.numpy()] = values[:, None, None]
         return
-    if cache.element_size() == 2:
-        cache, rows = cache.view(torch.int16), rows.view(torch.int16)
-    cache.numpy()[:, slots.numpy()] = rows.numpy()
+    rows = torch.from_numpy(np.ascontiguousarray(values)).to(cache.dtype)[:, None, None]  # [T, 1, 1]
+    if cache.is_cpu and cache.element_size() == 2:
+        cache.view(torch.int16).numpy()[:, :, slots.numpy()] = rows.view(torch.int16).numpy()
+        return
+    rows = rows.to(cache.device)
+    cache.index_copy_(2, slots.to(cache.device), rows.expand(*cache.shape[:2], slots.shape[0], *cache.shape[3:]))
+
+
+def _as_tensor(h: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The hidden stand-in [T, D] as a tensor of the model's dtype (itself, uncopied, where it is float32 and whole)."""
+    t = torch.from_numpy(h if h.flags.c_contiguous else np.ascontiguousarray(h))
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 @dataclass

@@ -267,7 +267,7 @@ class ExpertExecutor:
         """One layer's batch, x [N, D] in host memory (pinned on a GPU), through its CUDA graph: the results [N, D]
         on the device, in the graph's buffer; None where the batch is not one for a graph (expert_worker/graphs.py).
         (On the CPU only the tests have graphs, not captured.)"""
-        if (self.graphs is None or x.device.type != "cpu" or not self.graphs.takes(x.shape[0])
+        if (self.graphs is None or not x.is_cpu or not self.graphs.takes(x.shape[0])
                 or units[0][0] != units[-1][0]):
             return None
         ((layer, stack, _, _, per),) = self._layers(units, counts)

@@ -98,6 +98,11 @@ class SyncPolicy(GatherPolicy):
             return [], None
         if self.hurry:
             return list(pending), None
+        if len(pending) == 1:  # (the usual case at a few streams: one AW's call, and nobody else's to wait for)
+            p = pending[0]
+            if now - p.arrived >= self.max_wait or not active_aws or active_aws == {p.aw_id}:
+                return self._waited(list(pending), now), None
+            return [], p.arrived + self.max_wait - now
         delivered = {p.aw_id for p in pending}
         oldest = min(p.arrived for p in pending)
         if now - oldest >= self.max_wait:

@@ -340,11 +340,14 @@ class ExpertWorker(Service):
             batch, wait = self.policy.select(self.pending, self._awaited(), time.monotonic())
         if not batch:
             return False, wait
-        chosen = {id(p) for p in batch}
         # The control loop counts the batch held (`load`) from before it leaves `pending` until its results are sent:
         # a probe answered between the two would tell its AWs that this EW holds none of their calls.
         self.computing = batch
-        self.pending = [p for p in self.pending if id(p) not in chosen]
+        if len(batch) == len(self.pending):  # (all of them: a batch is some of the pending calls)
+            self.pending = []
+        else:
+            chosen = {id(p) for p in batch}
+            self.pending = [p for p in self.pending if id(p) not in chosen]
         try:
             t0 = time.perf_counter()
             c0 = cpu_regions.start()

@@ -87,7 +87,7 @@ class SimExecutor(ExpertExecutor):
         key = (c.layer, tuple(c.experts), tuple(c.counts), like.dtype, like.device) if c.x.shape[0] <= SMALL_CALL else None
         col = self._columns.get(key) if key is not None else None
         if col is None:
-            if like.dtype == torch.float32 and like.device.type == "cpu":  # (the usual case: no conversion, no copy)
+            if like.dtype == torch.float32 and like.is_cpu:  # (the usual case: no conversion, no copy)
                 col = torch.from_numpy(np.repeat(self._layer_factors(c.layer, np.float32)[c.experts], c.counts)[:, None])
             else:
                 factors = np.repeat(self._layer_factors(c.layer)[c.experts], c.counts)  # [R']

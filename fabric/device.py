@@ -59,7 +59,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
     It is `t` itself where it is there already. Else it is a copy in pinned memory, made before this returns. The
     copy is a DMA at the bus's speed, not staged through a pageable buffer. torch caches the pinned blocks."""
-    return t if t.device.type == "cpu" else to_host_all(t)[0]
+    return t if t.is_cpu else to_host_all(t)[0]
 
 
 def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -73,11 +73,11 @@ def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def to_host_all(*ts: torch.Tensor) -> list[torch.Tensor]:
     """Each of `ts` in host memory, as `to_host` makes it, with one wait for all the copies instead of one each."""
-    if all(t.device.type == "cpu" for t in ts):
+    if all(t.is_cpu for t in ts):
         return list(ts)
     hosts = []
     for t in ts:
-        if t.device.type == "cpu":
+        if t.is_cpu:
             hosts.append(t)
             continue
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -148,7 +148,7 @@ class HostCopies:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
-        if self.stream is None or t.device.type == "cpu":
+        if self.stream is None or t.is_cpu:
             return t, done
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the kernels that wrote t

@@ -183,10 +183,8 @@ async def run_choice(pool: AwPool, choice: Choice, params: GenParams, tokenizer:
                     choice.finish_reason, choice.done = finish, True
                     return
                 continue
-            if last is not None:
-                metrics.tbt.observe(now - last)
+            metrics.streamed.add(now - last if last is not None else None)
             last = now
-            metrics.generated.inc()
             lp: list[Entry] = [(ev.token, ev.logprob, ev.top)] if ev.logprob is not None else []
             prompt = choice.prompt if index == 0 else None
             if finish is not None:

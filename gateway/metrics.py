@@ -6,9 +6,13 @@ cluster view at each scrape.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -23,9 +27,9 @@ class Metrics:
         self.finished = Counter("moe_fabric_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("moe_fabric_request_errors", "Failed requests by HTTP status", ["status"], registry=r)
         self.ttft = Histogram("moe_fabric_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.tbt = Histogram("moe_fabric_time_between_tokens_seconds", "Time between tokens of a stream", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("moe_fabric_e2e_latency_seconds", "Request latency, arrival to last token", buckets=LATENCY_BUCKETS, registry=r)
-        self.generated = Counter("moe_fabric_generated_tokens", "Generated tokens", registry=r)
+        self.streamed = StreamedTokens()  # moe_fabric_generated_tokens, moe_fabric_time_between_tokens_seconds
+        r.register(self.streamed)
         self.prompt = Counter("moe_fabric_prompt_tokens", "Prompt tokens", registry=r)
         self.kv_used = Gauge("moe_fabric_kv_blocks_used", "KV cache blocks in use per attention worker", ["worker"], registry=r)
         self.kv_free = Gauge("moe_fabric_kv_blocks_free", "Free KV cache blocks per attention worker", ["worker"], registry=r)
@@ -61,3 +65,28 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StreamedTokens:
+    """The tokens streamed, and the times between a stream's tokens, counted a token at a time as plain numbers on the
+    gateway's loop and exported at each scrape (`collect`). A prometheus Histogram's observe and a Counter's inc take
+    a lock and walk the buckets in Python, ~1 µs a token of a gateway's ~10 beyond its HTTP writes at 64 streams."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.gaps = [0] * (len(LATENCY_BUCKETS) + 1)  # by bucket: at most each bound, then over them all (+Inf)
+        self.gap_sum = 0.0
+
+    def add(self, gap: float | None) -> None:
+        """One token streamed, `gap` seconds after its stream's last (None for a stream's first)."""
+        self.count += 1
+        if gap is not None:
+            self.gaps[bisect_left(LATENCY_BUCKETS, gap)] += 1  # (the first bound >= gap: a histogram's `le`)
+            self.gap_sum += gap
+
+    def collect(self) -> Iterator[Metric]:
+        bounds = [*map(floatToGoString, LATENCY_BUCKETS), "+Inf"]
+        cumulative = [sum(self.gaps[: i + 1]) for i in range(len(self.gaps))]
+        yield HistogramMetricFamily("moe_fabric_time_between_tokens_seconds", "Time between tokens of a stream",
+                                    buckets=list(zip(bounds, cumulative)), sum_value=self.gap_sum)
+        yield CounterMetricFamily("moe_fabric_generated_tokens", "Generated tokens", value=self.count)

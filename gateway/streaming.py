@@ -93,30 +93,30 @@ async def stream(request: web.Request, fmt: Formatter, prompts: list[list[int]],
     chat = fmt.chat
     ids = "text/event-stream" in request.headers.get("Accept", "") or "Last-Event-ID" in request.headers
 
-    async def send(obj: dict[str, Any] | str, event_id: str | None = None) -> None:
-        head = f"id: {event_id}\ndata: " if event_id is not None and ids else "data: "
-        await resp.write(b"".join((head.encode(), obj.encode() if isinstance(obj, str) else _to_json(obj), b"\n\n")))
+    async def send(obj: dict[str, Any] | str, with_id: bool = True) -> None:
+        head = f"id: {pos.event_id()}\ndata: ".encode() if with_id and ids else b"data: "
+        await resp.write(b"".join((head, obj.encode() if isinstance(obj, str) else _to_json(obj), b"\n\n")))
 
     if chat:
         for c in choices:
             if pos.counts[c.index] == 0:
                 pos.counts[c.index] = 1
-                await send(fmt.chunk(c.index, None, first=True), pos.event_id())
+                await send(fmt.chunk(c.index, None, first=True))
     merged = _merged(gens)
     try:
         async for i, item in merged:
             if isinstance(item, GenerationError):
                 metrics.errors.labels(str(item.status)).inc()
                 await send({"error": {"message": str(item), "type": "server_error", "param": None,
-                                      "code": item.status}}, pos.event_id())
+                                      "code": item.status}})
                 break
             pos.counts[i] = item.index + 1 + (1 if chat else 0)
-            await send(fmt.chunk(i, item), pos.event_id())
+            await send(fmt.chunk(i, item))
         else:
             if fmt.params.include_usage and not pos.usage_sent:
                 pos.usage_sent = True
-                await send(fmt.usage_chunk(sum(len(ids) for ids in prompts), choices), pos.event_id())
-        await send("[DONE]")
+                await send(fmt.usage_chunk(sum(len(ids) for ids in prompts), choices))
+        await send("[DONE]", with_id=False)
         await resp.write_eof()
     finally:
         await merged.aclose()

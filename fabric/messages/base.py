@@ -193,7 +193,7 @@ def _encoder(tp: Any) -> Encoder:
 def _encode_tensor(t: torch.Tensor, frames: Frames) -> list[Any]:
     t = t.contiguous()
     meta = [_torch_names()[t.dtype], list(t.shape), len(frames)]
-    frames.append(_tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t))
+    frames.append(_tensor_bytes(t) if t.is_cpu else _device_bytes(t))
     return meta
 
 

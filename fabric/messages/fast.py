@@ -26,6 +26,8 @@ import math
 import struct
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import numpy as np
+
 from fabric.messages.base import (
     TORCH_DTYPE_NAMES,
     Message,
@@ -58,6 +60,8 @@ _LEN = struct.Struct("<Q")  # the frame table of a message with one frame
 # control-plane process (the orchestrator, a gateway) never does, and each makes tcp connections.
 CALL, RESULT = "expert_call", "expert_result"
 STEP = StepOutput.kind
+# A wire dtype's numpy dtype, where numpy has it (not bfloat16): a frame is viewed and sent through numpy.
+_NUMPY: dict[str, np.dtype | None] = {name: None if name == "bfloat16" else np.dtype(name) for name in TORCH_DTYPE_NAMES}
 
 if msgspec is not None:
     # A tensor in a header: [dtype name, shape, frame index], here always frame 0 (each message has one).
@@ -118,16 +122,17 @@ def encode_parts(msg: Message) -> tuple[bytes, memoryview | None] | None:
     call: ExpertCall = msg  # type: ignore[assignment]
     result: ExpertResult = msg  # type: ignore[assignment]
     t = call.x if msg.kind == CALL else result.y
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if not t.is_cpu or not t.is_contiguous():
         return None
-    meta: Any = (_torch_names()[t.dtype], list(t.shape), 0)
+    name = _torch_names()[t.dtype]
+    meta: Any = (name, list(t.shape), 0)
     head: Any = (_CallHead(call.call_id, call.epoch, call.layer, call.experts, call.counts, meta, call.replay, call.pads)
                  if msg.kind == CALL else _ResultHead(result.call_id, meta, result.others, result.batch_s))
     try:
         packed = _encoder.encode(head)
     except (msgspec.EncodeError, TypeError, OverflowError):  # a value msgpack cannot carry: the generic codec says
         return None
-    frame = _tensor_bytes(t)
+    frame = t.numpy().data.cast("B") if _NUMPY[name] is not None and t.numel() else _tensor_bytes(t)  # (as it lies)
     n = frame.nbytes
     return b"".join((PREFIX.pack(MAGIC, len(packed), 1, 8 + len(packed) + n), _LEN.pack(n), packed)), frame
 
@@ -194,4 +199,7 @@ def _tensor(meta: tuple[str, list[int], int], body: memoryview, start: int, n: i
         return None
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
+    np_dtype = _NUMPY[meta[0]]
+    if np_dtype is not None and not body.readonly:  # (0.8 µs through a numpy view, 1.8 as frombuffer and a view)
+        return torch.from_numpy(np.ndarray(shape, np_dtype, body, start))
     return torch.frombuffer(body, dtype=dtype, offset=start, count=numel).view(shape)
