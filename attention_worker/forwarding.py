@@ -340,7 +340,8 @@ class ForwardingEngine:
         parts: list[Part] = []
         replay = False
         while True:
-            if pad and not replay:
+            # (Collapsed, an empty call only says to stop padding, and none is due once every link was told.)
+            if pad and not replay and (not self.collapse.on or any(k.said_pads for k in self.links.links.values())):
                 excluded = self.links.excluded
                 called = {c.ew for c in calls}
                 for ew, addr in self.table.expert_workers.items():
@@ -372,8 +373,8 @@ class ForwardingEngine:
                 else:
                     parts.append((c.rows, res))
             if not failed:
-                if self.collapse.below_s > 0 and not replay:
-                    self.collapse.ran(sum(link.batch_s for c in calls if (link := self.links.live(c.ew)) is not None))
+                if self.collapse.below_s > 0 and not replay:  # (each answered call's link has its batch's time)
+                    self.collapse.ran(sum(k.batch_s for c in calls if (k := self.links.links.get(c.ew)) is not None))
                 cpu_regions.add("layer: results taken", c0)
                 return parts
             calls, replay = await self._routed_calls(plan.layer, failed), True
