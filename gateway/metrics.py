@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -70,7 +71,7 @@ class Metrics:
 class StreamedTokens:
     """The tokens streamed, and the times between a stream's tokens, counted a token at a time as plain numbers on the
     gateway's loop and exported at each scrape (`collect`). A prometheus Histogram's observe and a Counter's inc take
-    a lock and walk the buckets in Python, ~1 µs a token of a gateway's ~10 beyond its HTTP writes at 64 streams."""
+    a lock each and walk the buckets in Python: 6 % of a gateway's Python time at 64 streams (cProfile)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -86,7 +87,6 @@ class StreamedTokens:
 
     def collect(self) -> Iterator[Metric]:
         bounds = [*map(floatToGoString, LATENCY_BUCKETS), "+Inf"]
-        cumulative = [sum(self.gaps[: i + 1]) for i in range(len(self.gaps))]
         yield HistogramMetricFamily("moe_fabric_time_between_tokens_seconds", "Time between tokens of a stream",
-                                    buckets=list(zip(bounds, cumulative)), sum_value=self.gap_sum)
+                                    buckets=list(zip(bounds, accumulate(self.gaps))), sum_value=self.gap_sum)
         yield CounterMetricFamily("moe_fabric_generated_tokens", "Generated tokens", value=self.count)
