@@ -201,7 +201,7 @@ class Checkpointer:
     def _gathered(self, item: ToGather) -> tuple[KvAppend, Callable[[], bool]]:
         """The message, its K and V [m, n, K, d] copied out of the cache (on a device, on their way to the host)."""
         c0 = cpu_regions.start()
-        k, v = item.gather(self.kv.k_all, self.kv.v_all)
+        k, v = item.gather(self.kv.kv_all)
         k, k_done = self.copies.start(k)
         v, v_done = self.copies.start(v)
         spans = item.spans

@@ -44,10 +44,11 @@ class ToGather:
     slots: torch.Tensor  # [n] the spans' columns
     nbytes: int
 
-    def gather(self, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Its layers' rows at its slots out of the caches k_all, v_all [L, B*S, K, d]: k, v [m, n, K, d], copies."""
-        slots = self.slots.to(k_all.device)
-        return k_all[self.first:self.end].index_select(1, slots), v_all[self.first:self.end].index_select(1, slots)
+    def gather(self, kv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its layers' rows at its slots out of the cache kv_all [2, L, B*S, K, d] (K and V) in one op: k, v [m, n, K, d],
+        the halves of one copy."""
+        kv = kv_all[:, self.first:self.end].index_select(2, self.slots.to(kv_all.device))
+        return kv[0], kv[1]
 
 
 def join_spans(steps: list[list[Span]]) -> tuple[list[Span], list[int]]:

@@ -161,7 +161,7 @@ def _write_stand_ins(cache: torch.Tensor, slots: torch.Tensor, values: np.ndarra
 
 def _as_tensor(h: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """The hidden stand-in [T, D] as a tensor of the model's dtype (itself, uncopied, where it is float32 and whole)."""
-    t = torch.from_numpy(h if h.flags.c_contiguous else np.ascontiguousarray(h))
+    t = torch.from_numpy(np.ascontiguousarray(h))
     return t if t.dtype == dtype else t.to(dtype)
 
 

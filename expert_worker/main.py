@@ -343,11 +343,8 @@ class ExpertWorker(Service):
         # The control loop counts the batch held (`load`) from before it leaves `pending` until its results are sent:
         # a probe answered between the two would tell its AWs that this EW holds none of their calls.
         self.computing = batch
-        if len(batch) == len(self.pending):  # (all of them: a batch is some of the pending calls)
-            self.pending = []
-        else:
-            chosen = {id(p) for p in batch}
-            self.pending = [p for p in self.pending if id(p) not in chosen]
+        chosen = {id(p) for p in batch} if len(batch) < len(self.pending) else None  # (None: all of them)
+        self.pending = [p for p in self.pending if id(p) not in chosen] if chosen else []
         try:
             t0 = time.perf_counter()
             c0 = cpu_regions.start()

@@ -38,7 +38,8 @@ def slot_of(rid: str, token: int) -> int:
 def checkpointer(steps: int) -> Checkpointer:
     model = cast(Any, SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, torch_dtype=torch.float32))
     shape = (LAYERS, 16 * len(IDS), HEADS, DIM)  # [L, slots, K, d]
-    kv = cast(Any, SimpleNamespace(device=torch.device("cpu"), k_all=torch.zeros(shape), v_all=torch.zeros(shape),
+    kv_all = torch.zeros((2, *shape))  # K and V, as KVCache lays them out
+    kv = cast(Any, SimpleNamespace(device=torch.device("cpu"), kv_all=kv_all, k_all=kv_all[0], v_all=kv_all[1],
                                    blocks=BlockManager(len(IDS), 16)))
     ckpt = Checkpointer("aw-0", model, kv, cast(Any, None), cast(Any, None), steps_per_message=steps)
     ckpt.link = cast(Any, SimpleNamespace(closed=False))  # the queue is read here, not sent
