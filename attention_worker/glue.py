@@ -2,7 +2,7 @@
 and top-k, the MoE layer's plan and its combine.
 
 `TorchGlue` runs them as fabric/model/ops.py and layer_plan.py write them, 4 to 8 torch ops each. `NativeGlue`
-runs each in one call to the CPU's kernel module (fabric/kernels/layer_ops.cpp): fp32 on the host, AVX-512.
+runs each in one call to the CPU's kernel module (fabric/kernels/layer_ops.cpp): fp32 on the host, AVX-512 or AVX2.
 At 8 decode rows the torch ops' dispatch took more of a step than its attention; the numerics are the same
 (all but RMSNorm and the router's logits and weights bit for bit, those to their last bit: the sums in another
 order, the C library's exp). The router's logits are a token's whatever rows its step holds, which torch's matmul's

@@ -121,7 +121,7 @@ class WorkerConfig(RoleConfig):
     threads: int = opt(1, "torch intra-op threads")
     kernel: str = opt("auto", "matmuls on the few rows of a decode step (expert FFNs; attention projections and "
                       "lm_head) and the AW's decode attention over its paged KV cache: auto (on the CPU the fabric's "
-                      "AVX-512 kernels for fp32 where the CPU has AVX-512 and they build, else torch; on a GPU "
+                      "kernels for fp32 where the CPU has AVX2 or AVX-512 and they build, else torch; on a GPU "
                       "Triton's for the EW's fp32 experts and, with CUDA graphs, the AW's decode attention), torch, or "
                       "triton (the EW's fused MoE and the AW's paged decode attention in Triton: on a CUDA device, "
                       "or on the CPU under TRITON_INTERPRET=1, for tests)", choices=KERNELS)

@@ -186,7 +186,7 @@ class ServeConfig:
     def store_kernel(self) -> str:
         """The layout the weight store publishes, which is the workers'.
 
-        It is the AVX-512 kernels' packing only where they run on the CPU."""
+        It is the CPU kernels' packing only where they run on the CPU."""
         return self.kernel if self.device == "cpu" or self.kernel != "auto" else "torch"
 
     def role_configs(self, model: str, transport: str, orchestrator_port: int, supervisor_pid: int,

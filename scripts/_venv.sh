@@ -13,5 +13,5 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 "$venv/bin/pip" install -q -e ".[$extras]"
 # The expert FFN kernel, compiled once per machine into the cache (a no-op once built; where the
-# CPU lacks AVX-512 or nothing can compile it, expert workers use torch's matmul).
+# CPU has neither AVX2 nor AVX-512 or nothing can compile it, expert workers use torch's matmul).
 "$venv/bin/python" -m fabric.kernels.skinny

@@ -1,8 +1,8 @@
 """Which kernels a worker runs, from its `--kernel` and `--device`.
 
-On the CPU it runs the AVX-512 module (skinny.py, with the GEMM and paged decode attention) or torch. `triton`
-runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which
-is how the tests run them. On a GPU `auto` runs an EW's fp32 experts with the fused Triton kernel as CUDA graphs
+On the CPU it runs the compiled module (skinny.py, for AVX-512 or AVX2: the GEMM and paged decode attention) or torch.
+`triton` runs the Triton kernels on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`),
+which is how the tests run them. On a GPU `auto` runs an EW's fp32 experts with the fused Triton kernel as CUDA graphs
 (expert_worker/graphs.py), and an AW's decode attention with Triton's paged kernel where the AW runs CUDA graphs
 (attention_worker/cuda_graphs.py), as a graph needs a paged attention; torch's ops otherwise."""
 

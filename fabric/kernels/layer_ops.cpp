@@ -12,11 +12,12 @@
 // R expert rows (T * k).
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -27,19 +28,18 @@ void check_rows(const torch::Tensor& x, const char* what) {
 
 // One row: y = w * (x * (1 / sqrt(mean(x^2) + eps))), as ops.rms_norm in fp32.
 void norm_row(const float* x, const float* w, float* y, int64_t D, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  simd::V16 acc = simd::zero();
   int64_t j = 0;
   for (; j + 16 <= D; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    const simd::V16 v = simd::load(x + j);
+    acc = simd::add(acc, simd::mul(v, v));
   }
-  float ss = _mm512_reduce_add_ps(acc);
+  float ss = simd::reduce_add(acc);
   for (; j < D; ++j) ss += x[j] * x[j];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-  const __m512 iv = _mm512_set1_ps(inv);
+  const simd::V16 iv = simd::set1(inv);
   j = 0;
-  for (; j + 16 <= D; j += 16)
-    _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), iv)));
+  for (; j + 16 <= D; j += 16) simd::store(y + j, simd::mul(simd::load(w + j), simd::mul(simd::load(x + j), iv)));
   for (; j < D; ++j) y[j] = w[j] * (x[j] * inv);
 }
 
@@ -72,7 +72,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Ten
     const float* b = delta.data_ptr<float>() + t * delta.stride(0);
     float* o = s.data_ptr<float>() + t * D;
     int64_t j = 0;
-    for (; j + 16 <= D; j += 16) _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j)));
+    for (; j + 16 <= D; j += 16) simd::store(o + j, simd::add(simd::load(a + j), simd::load(b + j)));
     for (; j < D; ++j) o[j] = a[j] + b[j];
     norm_row(o, w.data_ptr<float>(), y.data_ptr<float>() + t * D, D, static_cast<float>(eps));
   }
@@ -132,10 +132,9 @@ torch::Tensor combine_add(const torch::Tensor& h, const std::vector<torch::Tenso
       TORCH_CHECK(tok[r] >= 0 && tok[r] < T, "combine_add: a row's token is out of range");
       const float* src = y.data_ptr<float>() + i * y.stride(0);
       float* dst = ap + tok[r] * D;
-      const __m512 wv = _mm512_set1_ps(wp[r]);
+      const simd::V16 wv = simd::set1(wp[r]);
       int64_t j = 0;
-      for (; j + 16 <= D; j += 16)
-        _mm512_storeu_ps(dst + j, _mm512_add_ps(_mm512_loadu_ps(dst + j), _mm512_mul_ps(_mm512_loadu_ps(src + j), wv)));
+      for (; j + 16 <= D; j += 16) simd::store(dst + j, simd::add(simd::load(dst + j), simd::mul(simd::load(src + j), wv)));
       for (; j < D; ++j) dst[j] = dst[j] + src[j] * wp[r];
     }
   }
@@ -146,7 +145,7 @@ torch::Tensor combine_add(const torch::Tensor& h, const std::vector<torch::Tenso
     const float* a = h.data_ptr<float>() + t * h.stride(0);
     const float* b = ap + t * D;
     int64_t j = 0;
-    for (; j + 16 <= D; j += 16) _mm512_storeu_ps(op + t * D + j, _mm512_add_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j)));
+    for (; j + 16 <= D; j += 16) simd::store(op + t * D + j, simd::add(simd::load(a + j), simd::load(b + j)));
     for (; j < D; ++j) op[t * D + j] = a[j] + b[j];
   }
   return out;
@@ -235,10 +234,10 @@ torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w) {
     const float* xr = x.data_ptr<float>() + t * x.stride(0);
     for (int64_t e = 0; e < E; ++e) {
       const float* wr = wp + e * D;
-      __m512 acc = _mm512_setzero_ps();
+      simd::V16 acc = simd::zero();
       int64_t j = 0;
-      for (; j + 16 <= D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xr + j), _mm512_loadu_ps(wr + j), acc);
-      float sum = _mm512_reduce_add_ps(acc);
+      for (; j + 16 <= D; j += 16) acc = simd::fmadd(simd::load(xr + j), simd::load(wr + j), acc);
+      float sum = simd::reduce_add(acc);
       for (; j < D; ++j) sum += xr[j] * wr[j];
       yp[t * E + e] = sum;
     }

@@ -14,30 +14,28 @@
 // decode of 8 sequences of ~100 tokens took 0.71x the time, 32 of them 0.82x (docs/performance.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-inline __mmask16 tail(int64_t n) {  // the first min(n, 16) lanes
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
+using simd::V16;
 
 // exp(x) for x <= 0 (scores less their max): 2^n p(r), r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (ln 2 in two
 // parts), p the degree-7 Taylor polynomial (relative error under 2e-7 there); 0 below -87.3.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+inline V16 exp_neg(V16 x) {
+  x = simd::max(x, simd::set1(-87.33654f));
+  const V16 n = simd::round_nearest(simd::mul(x, simd::set1(1.44269504088896341f)));
+  V16 r = simd::fnmadd(n, simd::set1(0.693359375f), x);
+  r = simd::fnmadd(n, simd::set1(-2.12194440e-4f), r);
+  V16 p = simd::set1(1.0f / 5040.0f);
   for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+    p = simd::fmadd(p, r, simd::set1(c));
+  return simd::times_pow2(p, n);
 }
 
 // One query head against one kv head's n rows (krows, vrows: where each position's row of that head lies):
@@ -46,34 +44,33 @@ inline __m512 exp_neg(__m512 x) {
 template <int NC>
 void one_head(const float* q, const float* const* krows, const float* const* vrows, int64_t n, int64_t d, float scale,
               float* s, float* out) {
-  __m512 qv[NC], o[NC];
+  using simd::tail;
+  V16 qv[NC], o[NC];
   for (int c = 0; c < NC; ++c) {
-    qv[c] = _mm512_maskz_loadu_ps(tail(d - 16 * c), q + 16 * c);
-    o[c] = _mm512_setzero_ps();
+    qv[c] = simd::load(q + 16 * c, tail(d - 16 * c));
+    o[c] = simd::zero();
   }
   for (int64_t i = 0; i < n; ++i) {
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(tail(d), krows[i]));
-    for (int c = 1; c < NC; ++c)
-      acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(tail(d - 16 * c), krows[i] + 16 * c), acc);
-    s[i] = _mm512_reduce_add_ps(acc) * scale;
+    V16 acc = simd::mul(qv[0], simd::load(krows[i], tail(d)));
+    for (int c = 1; c < NC; ++c) acc = simd::fmadd(qv[c], simd::load(krows[i] + 16 * c, tail(d - 16 * c)), acc);
+    s[i] = simd::reduce_add(acc) * scale;
   }
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16)
-    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail(n - i), s + i));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-  __m512 total = _mm512_setzero_ps();
+  const V16 neg_inf = simd::set1(-INFINITY);
+  V16 mv = neg_inf;
+  for (int64_t i = 0; i < n; i += 16) mv = simd::max(mv, simd::load(s + i, tail(n - i), neg_inf));
+  const V16 m = simd::set1(simd::reduce_max(mv));
+  V16 total = simd::zero();
   for (int64_t i = 0; i < n; i += 16) {  // (lanes past n: exp of 0 - m, masked out of the total and the store)
-    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(n - i), s + i), m));
-    total = _mm512_mask_add_ps(total, tail(n - i), total, e);
-    _mm512_mask_storeu_ps(s + i, tail(n - i), e);
+    const V16 e = exp_neg(simd::sub(simd::load(s + i, tail(n - i)), m));
+    total = simd::add(tail(n - i), total, e);
+    simd::store(s + i, tail(n - i), e);
   }
   for (int64_t i = 0; i < n; ++i) {
-    const __m512 w = _mm512_set1_ps(s[i]);
-    for (int c = 0; c < NC; ++c)
-      o[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(tail(d - 16 * c), vrows[i] + 16 * c), o[c]);
+    const V16 w = simd::set1(s[i]);
+    for (int c = 0; c < NC; ++c) o[c] = simd::fmadd(w, simd::load(vrows[i] + 16 * c, tail(d - 16 * c)), o[c]);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int c = 0; c < NC; ++c) _mm512_mask_storeu_ps(out + 16 * c, tail(d - 16 * c), _mm512_mul_ps(o[c], inv));
+  const V16 inv = simd::set1(1.0f / simd::reduce_add(total));
+  for (int c = 0; c < NC; ++c) simd::store(out + 16 * c, tail(d - 16 * c), simd::mul(o[c], inv));
 }
 
 using HeadFn = void (*)(const float*, const float* const*, const float* const*, int64_t, int64_t, float, float*,

@@ -8,8 +8,9 @@ The same compiled module carries the AW's paged decode attention (`paged_attenti
 and its per-layer glue (`layer_ops.cpp`, attention_worker/glue.py).
 
 It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in 30-60 s on 2 cores.
-`scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). It is built only where the CPU has
-AVX-512. `load()` returns None otherwise, and the expert worker keeps torch's matmul.
+`scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). The kernels are written in sixteen-lane
+vectors (`simd.h`): one AVX-512 register where the CPU has AVX-512, two AVX2 ones where it has AVX2 (and FMA), the
+same floats either way. On a CPU with neither, `load()` returns None and the workers keep torch's ops.
 
 Legend: M rows, K inner dimension, N output columns, NB = ceil(N / 64).
 """
@@ -30,24 +31,31 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("skinny_gemm.cpp", "paged_attention.cpp", "layer_ops.cpp")]  # one module
+HEADERS = [Path(__file__).with_name("simd.h")]
+# torch's CPU capability -> the instruction sets the module is built for
+FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AMX": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 COLS = 64  # output columns per packed block
 
 
 def build_dir() -> Path:
     """One build per environment and sources: the build files name this Python's torch headers, and a checkout
     of other sources (another version beside this one) builds its own instead of rebuilding this one's."""
-    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}".encode())
-    for src in SOURCES:
+    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(_flags() or [])}".encode())
+    for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
     env = key.hexdigest()[:12]
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels" / env
 
 
+def _flags() -> list[str] | None:
+    """The compiler's instruction-set flags for this CPU (torch's reading of it), or None where neither build runs."""
+    return FLAGS.get(torch.backends.cpu.get_cpu_capability())
+
+
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this machine, or None if it can."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AMX"):
-        return f"this CPU's vector capability is {capability}, the kernel needs AVX-512"
+    if _flags() is None:
+        return f"this CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 or AVX-512"
     return None
 
 
@@ -65,7 +73,7 @@ def load() -> Any | None:
     t0 = time.perf_counter()
     try:
         module = load_extension(name="moe_fabric_skinny", sources=[str(p) for p in SOURCES], build_directory=str(out),
-                                extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
+                                extra_cflags=["-O3", *(_flags() or [])], verbose=False)
     except Exception as exc:
         # No compiler or no headers. Serve with torch's matmul instead.
         log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)

@@ -4,7 +4,7 @@
 // prefill's 2.3x slower than this here. W is packed once, at load, into column blocks of 64
 // ([ceil(N/64), K, 64], the last padded with zeros) so that each block streams contiguously; a product
 // names its N, and a last block's padding is computed and not stored. Per block, rows go in groups of up to 6
-// (24 AVX-512 accumulators), the block staying in L2 across the groups. Every output element is one
+// (24 AVX-512 accumulators; on AVX2, strips of the block with at most 12), the block staying in L2 across the groups. Every output element is one
 // FMA chain over k = 0..K-1, whatever M is: a row's result does not depend on the rows batched with
 // it (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats).
 #include <torch/extension.h>
@@ -15,7 +15,7 @@
 
 namespace {
 
-constexpr int64_t kCols = 64;  // output columns per packed block (4 AVX-512 vectors)
+constexpr int64_t kCols = 64;  // output columns per packed block (4 AVX-512 vectors, 8 AVX2 ones)
 constexpr int64_t kRows = 6;   // rows per register block
 
 torch::Tensor pack(const torch::Tensor& w) {
@@ -26,6 +26,7 @@ torch::Tensor pack(const torch::Tensor& w) {
   return padded.view({K, NB, kCols}).permute({1, 0, 2}).contiguous();
 }
 
+#if defined(__AVX512F__)
 // y [MB, cols] = x [MB, K] @ one packed block [K, 64], its first `cols` columns stored: all 64, or with `kPart` (a
 // last block part-full) fewer. (A separate instance: a runtime test of cols in the one for whole blocks made a
 // 1 x 512 x 16384 product 1.4x slower here.)
@@ -59,6 +60,50 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
     }
   }
 }
+#else
+// AVX2 has 16 registers of 8 lanes, not 32 of 16: a block goes in strips of NV vectors (8 NV of its 64 columns), at
+// most 12 accumulators, and over k in chunks of kChunk rows, every strip of a chunk before the next chunk. The first
+// strip prefetches the chunk's other lines, so the block streams from memory once and the other strips read it from L1
+// (strips each over the whole of K read it from memory in strided passes: 3.7 GB/s at 4 rows, against 10.7 for one
+// row's single pass). The sums carry across chunks in memory, exactly: each output element is the same FMA chain over k
+// as the AVX-512 build's, so the same floats.
+constexpr int64_t kChunk = 64;  // k rows a chunk: 16 KiB of the block, in L1
+
+template <int MB, int NV, bool kFetch>
+void strip(const float* x, int64_t ldx, const float* w, int64_t kn, float* sums, bool first) {
+  __m256 acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + m * kCols + 8 * j);
+  for (int64_t k = 0; k < kn; ++k) {
+    const float* wk = w + k * kCols;
+    if constexpr (kFetch)  // (the lines of this k's 64 columns past the strip's own)
+      for (int line = NV / 2; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * line), _MM_HINT_T0);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wk + 8 * j), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(sums + m * kCols + 8 * j, acc[m][j]);
+}
+
+// y [MB, cols] = x [MB, K] @ one packed block [K, 64], its first `cols` columns stored (a part-full last block's
+// strips past `cols` not computed).
+template <int MB, bool kPart>
+void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t cols) {
+  constexpr int NV = MB == 1 ? 8 : MB <= 3 ? 4 : 2;
+  constexpr int64_t kStrip = 8 * NV;
+  const int64_t width = kPart ? cols : kCols;
+  float sums[MB * kCols];  // [MB, 64]
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kn = std::min(kChunk, K - k0);
+    strip<MB, NV, NV < 8>(x + k0, ldx, w + k0 * kCols, kn, sums, k0 == 0);
+    for (int64_t c0 = kStrip; c0 < width; c0 += kStrip)
+      strip<MB, NV, false>(x + k0, ldx, w + k0 * kCols + c0, kn, sums + c0, k0 == 0);
+  }
+  for (int m = 0; m < MB; ++m) std::copy(sums + m * kCols, sums + m * kCols + width, y + m * ldy);
+}
+#endif
 
 // Every one of the M rows against one packed block, in register groups of up to kRows.
 template <bool kPart>

@@ -10,6 +10,7 @@ import asyncio
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ EPS = 1e-5
 
 def native() -> NativeGlue:
     glue = glue_for(skinny.load(), EPS, torch.float32, torch.device("cpu"))
-    assert isinstance(glue, NativeGlue), "the kernels' module must build where the CPU has AVX-512"
+    assert isinstance(glue, NativeGlue), "the kernels' module must build where the CPU has AVX2 or AVX-512"
     return glue
 
 
@@ -55,6 +56,44 @@ def test_norms_equal_torch(t: int, d: int) -> None:
     torch.testing.assert_close(y, y_ref, rtol=2e-6, atol=1e-6)
     heads = torch.randn(t, 3 * d)[:, : 2 * d].view(t, 2, d)  # q of a fused qkv: a strided view, per-head norm
     torch.testing.assert_close(n.norm(heads, w), ref.norm(heads, w), rtol=2e-6, atol=1e-6)
+
+
+def _norm_in_sixteen_lanes(x: np.ndarray, w: np.ndarray, tree: bool = True) -> np.ndarray:
+    """layer_ops.cpp's RMSNorm of a row x [D], in float32 as it computes it: the squares summed in 16 lanes (lane l
+    takes columns l, l + 16, ...), the lanes combined in _mm512_reduce_add_ps's tree (the upper 8 onto the lower,
+    then 4, then 2, then 1; `tree=False`: in lane order instead), the columns past the last 16 after."""
+    d = x.shape[0]
+    full = d // 16 * 16
+    acc = np.zeros(16, np.float32)
+    for j in range(0, full, 16):
+        acc = acc + x[j : j + 16] * x[j : j + 16]
+    if tree:
+        t3 = acc[8:] + acc[:8]
+        t6 = t3[4:] + t3[:4]
+        t8 = t6 + t6[[2, 3, 0, 1]]
+        ss = t8[0] + t8[1]
+    else:
+        ss = np.float32(0)
+        for lane in acc:
+            ss = ss + lane
+    for j in range(full, d):
+        ss = ss + x[j] * x[j]
+    inv = np.float32(1) / np.sqrt(ss / np.float32(d) + np.float32(EPS))
+    return w * (x * inv)
+
+
+@pytest.mark.parametrize("d", [512, 100])
+def test_a_norm_sums_in_the_avx512_builds_order(d: int) -> None:
+    """Whichever build runs here (AVX-512, or AVX2 holding each sixteen lanes in two registers, fabric/kernels/simd.h),
+    RMSNorm's floats are, bit for bit, those of the AVX-512 build's order: the reduction's tree is part of what both
+    builds share. Summing the lanes in another order gives other last bits on some of these rows."""
+    torch.manual_seed(d)
+    x, w = torch.randn(64, d), torch.randn(d)
+    got = native().norm(x, w).numpy()
+    want = np.stack([_norm_in_sixteen_lanes(r, w.numpy()) for r in x.numpy()])
+    other = np.stack([_norm_in_sixteen_lanes(r, w.numpy(), tree=False) for r in x.numpy()])
+    assert np.array_equal(got, want)
+    assert not np.array_equal(want, other)  # (the order shows in these rows' floats)
 
 
 @pytest.mark.parametrize(("t", "heads", "d"), [(1, 12, 64), (8, 12, 64), (20, 6, 16)])

@@ -23,15 +23,24 @@ AVAILABLE = skinny.unavailable_reason() is None
 
 def gemm() -> skinny.SkinnyGemm:
     ops = skinny.load()
-    assert ops is not None, "the kernel must build where the CPU has AVX-512 (scripts/_venv.sh builds it)"
+    assert ops is not None, "the kernel must build where the CPU has AVX2 or AVX-512 (scripts/_venv.sh builds it)"
     return skinny.SkinnyGemm(ops)
 
 
-def test_where_the_cpu_lacks_avx512_the_kernel_is_off() -> None:
+def test_the_kernel_is_built_for_the_cpus_vectors_and_off_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX-512 or AVX2 (with FMA) builds the same sources for its registers (fabric/kernels/simd.h); a CPU with
+    neither keeps torch's ops, and says why."""
     if AVAILABLE:
         assert skinny.load() is not None
     else:
-        assert skinny.load() is None and "AVX-512" in (skinny.unavailable_reason() or "")
+        assert skinny.load() is None and "AVX2 or AVX-512" in (skinny.unavailable_reason() or "")
+    built = {}
+    for capability in ("AVX512", "AVX2", "DEFAULT"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        built[capability] = (skinny.unavailable_reason(), skinny.build_dir())
+    assert built["AVX512"][0] is None and built["AVX2"][0] is None
+    assert "vector capability is DEFAULT, the kernel needs AVX2 or AVX-512" in (built["DEFAULT"][0] or "")
+    assert built["AVX512"][1] != built["AVX2"][1]  # (one build per instruction set: a cache moved between CPUs)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, 200])

@@ -103,7 +103,7 @@ def test_triton_needs_a_gpu_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) 
         choose.decode_attention("triton", torch.device("cpu"), torch.float32, 16, 64)
     with pytest.raises(ConfigError, match="power-of-two"):
         choose.decode_attention("triton", torch.device("cpu"), torch.float32, 12, 64)
-    assert choose.gemm("auto", torch.device("cuda", 0), torch.float32) is None  # (the AVX-512 GEMM is the CPU's)
+    assert choose.gemm("auto", torch.device("cuda", 0), torch.float32) is None  # (the skinny GEMM is the CPU's)
     assert choose.decode_attention("auto", torch.device("cuda", 0), torch.float32, 16, 64) is None
     with pytest.raises(ConfigError, match="runs on the CPU"):
         AttentionWorkerConfig(model="/m", orchestrator="h:1", compute="sim", device="cuda")
