@@ -12,8 +12,6 @@
 
 namespace simd {
 
-inline int64_t clamp16(int64_t n) { return n < 0 ? 0 : n > 16 ? 16 : n; }
-
 #if defined(__AVX512F__)
 
 struct V16 {
@@ -52,6 +50,7 @@ struct Mask {
   __m256i lo, hi;
 };
 
+inline int64_t clamp16(int64_t n) { return n < 0 ? 0 : n > 16 ? 16 : n; }
 inline __m256i first(int64_t n) {  // lanes i < n of eight
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -68,7 +67,7 @@ inline void store(float* p, Mask m, V16 a) {
   _mm256_maskstore_ps(p, m.lo, a.lo);
   _mm256_maskstore_ps(p + 8, m.hi, a.hi);
 }
-inline V16 select(Mask m, V16 a, V16 b) {  // m ? a : b
+inline V16 select(Mask m, V16 a, V16 b) {  // m ? a : b (the two masked ops below; AVX-512 has them as instructions)
   return {_mm256_blendv_ps(b.lo, a.lo, _mm256_castsi256_ps(m.lo)), _mm256_blendv_ps(b.hi, a.hi, _mm256_castsi256_ps(m.hi))};
 }
 inline V16 load(const float* p, Mask m, V16 fill) { return select(m, load(p, m), fill); }  // fill past m

@@ -8,9 +8,10 @@ The same compiled module carries the AW's paged decode attention (`paged_attenti
 and its per-layer glue (`layer_ops.cpp`, attention_worker/glue.py).
 
 It is built with torch's C++ extension loader into `<cache>/moe-fabric/kernels/` on first use, in 30-60 s on 2 cores.
-`scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`). The kernels are written in sixteen-lane
-vectors (`simd.h`): one AVX-512 register where the CPU has AVX-512, two AVX2 ones where it has AVX2 (and FMA), the
-same floats either way. On a CPU with neither, `load()` returns None and the workers keep torch's ops.
+`scripts/_venv.sh` builds it at install (`python -m fabric.kernels.skinny`), for AVX-512 where the CPU has it, else for
+AVX2 (and FMA): the attention and the glue in sixteen-lane vectors (`simd.h`, one AVX-512 register or two AVX2 ones),
+the GEMM's register block written for each; the same floats either way. On a CPU with neither, `load()` returns None
+and the workers keep torch's ops.
 
 Legend: M rows, K inner dimension, N output columns, NB = ceil(N / 64).
 """
@@ -54,9 +55,8 @@ def _flags() -> list[str] | None:
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run on this machine, or None if it can."""
-    if _flags() is None:
-        return f"this CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 or AVX-512"
-    return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability in FLAGS else f"this CPU's vector capability is {capability}, the kernel needs AVX2 or AVX-512"
 
 
 @functools.cache

@@ -4,9 +4,11 @@
 // prefill's 2.3x slower than this here. W is packed once, at load, into column blocks of 64
 // ([ceil(N/64), K, 64], the last padded with zeros) so that each block streams contiguously; a product
 // names its N, and a last block's padding is computed and not stored. Per block, rows go in groups of up to 6
-// (24 AVX-512 accumulators; on AVX2, strips of the block with at most 12), the block staying in L2 across the groups. Every output element is one
-// FMA chain over k = 0..K-1, whatever M is: a row's result does not depend on the rows batched with
-// it (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats).
+// (24 AVX-512 accumulators; on AVX2, strips of the block with at most 12), the block staying in L2 across the
+// groups. Every output element is one FMA chain over k = 0..K-1, whatever M is and whichever build: a row's result
+// does not depend on the rows batched with it (ATen's batched matmul, which took more than 48 rows until
+// 2026-11-29, gave a row other floats). Unlike the attention and the glue, the register block is written per
+// instruction set (the `#if` below), as the two have different registers to block for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
