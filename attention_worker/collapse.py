@@ -9,11 +9,22 @@ or a device much faster than the wire); with the experts of this CPU, a batch of
 
 So an AW measures both sides of the trade as it serves. Every result says how long the EW's batch that computed it
 took (`ExpertResult.batch_s`). A layer's expert time is the sum over its calls, about what its experts cost on one
-EW whichever way they went. Over a window of `WINDOW` layers the AW compares the mean with `below_s`: below it,
-the next window's layers each go to one EW; above `LEAVE` times it, they are spread again (the band keeps a
-window near the line from flipping the next). While collapsed the AW does not pad: its calls say so, so the EWs'
-sync gathers stop waiting for it (expert_worker/gather.py), which was the point of sending every layer to every EW.
-Each window measures anew, so experts that grow costly spread the layers again within a window.
+EW whichever way they went. A call's own time is how long its result took to come back, less that batch
+(`EwLink.own_s`): the writes, wake-ups, reads and waits that a message costs on this machine and link. Over a window of
+`WINDOW` layers the AW compares the mean expert time with the line: below it, the next window's layers each go to one
+EW; above `LEAVE` times it, they are spread again (the band keeps a window near the line from flipping the next).
+
+The line is by default the window's mean own time of a call (`below_s` None): what collapsing saves a layer is one
+call. What it costs is the EWs' parallel work, at most the expert time of all EWs but one, so with two EWs a line at
+one call's own time collapses while that loss is at most half the gain. The line follows the machine. On a 2-core
+AVX2 VM (docs/performance.md) a layer's expert time without compute was 70-180 µs and a call's own time 300-1400 µs:
+collapsed, such a layer took 0.80x / 0.78x the time at 16 / 64 streams of a fabric that held the fixed line of 100 µs
+this project had before, which spread them there. With the bench model's experts on that CPU, 1.7 ms (one stream)
+to 18 ms (64) against 0.7-2.4 ms, the layers stay spread. `below_s` > 0 is a fixed line instead; 0 never collapses.
+
+While collapsed the AW does not pad: its calls say so, so the EWs' sync gathers stop waiting for it
+(expert_worker/gather.py), which was the point of sending every layer to every EW. Each window measures anew, so
+experts that grow costly spread the layers again within a window.
 
 A layer's EW (`layer_targets`): of the live EWs, one holding a copy of the most experts of the layer; where several
 tie, they take turns by the layer's place among the MoE layers, so that with two EWs each takes every other layer.
@@ -32,29 +43,43 @@ from fabric.routing import RoutingTable
 
 class CollapsePolicy:
     WINDOW = 64  # layers whose mean expert time decides how the next window's layers go
-    LEAVE = 1.5  # collapsed layers spread again past this many times `below_s`
+    LEAVE = 1.5  # collapsed layers spread again past this many times the line
 
-    def __init__(self, below_s: float) -> None:
-        self.below_s = below_s  # 0: never collapse
+    def __init__(self, below_s: float | None = None) -> None:
+        self.below_s = below_s  # the line: None, a call's own time, measured; > 0 fixed; 0 never collapse
         self.on = False
         self.collapsed = 0  # layers sent to one EW (stats)
         self.switches = 0  # times the policy changed its mind (stats)
-        self._sum = 0.0
+        self.expert_s = 0.0  # the last window's mean expert time a layer (stats)
+        self.line_s = below_s or 0.0  # the last window's line (stats)
+        self._sum = self._own = 0.0
         self._layers = 0
 
-    def ran(self, expert_s: float) -> None:
-        """Told after each layer that made calls: its calls' batch times together."""
-        if self.below_s <= 0:
+    @property
+    def enabled(self) -> bool:
+        return self.below_s is None or self.below_s > 0
+
+    def stats(self) -> dict[str, float]:
+        """Its counts, and the last window's mean expert time a layer and the line it was held against."""
+        return {"collapsed_layers": self.collapsed, "collapse_switches": self.switches,
+                "collapse_expert_us": round(self.expert_s * 1e6, 1), "collapse_line_us": round(self.line_s * 1e6, 1)}
+
+    def ran(self, expert_s: float, own_s: float = 0.0) -> None:
+        """Told after each layer that made calls: its calls' batch times together, and their own time (the mean)."""
+        if not self.enabled:
             return
         self.collapsed += self.on
         self._sum += expert_s
+        self._own += own_s
         self._layers += 1
         if self._layers >= self.WINDOW:
-            mean = self._sum / self._layers
-            on = mean < self.below_s * (self.LEAVE if self.on else 1.0)
+            self.expert_s = self._sum / self._layers
+            self.line_s = self._own / self._layers if self.below_s is None else self.below_s
+            on = self.expert_s < self.line_s * (self.LEAVE if self.on else 1.0)
             self.switches += on != self.on
             self.on = on
-            self._sum, self._layers = 0.0, 0
+            self._sum = self._own = 0.0
+            self._layers = 0
 
 
 def layer_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:

@@ -380,8 +380,8 @@ class AttentionWorker:
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
             "failed_requests": self.failed_requests, "detached": detached, "parked": len(self.sessions.parked),
             "attaches": self.sessions.attaches, "detaches": self.sessions.detaches, "expired": self.sessions.expired,
-            "replays": refe.replays, "expert_waits": refe.expert_waits, "collapsed_layers": refe.collapse.collapsed,
-            "collapse_switches": refe.collapse.switches,  # (layers sent to one EW: attention_worker/collapse.py)
+            "replays": refe.replays, "expert_waits": refe.expert_waits,
+            **refe.collapse.stats(),  # (layers sent to one EW: attention_worker/collapse.py)
             # EWs routed around: declared dead, or unreachable from here and tried again in the background.
             "dead_expert_workers": sorted(links.excluded), "unreachable_expert_workers": sorted(links.unreachable),
             "suspected_at": dict(links.suspected_at),  # EW -> when this AW last lost it

@@ -55,6 +55,7 @@ class EwLink:
     pads: bool = True
     said_pads: bool = True
     batch_s: float = 0.0  # how long the EW's batch took that computed the last result (`ExpertResult.batch_s`)
+    own_s: float = 0.0  # the last result's time since its call went out, less `batch_s`: the messages' and waits' own
     unread: int = 0  # bytes unread on the data channel at the last look past the deadline (`_arriving`)
     # Closed by this AW, by a table without it. Its end is no news.
     closing: bool = False
@@ -74,14 +75,16 @@ class EwLink:
         call_id = getattr(msg, "call_id", -1)
         trace.stamp("result", "", call_id)
         sent = self.sent_at.pop(call_id, None)
+        took = 0.0 if sent is None else now - sent
         if sent is not None:
-            self.latency = now - sent if not self.latency else 0.875 * self.latency + 0.125 * (now - sent)
+            self.latency = took if not self.latency else 0.875 * self.latency + 0.125 * took
         fut = self.pending.pop(call_id, None)
         if fut is None or fut.done():
             return
         if isinstance(msg, ExpertResult):
             self.pads = msg.others
             self.batch_s = msg.batch_s
+            self.own_s = max(took - msg.batch_s, 0.0)
             fut.set_result(msg.y)
         elif isinstance(msg, ExpertError):
             fut.set_exception(ExpertCallError(msg.message))

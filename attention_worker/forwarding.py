@@ -64,7 +64,7 @@ def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
                  probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
-                 device: torch.device | None = None, collapse_below_s: float = 0.0) -> None:
+                 device: torch.device | None = None, collapse_below_s: float | None = 0.0) -> None:
         self.aw_id = aw_id
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
@@ -373,8 +373,10 @@ class ForwardingEngine:
                 else:
                     parts.append((c.rows, res))
             if not failed:
-                if self.collapse.below_s > 0 and not replay:  # (each answered call's link has its batch's time)
-                    self.collapse.ran(sum(k.batch_s for c in calls if (k := self.links.links.get(c.ew)) is not None))
+                if self.collapse.enabled and not replay:  # (each answered call's link has its batch's and own time)
+                    links = [k for c in calls if (k := self.links.links.get(c.ew)) is not None]
+                    if links:
+                        self.collapse.ran(sum(k.batch_s for k in links), sum(k.own_s for k in links) / len(links))
                 cpu_regions.add("layer: results taken", c0)
                 return parts
             calls, replay = await self._routed_calls(plan.layer, failed), True

@@ -199,9 +199,11 @@ class AttentionWorkerConfig(WorkerConfig):
     probe_interval_ms: float = opt(10.0, PROBE_INTERVAL_HELP)
     probe_misses: int = opt(3, PROBE_MISSES_HELP)
     expert_wait_s: float = opt(30.0, "how long a step waits for a replacement when every copy of an expert is gone")
-    collapse_below_us: float = opt(100.0, "send all of a layer's rows to one EW (the one holding copies of the most "
-                                           "of its experts) while a layer's experts take less than this on the EWs "
-                                           "(0: always spread them)")
+    collapse_below_us: float | None = opt(None, "send all of a layer's rows to one EW (the one holding copies of the "
+                                                "most of its experts) while a layer's experts take less than this on "
+                                                "the EWs (default: less than a call's own time, measured as it serves: "
+                                                "its round trip less the EW's batch; 0: always spread them)",
+                                          metavar="US")
     checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
@@ -222,7 +224,7 @@ class AttentionWorkerConfig(WorkerConfig):
         check_probes(self.probe_interval_ms, self.probe_misses)
         if self.expert_wait_s < 0 or self.restore_join_ms < 0 or self.sim_attention_ms < 0 or self.cuda_graphs < 0:
             raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
-        if not self.collapse_below_us >= 0:  # (not >=: NaN too)
+        if self.collapse_below_us is not None and not self.collapse_below_us >= 0:  # (not >=: NaN too)
             raise ConfigError(f"collapse_below_us must be >= 0, not {self.collapse_below_us}")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1 \
                 or self.checkpoint_steps_per_message < 1:

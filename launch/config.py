@@ -58,7 +58,7 @@ class ServeConfig:
     device: str = like(WorkerConfig, "device")
     kernel: str = like(WorkerConfig, "kernel")
     gather: str = like(ExpertWorkerConfig, "gather")
-    collapse_below_us: float = like(AttentionWorkerConfig, "collapse_below_us")
+    collapse_below_us: float | None = like(AttentionWorkerConfig, "collapse_below_us")
     shadows_per_expert: int = like(OrchestratorConfig, "shadows_per_expert")
     balance_interval_s: float = like(OrchestratorConfig, "balance_interval_s")
     hot_expert_factor: float = like(OrchestratorConfig, "hot_expert_factor")

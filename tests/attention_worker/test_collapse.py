@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import pytest
 import torch
 
 from attention_worker.collapse import CollapsePolicy, layer_targets
 from attention_worker.ew_link import EwLink
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.layer_plan import plan_layer
-from fabric.messages.expert import ExpertCall
+from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.routing import EwAddress, RoutingTable, placement_tensor
 from fabric.transport.tcp import TcpTransport
 from orchestrator.placement import BalancedPlanner
@@ -65,8 +67,39 @@ def test_the_policy_collapses_cheap_layers_and_spreads_costly_ones_a_window_late
     assert not p.on
     off = CollapsePolicy(0.0)  # never, however cheap
     for _ in range(3 * w):
-        off.ran(0.0)
-    assert not off.on and off.collapsed == 0
+        off.ran(0.0, 1.0)
+    assert not off.on and off.collapsed == 0 and not off.enabled
+
+
+def test_the_default_line_is_a_calls_own_time_measured_window_by_window() -> None:
+    """Without a fixed line the policy holds a window's mean expert time a layer against its calls' mean own time
+    (round trip less the EW's batch): the same experts collapse where messages cost more and spread where less."""
+    p = CollapsePolicy()
+    w = CollapsePolicy.WINDOW
+
+    def window(expert_us: float, own_us: float) -> bool:
+        for i in range(w):  # (the own times vary within the window; their mean is the line)
+            p.ran(expert_us * 1e-6, (own_us + (50 if i % 2 else -50)) * 1e-6)
+        return p.on
+
+    assert p.enabled and not p.on
+    assert not window(150, 100)  # experts dearer than a call's own time: spread
+    assert window(150, 400)  # the same experts on a machine whose messages cost more: collapsed
+    assert p.line_s == pytest.approx(400e-6) and p.expert_s == pytest.approx(150e-6)
+    assert window(150, 120)  # within the band (1.5x the line): stays collapsed
+    assert not window(150, 90)  # past it: spread
+    assert not window(1700, 860)  # a real CPU expert layer against its own time: spread
+    assert p.switches == 2
+    # A call's own time comes off its result: its round trip less the EW's batch.
+    link = EwLink(EwAddress("ew-0", "127.0.0.1", 1), cast(Any, None), cast(Any, None))
+    loop = asyncio.new_event_loop()
+    try:
+        fut: asyncio.Future[torch.Tensor] = loop.create_future()
+        link.pending[7], link.sent_at[7] = fut, time.monotonic() - 0.5
+        link._on_data(ExpertResult(7, torch.zeros(1, 2), batch_s=0.2))
+        assert fut.done() and link.batch_s == 0.2 and 0.3 <= link.own_s < 0.4
+    finally:
+        loop.close()
 
 
 def test_each_layer_goes_to_an_ew_holding_the_most_of_its_experts_in_turns() -> None:
@@ -180,13 +213,11 @@ def test_zero_compute_collapses_and_streams_match_the_spread_fabric(hf_models: d
     """With no compute at all each layer's rows go to one EW (the AWs' stats say so); the streams are the ones a
     fabric that spreads them gives (`--collapse-below-us 0`), and stay so when an EW dies mid-decode.
 
-    The collapsing fabric's line is a second a layer, which no layer without compute reaches on any machine. The
-    default's 100 µs is a measure of this project's AVX-512 VM: on a slower one an EW's batch of no compute took 50-100
-    µs in place, two calls of a layer more than 100, and the default spread them (this test, run there with the
-    default, passed 2 times in 6)."""
+    The collapsing fabric runs the default, a line measured as it serves (a call's own time): a fixed line of 100 µs
+    spread a slower VM's no-compute layers, whose EW batches took 50-100 µs there (the test passed 2 times in 6)."""
     model = config_only(hf_models["mixtral"], tmp_path / "sim-model", hidden_size=256, num_hidden_layers=4)
-    runs: dict[float, list[list[int]]] = {}
-    for below_us in (0.0, 1e6):  # spread, then collapsed
+    runs: dict[float | None, list[list[int]]] = {}
+    for below_us in (0.0, None):  # spread, then the default
         with running_fabric(model, tmp_path, aws=2, ews=2, compute="sim", sim_attention_ms=0.0, sim_expert_ms=0.0,
                             collapse_below_us=below_us) as fabric:
             runs[below_us] = streams = run_streams(fabric)
@@ -196,8 +227,8 @@ def test_zero_compute_collapses_and_streams_match_the_spread_fabric(hf_models: d
                 "collapsed_layers" in w.get("stats", {}) for w in c["workers"] if w["role"] == "attention") and sum(
                 w["stats"]["tokens_out"] for w in c["workers"] if w["role"] == "attention") >= n)
             collapsed = sum(w["stats"]["collapsed_layers"] for w in c["workers"] if w["role"] == "attention")
-            assert (collapsed > 0) == (below_us > 0)
-            if below_us:
+            assert (collapsed > 0) == (below_us is None)
+            if below_us is None:
                 assert streams == runs[0.0]  # token for token the spread fabric's
                 _, outputs, _ = kill_mid_decode(fabric, "expert-worker-0", signal.SIGINT, reference=streams)
                 assert outputs == streams
