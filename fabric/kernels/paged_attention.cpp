@@ -41,7 +41,29 @@ inline V16 exp_neg(V16 x) {
 // One query head against one kv head's n rows (krows, vrows: where each position's row of that head lies):
 // s = q . k * scale, softmax, out [d] = sum of s_p v_p. NC chunks of 16 cover d (d <= 16 NC); q and the
 // sum stay in registers. s is scratch of n + 16 floats.
+// Rows prefetched ahead. A kv head's rows lie a cache row apart (K d floats), which the hardware prefetcher follows
+// poorly across pages. On the AVX2 EPYC, 8 rows ahead took 0.81x-0.92x the time at 16 and 64 sequences of 128
+// tokens and 4 of 4000, and the same elsewhere (docs/performance.md). The AVX-512 build does not prefetch: not
+// measured there, and the GEMM's software prefetches once slowed its stream on that VM.
+#if defined(__AVX512F__)
+constexpr int64_t kAhead = 0;
+#else
+constexpr int64_t kAhead = 8;
+#endif
+
+// Chunk c of a row of d floats. FULL: d is 16 NC, every chunk whole, a plain load. On AVX2 a masked load
+// (vmaskmovps) of a whole chunk cost the kernel 1.2x-2.2x its time on the AMD EPYC; AVX-512's are the same speed.
+template <bool FULL>
+inline V16 chunk(const float* row, int c, int64_t d) {
+  return FULL ? simd::load(row + 16 * c) : simd::load(row + 16 * c, simd::tail(d - 16 * c));
+}
+
 template <int NC>
+inline void prefetch_row(const float* row) {
+  for (int c = 0; c < NC; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * c), _MM_HINT_T0);
+}
+
+template <int NC, bool FULL>
 void one_head(const float* q, const float* const* krows, const float* const* vrows, int64_t n, int64_t d, float scale,
               float* s, float* out) {
   using simd::tail;
@@ -51,8 +73,9 @@ void one_head(const float* q, const float* const* krows, const float* const* vro
     o[c] = simd::zero();
   }
   for (int64_t i = 0; i < n; ++i) {
-    V16 acc = simd::mul(qv[0], simd::load(krows[i], tail(d)));
-    for (int c = 1; c < NC; ++c) acc = simd::fmadd(qv[c], simd::load(krows[i] + 16 * c, tail(d - 16 * c)), acc);
+    if (kAhead && i + kAhead < n) prefetch_row<NC>(krows[i + kAhead]);
+    V16 acc = simd::mul(qv[0], chunk<FULL>(krows[i], 0, d));
+    for (int c = 1; c < NC; ++c) acc = simd::fmadd(qv[c], chunk<FULL>(krows[i], c, d), acc);
     s[i] = simd::reduce_add(acc) * scale;
   }
   const V16 neg_inf = simd::set1(-INFINITY);
@@ -66,8 +89,9 @@ void one_head(const float* q, const float* const* krows, const float* const* vro
     simd::store(s + i, tail(n - i), e);
   }
   for (int64_t i = 0; i < n; ++i) {
+    if (kAhead && i + kAhead < n) prefetch_row<NC>(vrows[i + kAhead]);
     const V16 w = simd::set1(s[i]);
-    for (int c = 0; c < NC; ++c) o[c] = simd::fmadd(w, simd::load(vrows[i] + 16 * c, tail(d - 16 * c)), o[c]);
+    for (int c = 0; c < NC; ++c) o[c] = simd::fmadd(w, chunk<FULL>(vrows[i], c, d), o[c]);
   }
   const V16 inv = simd::set1(1.0f / simd::reduce_add(total));
   for (int c = 0; c < NC; ++c) simd::store(out + 16 * c, tail(d - 16 * c), simd::mul(o[c], inv));
@@ -75,8 +99,11 @@ void one_head(const float* q, const float* const* krows, const float* const* vro
 
 using HeadFn = void (*)(const float*, const float* const*, const float* const*, int64_t, int64_t, float, float*,
                         float*);
-constexpr HeadFn kHeads[] = {one_head<1>, one_head<2>, one_head<3>, one_head<4>,
-                             one_head<5>, one_head<6>, one_head<7>, one_head<8>};
+constexpr HeadFn kHeads[2][8] = {
+    {one_head<1, false>, one_head<2, false>, one_head<3, false>, one_head<4, false>,
+     one_head<5, false>, one_head<6, false>, one_head<7, false>, one_head<8, false>},
+    {one_head<1, true>, one_head<2, true>, one_head<3, true>, one_head<4, true>,
+     one_head<5, true>, one_head<6, true>, one_head<7, true>, one_head<8, true>}};
 
 }  // namespace
 
@@ -117,7 +144,7 @@ torch::Tensor paged_decode(const torch::Tensor& q_in, const torch::Tensor& k_cac
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const HeadFn head = kHeads[(d + 15) / 16 - 1];
+  const HeadFn head = kHeads[d % 16 == 0][(d + 15) / 16 - 1];
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> krows, vrows;
