@@ -38,9 +38,6 @@ inline V16 exp_neg(V16 x) {
   return simd::times_pow2(p, n);
 }
 
-// One query head against one kv head's n rows (krows, vrows: where each position's row of that head lies):
-// s = q . k * scale, softmax, out [d] = sum of s_p v_p. NC chunks of 16 cover d (d <= 16 NC); q and the
-// sum stay in registers. s is scratch of n + 16 floats.
 // Rows prefetched ahead. A kv head's rows lie a cache row apart (K d floats), which the hardware prefetcher follows
 // poorly across pages. On the AVX2 EPYC, 8 rows ahead took 0.81x-0.92x the time at 16 and 64 sequences of 128
 // tokens and 4 of 4000, and the same elsewhere (docs/performance.md). The AVX-512 build does not prefetch: not
@@ -63,6 +60,9 @@ inline void prefetch_row(const float* row) {
   for (int c = 0; c < NC; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * c), _MM_HINT_T0);
 }
 
+// One query head against one kv head's n rows (krows, vrows: where each position's row of that head lies):
+// s = q . k * scale, softmax, out [d] = sum of s_p v_p. NC chunks of 16 cover d (d <= 16 NC); q and the
+// sum stay in registers. s is scratch of n + 16 floats.
 template <int NC, bool FULL>
 void one_head(const float* q, const float* const* krows, const float* const* vrows, int64_t n, int64_t d, float scale,
               float* s, float* out) {
