@@ -7,11 +7,16 @@ alone: a client sends a message of N bytes, an echo process sends it back, as an
 and its result. Two kinds of receiver:
 
 - sleeps until woken (what a worker that shares its cores must do): tcp and unix sockets, blocking;
+  a Unix socket under uvloop's protocol callbacks with no fabric code (the event loop's own share);
   a shared-memory slot a direction (a ring of one) woken by an eventfd; iceoryx2 publish-subscribe woken by
   its event service;
   the fabric's own connections (uvloop, its wire and handshake), tcp and the same-host socket;
 - polls (burns a core while it waits): the same slots, iceoryx2's subscriber, NIXL's notifications
   (NIXL has no blocking wait; UCX backend, host memory).
+
+With `--split` each fabric mode runs once more with each side timing its per-message parts in place, beside its
+loop thread's CPU a round trip, and the EW's side of a message is timed in a loop with hot caches
+(`ipc_fabric.in_a_loop`): what the same code costs in place against out of it.
 
 Modes alternate within each round; the table shows medians of the rounds' medians, and p10/p90 of
 every round trip of every round.
@@ -47,6 +52,8 @@ from ipc_mechanisms import (
     sock_client,
     sock_echo,
     socket_pair,
+    uv_client,
+    uv_echo,
 )
 
 # -- rounds ---------------------------------------------------------------------------------------
@@ -89,6 +96,15 @@ def run_socket(kind: str, size: int, n: int) -> Lat:
     a, b = socket_pair(kind)
     try:
         return _pair(FORK, sock_echo, (b, size, n), sock_client, (a, size, n))
+    finally:
+        a.close()
+        b.close()
+
+
+def run_uvloop(size: int, n: int) -> Lat:
+    a, b = socket_pair("unix")
+    try:
+        return _pair(FORK, uv_echo, (b, size, n), uv_client, (a, size, n))
     finally:
         a.close()
         b.close()
@@ -137,6 +153,7 @@ SPLITS: dict[tuple[bool, int, str], list[dict[str, float]]] = {}
 MODES: dict[str, tuple[str, Callable[[int, int], Lat]]] = {
     "tcp socket": ("sleeps", lambda s, n: run_socket("tcp", s, n)),
     "unix socket": ("sleeps", lambda s, n: run_socket("unix", s, n)),
+    "uvloop protocol (unix)": ("sleeps", run_uvloop),
     "shm ring + eventfd": ("sleeps", lambda s, n: run_ring(True, s, n)),
     "iceoryx2 + its event": ("sleeps", lambda s, n: run_iceoryx2(True, s, n)),
     "fabric tcp": ("sleeps", lambda s, n: run_fabric(False, s, n)),
@@ -212,16 +229,25 @@ def _print_split(sizes: list[int], modes: list[str], iters: int) -> None:
     global SPLIT_ON
     SPLIT_ON = True
     fabric_modes = [m for m in modes if m.startswith("fabric")]
-    print("\nThe fabric's per-message parts, timed in place (mean µs a message; one run each, timers on):")
-    print("| mode | bytes | side | round trip (median) | " + " | ".join(ipc_fabric.PARTS) + " |")
-    print("|---|---:|---|---:|" + "---:|" * len(ipc_fabric.PARTS))
+    cols = (*ipc_fabric.PARTS, ipc_fabric.CPU)
+    print("\nThe fabric's per-message parts, timed in place (mean µs a message; one run each, timers on), and each "
+          "side's loop thread's CPU a round trip:")
+    print("| mode | bytes | side | round trip (median) | " + " | ".join(cols) + " |")
+    print("|---|---:|---|---:|" + "---:|" * len(cols))
     for size in sizes:
         for m in fabric_modes:
             rtt = statistics.median(MODES[m][1](size, iters))
             for side in ("AW", "EW"):
                 means = SPLITS[("same-host" in m, size, side)][-1]
                 print(f"| {m} | {size} | {side} | {rtt:.1f} | "
-                      + " | ".join(f"{means[p]:.1f}" if p in means else "-" for p in ipc_fabric.PARTS) + " |")
+                      + " | ".join(f"{means[p]:.1f}" if p in means else "-" for p in cols) + " |")
+    print("\nThe EW's side of a message (read callback to the answer's write, no system call) in a loop, hot caches:")
+    for size in sizes:
+        print(f"  {size} B: {_in_child(SPAWN, _loop_lat, size, iters)[0]:.1f} µs a message")
+
+
+def _loop_lat(size: int, n: int) -> Lat:
+    return [ipc_fabric.in_a_loop(size, n)]
 
 
 def _plot(rows: list[dict], sizes: list[int], modes: list[str], path: Path) -> None:

@@ -1,5 +1,6 @@
 """bench_ipc.py's mechanisms: each an echo (the EW's side) and a client that times round trips (the
-AW's side), over blocking sockets, a shared-memory slot a direction (woken by an eventfd, or polled),
+AW's side), over blocking sockets, a Unix socket read and written by uvloop's protocol callbacks (the event loop the
+fabric's connections run on, without their code), a shared-memory slot a direction (woken by an eventfd, or polled),
 iceoryx2 publish-subscribe (woken by its event service, or polled) and NIXL (UCX, host memory; polled)."""
 
 from __future__ import annotations
@@ -63,6 +64,72 @@ def socket_pair(kind: str) -> tuple[socket.socket, socket.socket]:
     for s in (a, b):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return a, b
+
+
+# -- the event loop alone: uvloop's buffered protocol over a socket, no fabric code -------------------
+def _uv_protocol(size: int, on_message: Callable[[Any, memoryview], None]) -> Any:
+    import asyncio
+
+    class Echo(asyncio.BufferedProtocol):
+        """Fills a buffer of one message; calls `on_message(transport, message)` when it is whole."""
+
+        def __init__(self) -> None:
+            self.buf, self.got, self.transport = memoryview(bytearray(size)), 0, None
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return self.buf[self.got:]
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.got += nbytes
+            if self.got == size:
+                self.got = 0
+                on_message(self.transport, self.buf)
+    return Echo
+
+
+def uv_echo(s: socket.socket, size: int, n: int) -> None:
+    import asyncio
+
+    import uvloop
+
+    async def go() -> None:
+        done = asyncio.get_running_loop().create_future()
+        seen = [0]
+
+        def answer(transport: Any, msg: memoryview) -> None:
+            transport.write(bytes(msg))
+            seen[0] += 1
+            if seen[0] == n + WARMUP:
+                done.set_result(None)
+        await asyncio.get_running_loop().connect_accepted_socket(_uv_protocol(size, answer), s)
+        await done
+    uvloop.run(go())
+
+
+def uv_client(s: socket.socket, size: int, n: int) -> Lat:
+    import asyncio
+
+    import uvloop
+    msg = os.urandom(size)
+
+    async def go() -> Lat:
+        loop = asyncio.get_running_loop()
+        waiting: list[asyncio.Future[None]] = []
+        transport, _ = await loop.connect_accepted_socket(
+            _uv_protocol(size, lambda tr, m: waiting.pop().set_result(None)), s)
+        out = []
+        for i in range(n + WARMUP):
+            t0 = time.perf_counter_ns()
+            waiting.append(loop.create_future())
+            transport.write(msg)
+            await waiting[0]
+            if i >= WARMUP:
+                out.append((time.perf_counter_ns() - t0) / 1e3)
+        return out
+    return uvloop.run(go())
 
 
 # -- a shared-memory ring of one slot a direction: [seq u64 | len u64 | payload] ------------------
@@ -176,7 +243,11 @@ def iox_client(name: str, size: int, n: int, wake: bool, ready: Any) -> Lat:
     ready.recv()
     time.sleep(0.2)  # both ends connected
     msg, buf = os.urandom(size), memoryview(bytearray(size))
-    return _timed(n, lambda: (_iox_put(pub, note, msg, wake), _iox_take(sub, lis, buf, wake)))  # type: ignore[func-returns-value]
+
+    def once() -> None:
+        _iox_put(pub, note, msg, wake)
+        _iox_take(sub, lis, buf, wake)
+    return _timed(n, once)
 
 
 # -- NIXL (UCX backend, host memory; notifications are polled) -----------------------------------
