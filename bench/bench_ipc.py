@@ -10,7 +10,8 @@ and its result. Two kinds of receiver:
   a Unix socket under uvloop's protocol callbacks with no fabric code (the event loop's own share);
   a shared-memory slot a direction (a ring of one) woken by an eventfd; iceoryx2 publish-subscribe woken by
   its event service;
-  the fabric's own connections (uvloop, its wire and handshake), tcp and the same-host socket;
+  the fabric's own connections (uvloop, its wire and handshake), tcp and the same-host socket, calls and results
+  through the kernel module's codec as a worker's (fabric/kernels/codec.cpp), and through msgspec's beside them;
 - polls (burns a core while it waits): the same slots, iceoryx2's subscriber, NIXL's notifications
   (NIXL has no blocking wait; UCX backend, host memory).
 
@@ -132,16 +133,16 @@ def run_nixl(size: int, n: int) -> Lat:
     return _pair(SPAWN, nixl_echo, (size, n, theirs), nixl_client, (size, n, mine))
 
 
-def run_fabric(same_host: bool, size: int, n: int) -> Lat:
+def run_fabric(same_host: bool, size: int, n: int, native: bool = True) -> Lat:
     port_q, split_q = SPAWN.Queue(), SPAWN.Queue() if SPLIT_ON else None
-    e = SPAWN.Process(target=ipc_fabric.echo, args=(port_q, same_host, n, split_q), daemon=True)
+    e = SPAWN.Process(target=ipc_fabric.echo, args=(port_q, same_host, n, split_q, native), daemon=True)
     e.start()
     try:
-        lat = _in_child(SPAWN, ipc_fabric.client, port_q.get(timeout=60), size, n, same_host, split_q)
+        lat = _in_child(SPAWN, ipc_fabric.client, port_q.get(timeout=60), size, n, same_host, split_q, native)
         if split_q is not None:
             for _ in range(2):
                 side, means = split_q.get(timeout=30)
-                SPLITS.setdefault((same_host, size, side), []).append(means)
+                SPLITS.setdefault((same_host, native, size, side), []).append(means)
         return lat
     finally:
         e.kill()
@@ -149,7 +150,7 @@ def run_fabric(same_host: bool, size: int, n: int) -> Lat:
 
 
 SPLIT_ON = False
-SPLITS: dict[tuple[bool, int, str], list[dict[str, float]]] = {}
+SPLITS: dict[tuple[bool, bool, int, str], list[dict[str, float]]] = {}  # (same host, codec.cpp, bytes, side)
 MODES: dict[str, tuple[str, Callable[[int, int], Lat]]] = {
     "tcp socket": ("sleeps", lambda s, n: run_socket("tcp", s, n)),
     "unix socket": ("sleeps", lambda s, n: run_socket("unix", s, n)),
@@ -158,6 +159,7 @@ MODES: dict[str, tuple[str, Callable[[int, int], Lat]]] = {
     "iceoryx2 + its event": ("sleeps", lambda s, n: run_iceoryx2(True, s, n)),
     "fabric tcp": ("sleeps", lambda s, n: run_fabric(False, s, n)),
     "fabric same-host socket": ("sleeps", lambda s, n: run_fabric(True, s, n)),
+    "fabric same-host socket, msgspec codec": ("sleeps", lambda s, n: run_fabric(True, s, n, native=False)),
     "shm ring polled": ("polls", lambda s, n: run_ring(False, s, n)),
     "iceoryx2 polled": ("polls", lambda s, n: run_iceoryx2(False, s, n)),
     "NIXL (UCX; host memory)": ("polls", run_nixl),
@@ -238,16 +240,18 @@ def _print_split(sizes: list[int], modes: list[str], iters: int) -> None:
         for m in fabric_modes:
             rtt = statistics.median(MODES[m][1](size, iters))
             for side in ("AW", "EW"):
-                means = SPLITS[("same-host" in m, size, side)][-1]
+                means = SPLITS[("same-host" in m, "msgspec" not in m, size, side)][-1]
                 print(f"| {m} | {size} | {side} | {rtt:.1f} | "
                       + " | ".join(f"{means[p]:.1f}" if p in means else "-" for p in cols) + " |")
     print("\nThe EW's side of a message (read callback to the answer's write, no system call) in a loop, hot caches:")
     for size in sizes:
-        print(f"  {size} B: {_in_child(SPAWN, _loop_lat, size, iters)[0]:.1f} µs a message")
+        for native in (True, False):
+            took = _in_child(SPAWN, _loop_lat, size, iters, native)[0]
+            print(f"  {size} B, {'the kernel module' if native else 'msgspec'}'s codec: {took:.1f} µs a message")
 
 
-def _loop_lat(size: int, n: int) -> Lat:
-    return [ipc_fabric.in_a_loop(size, n)]
+def _loop_lat(size: int, n: int, native: bool) -> Lat:
+    return [ipc_fabric.in_a_loop(size, n, native)]
 
 
 def _plot(rows: list[dict], sizes: list[int], modes: list[str], path: Path) -> None:

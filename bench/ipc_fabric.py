@@ -52,14 +52,16 @@ class Split:
         return {k: s / n / 1e3 for k, (s, n) in self.acc.items() if n}
 
 
-def echo(port_q: Any, same_host: bool, n: int, split_q: Any) -> None:
+def echo(port_q: Any, same_host: bool, n: int, split_q: Any, native: bool = True) -> None:
     """An EW with no experts: answers each ExpertCall with its rows from the read callback."""
     import uvloop
     if same_host:
         os.environ["MOE_FABRIC_SAME_HOST"] = "1"
 
+    from fabric.kernels import choose
     from fabric.messages.expert import ExpertCall, ExpertResult
     from fabric.transport.tcp import TcpTransport
+    choose.wire_codec("auto" if native else "torch", "cpu")  # as a worker does: calls and results through codec.cpp
     split = Split()
     if split_q is not None:
         split.install()
@@ -90,13 +92,15 @@ def echo(port_q: Any, same_host: bool, n: int, split_q: Any) -> None:
     uvloop.run(main())
 
 
-def client(port: int, size: int, n: int, same_host: bool, split_q: Any) -> list[float]:
+def client(port: int, size: int, n: int, same_host: bool, split_q: Any, native: bool = True) -> list[float]:
     """µs of each of `n` round trips of a call of `size` bytes (after a warm-up)."""
     import torch
     import uvloop
 
+    from fabric.kernels import choose
     from fabric.messages.expert import ExpertCall
     from fabric.transport.tcp import TcpTransport
+    choose.wire_codec("auto" if native else "torch", "cpu")
     x = torch.randn(max(1, size // 4 // 512), 512)  # rows of the bench model's hidden size, float32
     if same_host:
         os.environ["MOE_FABRIC_SAME_HOST"] = "1"
@@ -147,7 +151,7 @@ class _Sink:
         return 0
 
 
-def in_a_loop(size: int, n: int) -> float:
+def in_a_loop(size: int, n: int, native: bool = True) -> float:
     """µs of the EW's side of one call with hot caches: the call's bytes handed to the read callback, parsed,
     decoded, answered, the answer encoded and written to a transport that takes it without a system call; `n` back
     to back (after a warm-up), the median of 5 runs. In place the same work runs between system calls and the other
@@ -157,17 +161,19 @@ def in_a_loop(size: int, n: int) -> float:
     import torch
     import uvloop
 
+    from fabric.kernels import choose
     from fabric.messages import fast
     from fabric.messages.expert import ExpertCall, ExpertResult
     from fabric.transport.tcp import TcpConnection
     from fabric.transport.tcp_pipe import Pipe
     from fabric.wire import DEFAULT_LIMITS
 
+    choose.wire_codec("auto" if native else "torch", "cpu")
+
     async def go() -> float:
         x = torch.randn(max(1, size // 4 // 512), 512)
-        parts = fast.encode_parts(ExpertCall(0, 1, 0, [0], [x.shape[0]], x))
-        assert parts is not None and parts[1] is not None
-        data = bytes(parts[0]) + bytes(parts[1])
+        data = fast.encode(ExpertCall(0, 1, 0, [0], [x.shape[0]], x))
+        assert data is not None
         pipe, sink = Pipe(1.0), _Sink()
         pipe.connection_made(sink)  # type: ignore[arg-type]
         conn = TcpConnection(pipe, DEFAULT_LIMITS)

@@ -18,13 +18,21 @@ import time
 from collections.abc import Callable
 
 from fabric.config import WorkerConfig
+from fabric.process import run_niced_async
 from fabric.runtime import Runtime, Service
 
 log = logging.getLogger(__name__)
 
 
 async def serve_workers(cfg: WorkerConfig, make: Callable[[], Service], stop: asyncio.Event) -> None:
-    """Runs `cfg.sim_workers` workers until `stop`. With one, it is the usual single-worker process."""
+    """Runs `cfg.sim_workers` workers until `stop`. With one, it is the usual single-worker process.
+
+    First the process takes the compiled codec for its calls and results where it runs the CPU's kernels
+    (`choose.wire_codec`; the module is loaded, or built, at `boot_nice`)."""
+    from fabric.kernels import choose  # (torch: a worker's process has it)
+
+    if await run_niced_async(lambda: choose.wire_codec(cfg.kernel, cfg.device), cfg.boot_nice):
+        log.debug("calls and results through the compiled codec")
     if cfg.sim_workers == 1 and not cfg.sim_control:
         await Runtime(cfg, make()).serve(stop)
         return

@@ -91,3 +91,12 @@ def prefills_rowwise(kernel: str, device: torch.device) -> bool:
     over a prefill chunk gave a token other floats than decoding it (a restore recomputes decoded tokens in one
     chunk), and it runs a prefill about as fast as SDPA here (docs/performance.md)."""
     return kernel == "auto" and device.type == "cpu"
+
+
+def wire_codec(kernel: str, device: str) -> bool:
+    """Makes this process encode and decode expert calls and results with the compiled module's codec
+    (codec.cpp: the same bytes, a third of the time) where it runs the CPU's kernels (`--kernel auto`, `--device cpu`),
+    whatever the model's dtype; returns whether it does. Elsewhere msgspec's codec stays (fabric/messages/fast.py)."""
+    from fabric.messages import fast
+
+    return fast.use_native(skinny.load() if kernel == "auto" and device == "cpu" else None)

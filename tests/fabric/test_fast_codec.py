@@ -1,5 +1,6 @@
-"""The data path's compiled codec (fabric/messages/fast.py) against the generic one: the same bytes out, the same
-messages in, and whatever it does not accept left to the generic decoder, whose verdict then stands."""
+"""The data path's compiled codecs (fabric/messages/fast.py: msgspec's, and the kernel module's for calls and results)
+against the generic one: the same bytes out, the same messages in, and whatever they do not accept left to the generic
+decoder, whose verdict then stands."""
 
 from __future__ import annotations
 
@@ -16,6 +17,21 @@ from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.client import StepOutput, TokenOut
 from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
 from fabric.wire import DEFAULT_LIMITS, MAGIC, PREFIX, PREFIX_SIZE, WireLimits, decode_bytes, encode_bytes, parse_prefix
+
+
+@pytest.fixture(autouse=True, params=["msgspec", "native"])
+def codec(request: pytest.FixtureRequest) -> Any:
+    """Every test with msgspec's codec, then with the kernel module's (fabric/kernels/codec.cpp), which takes calls and
+    results first where a worker loaded it."""
+    if request.param == "native":
+        from fabric.kernels import skinny
+
+        reason = skinny.unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        assert fast.use_native(skinny.load())
+    yield request.param
+    fast.use_native(None)
 
 
 def generic_bytes(msg: Message) -> bytes:
