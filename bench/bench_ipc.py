@@ -159,7 +159,7 @@ MODES: dict[str, tuple[str, Callable[[int, int], Lat]]] = {
     "iceoryx2 + its event": ("sleeps", lambda s, n: run_iceoryx2(True, s, n)),
     "fabric tcp": ("sleeps", lambda s, n: run_fabric(False, s, n)),
     "fabric same-host socket": ("sleeps", lambda s, n: run_fabric(True, s, n)),
-    "fabric same-host socket, msgspec codec": ("sleeps", lambda s, n: run_fabric(True, s, n, native=False)),
+    "fabric same-host socket (msgspec codec)": ("sleeps", lambda s, n: run_fabric(True, s, n, native=False)),
     "shm ring polled": ("polls", lambda s, n: run_ring(False, s, n)),
     "iceoryx2 polled": ("polls", lambda s, n: run_iceoryx2(False, s, n)),
     "NIXL (UCX; host memory)": ("polls", run_nixl),

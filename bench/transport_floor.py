@@ -1,6 +1,7 @@
 """The floor under a layer of the fabric: one layer's round trip over the bare transport (an AW's rows to two echo
 processes and back, the fabric's own connections and wire, authenticated, used as the fabric uses them: calls sent
-without waiting, results taken in the read callbacks), and over plain blocking sockets (bench/bench_fabric_cost.py)."""
+without waiting, results taken in the read callbacks, through the codec a worker takes), and over plain blocking
+sockets (bench/bench_fabric_cost.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ SECRET = b"bench-fabric-cost-secret-0123456789"
 
 
 def _echo_server(port_q: mp.Queue, transport: str) -> None:
-    """An EW with no experts: answers every ExpertCall with its rows, from its read callback as an EW does."""
+    """An EW with no experts: answers every ExpertCall with its rows, from its read callback as an EW does, through
+    the codec a worker takes (fabric/kernels/choose.py, `wire_codec`)."""
+    from fabric.kernels import choose
     from fabric.messages.expert import ExpertCall, ExpertResult
     from fabric.transport import make_transport
+
+    choose.wire_codec("auto", "cpu")
 
     async def main() -> None:
         t = make_transport(transport, secret=SECRET)
@@ -74,9 +79,13 @@ def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
     """Median µs of one layer's exchange with 2 EWs (`rows` rows each way, split between them)."""
     import torch
 
+    from fabric.kernels import choose
+    from fabric.messages import fast
     from fabric.messages.expert import ExpertCall
     from fabric.transport import same_host
     from fabric.transport.tcp import TcpTransport
+
+    choose.wire_codec("auto", "cpu")  # (this process, as an AW: off again at the end)
 
     ctx = mp.get_context("spawn")
     out: dict[str, float] = {}
@@ -146,6 +155,7 @@ def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
             s.close()
         out["socket"] = statistics.median(times[20:]) * 1e6
     finally:
+        fast.use_native(None)
         for p in procs:
             p.kill()
             p.join(5)

@@ -31,8 +31,8 @@ async def serve_workers(cfg: WorkerConfig, make: Callable[[], Service], stop: as
     (`choose.wire_codec`; the module is loaded, or built, at `boot_nice`)."""
     from fabric.kernels import choose  # (torch: a worker's process has it)
 
-    if await run_niced_async(lambda: choose.wire_codec(cfg.kernel, cfg.device), cfg.boot_nice):
-        log.debug("calls and results through the compiled codec")
+    native = await run_niced_async(lambda: choose.wire_codec(cfg.kernel, cfg.device), cfg.boot_nice)
+    log.info("expert calls and results through %s", "the kernel module's codec" if native else "msgspec's codec")
     if cfg.sim_workers == 1 and not cfg.sim_control:
         await Runtime(cfg, make()).serve(stop)
         return
