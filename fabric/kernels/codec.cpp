@@ -240,26 +240,28 @@ struct Reader {
     }
     p += n;
   }
+  // An unsigned integer whose type byte `b` was read, in its shortest form; false for any other.
+  bool uint_of(uint8_t b, uint64_t& u) {
+    static const uint64_t least[] = {128, 256, 65536, 0x100000000ull};  // 0xcc..0xcf: 1, 2, 4, 8 bytes
+    if (b < 0x80) u = b;
+    else if (b >= 0xcc && b <= 0xcf) { u = be(1 << (b - 0xcc)); ok = ok && u >= least[b - 0xcc]; }
+    else return false;
+    return ok;
+  }
   // An integer in the form Writer writes it (the shortest): as a Python int.
   py::object integer() {
     uint8_t b = byte();
-    if (!ok) return py::object();
-    if (b < 0x80) return py::int_(b);
-    if (b >= 0xe0) return py::int_(static_cast<int8_t>(b));
     uint64_t u;
-    switch (b) {
-      case 0xcc: u = be(1); if (u < 128) ok = false; break;
-      case 0xcd: u = be(2); if (u < 256) ok = false; break;
-      case 0xce: u = be(4); if (u < 65536) ok = false; break;
-      case 0xcf: u = be(8); if (u <= 0xffffffffull) ok = false; break;
-      case 0xd0: { int64_t v = static_cast<int8_t>(be(1)); if (v >= -32) ok = false; return ok ? py::int_(v) : py::object(); }
-      case 0xd1: { int64_t v = static_cast<int16_t>(be(2)); if (v >= -128) ok = false; return ok ? py::int_(v) : py::object(); }
-      case 0xd2: { int64_t v = static_cast<int32_t>(be(4)); if (v >= -32768) ok = false; return ok ? py::int_(v) : py::object(); }
-      case 0xd3: { int64_t v = static_cast<int64_t>(be(8)); if (v >= INT32_MIN) ok = false; return ok ? py::int_(v) : py::object(); }
-      default: ok = false; return py::object();
-    }
     if (!ok) return py::object();
-    return py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(u));
+    if (uint_of(b, u)) return py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(u));
+    if (b >= 0xe0) return py::int_(static_cast<int8_t>(b));
+    if (b < 0xd0 || b > 0xd3) { ok = false; return py::object(); }
+    static const int64_t above[] = {-32, -128, -32768, INT32_MIN};  // 0xd0..0xd3: the shorter form's least
+    const int n = 1 << (b - 0xd0);
+    const uint64_t raw = be(n);
+    const int64_t v = n == 8 ? static_cast<int64_t>(raw) : static_cast<int64_t>(raw << (64 - 8 * n)) >> (64 - 8 * n);
+    ok = ok && v < above[b - 0xd0];
+    return ok ? py::int_(v) : py::object();
   }
   size_t array() {
     uint8_t b = byte();
@@ -318,14 +320,11 @@ at::Tensor tensor(Reader& r, PyObject* body, const uint8_t* base, size_t start, 
   uint64_t numel = 1;
   bool overflow = false;
   for (size_t i = 0; i < dims; ++i) {
-    uint8_t c = r.byte();
     uint64_t d;
-    if (c < 0x80) d = c;
-    else if (c == 0xcc) { d = r.be(1); if (d < 128) r.ok = false; }
-    else if (c == 0xcd) { d = r.be(2); if (d < 256) r.ok = false; }
-    else if (c == 0xce) { d = r.be(4); if (d < 65536) r.ok = false; }
-    else { r.ok = false; return at::Tensor(); }  // (negative, or past 2^32: the Python decoders judge)
-    if (!r.ok) return at::Tensor();
+    if (!r.uint_of(r.byte(), d) || d > 0xffffffffull) {  // (negative, or past 2^32: the Python decoders judge)
+      r.ok = false;
+      return at::Tensor();
+    }
     shape[i] = static_cast<int64_t>(d);
     if (d && numel > UINT64_MAX / d) overflow = true;
     numel *= d;

@@ -108,3 +108,16 @@ def test_what_it_does_not_write_or_read_is_declined(ops: Any) -> None:
     assert ops.decode_data(body, len(body), ExpertCall, ExpertResult) is None
     for cut in range(len(body)):  # every truncation of the body: declined, never read past it
         assert ops.decode_data(body[:cut], header_len, ExpertCall, ExpertResult) is None
+
+
+def test_integers_of_every_width_both_signs(ops: Any) -> None:
+    """Each msgpack form of an integer at its edges (fixint, 8 to 64 bits, negative ones too), as the generic codec
+    writes them, and back."""
+    edges = [-1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1, -2**63, 0, 127, 128, 255, 256, 65535,
+             65536, 2**32 - 1, 2**32, 2**64 - 1]
+    msg = ExpertCall(5, 1, 1, edges, edges, torch.randn(2, 4))
+    out = ops.encode_data(msg, True, fast.JOIN_BELOW)
+    assert out is not None and out[0] == encode_bytes(*encode_message(msg))
+    body, header_len = _body(out[0])
+    got = ops.decode_data(body, header_len, ExpertCall, ExpertResult)
+    assert got.experts == edges and got.counts == edges
