@@ -11,7 +11,7 @@ and its result. Two kinds of receiver:
   a shared-memory slot a direction (a ring of one) woken by an eventfd; iceoryx2 publish-subscribe woken by
   its event service;
   the fabric's own connections (uvloop, its wire and handshake), tcp and the same-host socket, calls and results
-  through the kernel module's codec as a worker's (fabric/kernels/codec.cpp), and through msgspec's beside them;
+  through the kernel module's codec as a worker's (fabric/kernels/codec.h), and through msgspec's beside them;
 - polls (burns a core while it waits): the same slots, iceoryx2's subscriber, NIXL's notifications
   (NIXL has no blocking wait; UCX backend, host memory).
 
@@ -150,7 +150,7 @@ def run_fabric(same_host: bool, size: int, n: int, native: bool = True) -> Lat:
 
 
 SPLIT_ON = False
-SPLITS: dict[tuple[bool, bool, int, str], list[dict[str, float]]] = {}  # (same host, codec.cpp, bytes, side)
+SPLITS: dict[tuple[bool, bool, int, str], list[dict[str, float]]] = {}  # (same host, the kernel module's codec, bytes, side)
 MODES: dict[str, tuple[str, Callable[[int, int], Lat]]] = {
     "tcp socket": ("sleeps", lambda s, n: run_socket("tcp", s, n)),
     "unix socket": ("sleeps", lambda s, n: run_socket("unix", s, n)),

@@ -61,7 +61,7 @@ def echo(port_q: Any, same_host: bool, n: int, split_q: Any, native: bool = True
     from fabric.kernels import choose
     from fabric.messages.expert import ExpertCall, ExpertResult
     from fabric.transport.tcp import TcpTransport
-    choose.wire_codec("auto" if native else "torch", "cpu")  # as a worker does: calls and results through codec.cpp
+    choose.wire_codec("auto" if native else "torch", "cpu")  # as a worker does: calls and results through the kernel module's codec
     split = Split()
     if split_q is not None:
         split.install()

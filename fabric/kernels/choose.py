@@ -95,7 +95,7 @@ def prefills_rowwise(kernel: str, device: torch.device) -> bool:
 
 def wire_codec(kernel: str, device: str) -> bool:
     """Makes this process encode and decode expert calls and results with the compiled module's codec
-    (codec.cpp: the same bytes, a fraction of msgspec's time) where it runs the CPU's kernels (`--kernel auto`, `--device cpu`),
+    (codec.h: the same bytes, a fraction of msgspec's time) where it runs the CPU's kernels (`--kernel auto`, `--device cpu`),
     whatever the model's dtype; returns whether it does. Elsewhere msgspec's codec stays (fabric/messages/fast.py)."""
     from fabric.messages import fast
 

@@ -32,8 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in (
-    "skinny_gemm.cpp", "paged_attention.cpp", "layer_ops.cpp", "codec.cpp")]  # one module
-HEADERS = [Path(__file__).with_name("simd.h")]
+    "skinny_gemm.cpp", "paged_attention.cpp", "layer_ops.cpp", "codec_write.cpp", "codec_read.cpp")]  # one module
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "codec.h")]
 # torch's CPU capability -> the instruction sets the module is built for
 FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AMX": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 COLS = 64  # output columns per packed block

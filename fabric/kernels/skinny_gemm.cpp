@@ -15,6 +15,8 @@
 
 #include <algorithm>
 
+#include "codec.h"
+
 namespace {
 
 constexpr int64_t kCols = 64;  // output columns per packed block (4 AVX-512 vectors, 8 AVX2 ones)
@@ -239,11 +241,10 @@ std::vector<torch::Tensor> plan_rows(const torch::Tensor& x, const torch::Tensor
 std::vector<torch::Tensor> route(const torch::Tensor& logits, int64_t k, bool normalize);
 torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w);
 
-void register_codec(pybind11::module_& m);  // codec.cpp: calls and results to and from the wire
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  register_codec(m);
+  codec::register_codec(m);  // calls and results to and from the wire (codec.h)
   m.def("pack", &pack, "W [K, N] float32 -> packed [ceil(N/64), K, 64]");
   m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::arg("x"), py::arg("w"), py::arg("n"),
         py::call_guard<py::gil_scoped_release>());

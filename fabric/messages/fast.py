@@ -20,7 +20,7 @@ writes calls, results and steps' tokens through `encode`. msgspec is a dependenc
 is False and every message takes the generic codec.
 
 A worker that runs the fabric's C++ kernels also encodes and decodes calls and results with the module's
-`encode_data` and `decode_data` (fabric/kernels/codec.cpp; `use_native`, fabric/kernels/choose.py): the same bytes,
+`encode_data` and `decode_data` (fabric/kernels/codec.h; `use_native`, fabric/kernels/choose.py): the same bytes,
 the same messages; in a loop an encode takes a fifth to a quarter of msgspec's time here, a decode two fifths. What
 they do not take (they return None) goes the ways above.
 """
@@ -75,7 +75,7 @@ _classes: tuple[Any, Any] | None = None  # (ExpertCall, ExpertResult) once fabri
 
 
 def use_native(ops: Any | None) -> bool:
-    """Encodes and decodes calls and results with `ops` (the kernel module, fabric/kernels/codec.cpp) from now on in
+    """Encodes and decodes calls and results with `ops` (the kernel module, fabric/kernels/codec.h) from now on in
     this process; None: with msgspec again. Returns whether the compiled codec is on."""
     global _native
     _native = ops if ops is not None and hasattr(ops, "encode_data") else None

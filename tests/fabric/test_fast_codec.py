@@ -21,7 +21,7 @@ from fabric.wire import DEFAULT_LIMITS, MAGIC, PREFIX, PREFIX_SIZE, WireLimits, 
 
 @pytest.fixture(autouse=True, params=["msgspec", "native"])
 def codec(request: pytest.FixtureRequest) -> Any:
-    """Every test with msgspec's codec, then with the kernel module's (fabric/kernels/codec.cpp), which takes calls and
+    """Every test with msgspec's codec, then with the kernel module's (fabric/kernels/codec.h), which takes calls and
     results first where a worker loaded it."""
     if request.param == "native":
         from fabric.kernels import skinny

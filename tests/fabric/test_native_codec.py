@@ -1,4 +1,4 @@
-"""The kernel module's codec of calls and results (fabric/kernels/codec.cpp) on its own: it takes the messages it is
+"""The kernel module's codec of calls and results (fabric/kernels/codec.h) on its own: it takes the messages it is
 for (no silent fall back to msgspec), its tensors view the received buffer and keep it, and it declines the rest.
 tests/fabric/test_fast_codec.py holds it to the generic codec's bytes and verdicts."""
 
