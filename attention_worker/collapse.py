@@ -27,9 +27,15 @@ While collapsed the AW does not pad: its calls say so, so the EWs' sync gathers 
 experts that grow costly spread the layers again within a window.
 
 A layer's EW (`layer_targets`): of the live EWs, one holding a copy of the most experts of the layer; where several
-tie, they take turns by the layer's place among the MoE layers, so that with two EWs each takes every other layer.
-Every AW works it out from the same table, so a layer's calls from every AW meet on one EW, where a batch can take
-them together. Experts without a copy there go where they would have gone, and so do those the table spreads over
+tie, they take turns by the layer's place among the MoE layers, so that with two EWs each takes every other layer
+(`--collapse-onto turns`), or the first takes every layer (`one`). Turns spread the layers' batches over the EWs, for
+a host with a core for each worker. Where the workers outnumber the cores, one is faster: a step's layers then take
+two processes in turn, not three, and the EW that serves every layer finds its caches as it left them, where two
+that take turns each come back to caches the other processes took. On the 2-core VM, 2 AW + 2 EW with no compute,
+side by side (docs/performance.md, twelfth round): 0.89x / 0.88x / 0.78x the time a layer at 1 / 16 / 64 streams,
+1.16x / 1.03x / 1.04x the tokens a second, the EWs' CPU a token 0.82x / 0.88x / 0.81x. `serve` takes one where its
+AWs and EWs outnumber the CPUs it may use (`--collapse-onto auto`), turns elsewhere. Every AW works it out from the
+same table, so a layer's calls from every AW meet on one EW, where a batch can take them together. Experts without a copy there go where they would have gone, and so do those the table spreads over
 several replicas (expert load balancing, orchestrator/balancer.py: the operator's choice stands). A failed call is
 replayed the usual way, on the next live replica of each of its experts.
 """
@@ -82,8 +88,9 @@ class CollapsePolicy:
             self._layers = 0
 
 
-def layer_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:
-    """MoE layer -> the live EW (not in `excluded`) that takes the layer's rows when collapsed (see the module).
+def layer_targets(table: RoutingTable, excluded: set[str], one: bool = False) -> dict[int, str]:
+    """MoE layer -> the live EW (not in `excluded`) that takes the layer's rows when collapsed (see the module): of
+    those tied for the most of its experts, the first (`one`) or each in turn.
 
     From the placement tensor in a few array ops: once per table, set of excluded EWs and switch, and a table of
     94 layers x 128 experts over 128 EWs takes ~1 ms."""
@@ -102,5 +109,5 @@ def layer_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:
         best = int(counts[i].max())
         if best:
             tied = np.flatnonzero(counts[i] == best)
-            out[layer] = live[int(tied[i % len(tied)])]
+            out[layer] = live[int(tied[0 if one else i % len(tied)])]
     return out

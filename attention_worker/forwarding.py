@@ -64,7 +64,8 @@ def _failed(exc: BaseException) -> asyncio.Future[torch.Tensor]:
 class ForwardingEngine:
     def __init__(self, aw_id: str, transport: Transport, control_transport: Transport, probe_interval: float = 0.01,
                  probe_misses: int = 3, expert_wait: float = 30.0, on_suspect: Callable[[str, str, bool], None] | None = None,
-                 device: torch.device | None = None, collapse_below_s: float | None = 0.0) -> None:
+                 device: torch.device | None = None, collapse_below_s: float | None = 0.0,
+                 collapse_onto_one: bool = False) -> None:
         self.aw_id = aw_id
         self.expert_wait = expert_wait
         self.table: RoutingTable | None = None
@@ -76,6 +77,7 @@ class ForwardingEngine:
         self._ids = itertools.count(1)
         # Whether a layer's rows go to one EW (attention_worker/collapse.py).
         self.collapse = CollapsePolicy(collapse_below_s)
+        self.collapse_onto_one = collapse_onto_one  # collapsed layers that several EWs could take: all to one
         # Each layer's expert -> the one EW that serves it now (None: spread over several, or no live copy), for
         # the table, the EWs routed around and the collapse that it was worked out for (`_ews_of`).
         self._routes: dict[int, list[str | None]] = {}
@@ -219,7 +221,7 @@ class ForwardingEngine:
         collapsed = self.collapse.on
         if self._routes_for[0] is not table or self._routes_for[1] != excluded or self._routes_for[2] != collapsed:
             self._routes, self._routes_for = {}, (table, set(excluded), collapsed)
-            self._targets = layer_targets(table, excluded) if collapsed else {}
+            self._targets = layer_targets(table, excluded, self.collapse_onto_one) if collapsed else {}
         ews = self._routes.get(layer)
         if ews is None:
             ews = self._routes[layer] = [None] * table.num_experts

@@ -187,7 +187,8 @@ class AttentionService(Service):
         self.control_transport = rt.tcp_transport()  # to the EWs' control ports, from this loop
         refe = ForwardingEngine(rt.worker_id, self.transport, self.control_transport, cfg.probe_interval_ms / 1000,
                                 cfg.probe_misses, cfg.expert_wait_s, rt.report_dead, kv.device,
-                                None if cfg.collapse_below_us is None else cfg.collapse_below_us / 1e6)
+                                None if cfg.collapse_below_us is None else cfg.collapse_below_us / 1e6,
+                                collapse_onto_one=cfg.collapse_onto == "one")
         ckpt = Checkpointer(rt.worker_id, self.model, kv, refe, self.transport, cfg.checkpoint,
                             cfg.checkpoint_pause_every, cfg.checkpoint_steps_per_message, on_lost=rt.report_dead)
         runner: ModelRunner

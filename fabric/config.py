@@ -39,6 +39,7 @@ from fabric.config_fields import (
 from fabric.errors import ConfigError
 from fabric.tls import Tls
 
+COLLAPSE_ONTO = ("turns", "one")  # an AW's collapsed layers: attention_worker/collapse.py, `layer_targets`
 
 @dataclass(frozen=True)
 class RoleConfig:
@@ -204,6 +205,10 @@ class AttentionWorkerConfig(WorkerConfig):
                                                 "the EWs (default: less than a call's own time, measured as it serves: "
                                                 "its round trip less the EW's batch; 0: always spread them)",
                                           metavar="US")
+    collapse_onto: str = opt("turns", "where collapsed layers go when several EWs hold copies of every expert of "
+                                      "them: turns = each such EW every Nth layer; one = every layer to the first, so "
+                                      "that fewer processes take turns on the CPUs (where the workers outnumber them)",
+                             choices=COLLAPSE_ONTO)
     checkpoint: str = opt("incremental", "KV checkpoints to the checkpoint store (pause: the stop-copy-resume baseline)",
                           choices=("incremental", "pause", "off"))
     checkpoint_pause_every: int = opt(8, "steps between full copies with --checkpoint pause")
@@ -226,6 +231,8 @@ class AttentionWorkerConfig(WorkerConfig):
             raise ConfigError("expert_wait_s, restore_join_ms, sim_attention_ms and cuda_graphs must be >= 0")
         if self.collapse_below_us is not None and not self.collapse_below_us >= 0:  # (not >=: NaN too)
             raise ConfigError(f"collapse_below_us must be >= 0, not {self.collapse_below_us}")
+        if self.collapse_onto not in COLLAPSE_ONTO:
+            raise ConfigError(f"collapse_onto must be one of {', '.join(COLLAPSE_ONTO)}, not {self.collapse_onto!r}")
         if self.checkpoint not in ("incremental", "pause", "off") or self.checkpoint_pause_every < 1 \
                 or self.checkpoint_steps_per_message < 1:
             raise ConfigError("checkpoint must be incremental, pause or off, and checkpoint_pause_every and "

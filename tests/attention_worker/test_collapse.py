@@ -119,9 +119,18 @@ def test_each_layer_goes_to_an_ew_holding_the_most_of_its_experts_in_turns() -> 
         assert len(set(targets.values())) > 1  # ties take turns
 
 
-def reference_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]:
+def test_every_collapsed_layer_onto_one_ew_where_asked() -> None:
+    two = planned(["ew-0", "ew-1"])
+    assert layer_targets(two, set(), one=True) == dict.fromkeys(LAYERS, "ew-0")
+    assert layer_targets(two, {"ew-0"}, one=True) == dict.fromkeys(LAYERS, "ew-1")  # the next, once it is gone
+    four = planned([f"ew-{i}" for i in range(4)])  # none holds every expert: each layer the first of those tied
+    assert layer_targets(four, set(), one=True) == reference_targets(four, set(), one=True)
+
+
+def reference_targets(table: RoutingTable, excluded: set[str], one: bool = False) -> dict[int, str]:
     """The rule, EW by EW and expert by expert: the live EW holding copies of the most of a layer's experts, ties in
-    the order of the slots they occupy, taking turns by the layer's place among the MoE layers."""
+    the order of the slots they occupy, the first (`one`) or taking turns by the layer's place among the MoE
+    layers."""
     live = [ew for ew in dict.fromkeys(table.occupants) if ew and ew not in excluded]
     out = {}
     for i, layer in enumerate(table.layers):
@@ -129,7 +138,7 @@ def reference_targets(table: RoutingTable, excluded: set[str]) -> dict[int, str]
         best = max(held.values(), default=0)
         if best:
             tied = [ew for ew in live if held[ew] == best]
-            out[layer] = tied[i % len(tied)]
+            out[layer] = tied[0 if one else i % len(tied)]
     return out
 
 
@@ -145,7 +154,8 @@ def test_the_layers_ews_are_the_rules_on_random_tables() -> None:
                              [EwAddress(w, "127.0.0.1", 1) for w in dict.fromkeys(occupants) if w],
                              placement_tensor(LAYERS, EXPERTS, ews, placement))
         excluded = set(rng.sample(ews, rng.randint(0, len(ews))))
-        assert layer_targets(table, excluded) == reference_targets(table, excluded)
+        one = rng.random() < 0.5
+        assert layer_targets(table, excluded, one) == reference_targets(table, excluded, one)
 
 
 class _Conn:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +44,21 @@ def test_serve_hands_the_step_budget_to_its_attention_workers() -> None:
     assert roles.attention.max_batch_tokens == 128
     with pytest.raises(ConfigError, match="max_batch_tokens"):
         ServeConfig(max_batch_tokens=0)
+
+
+def test_serve_sends_collapsed_layers_onto_one_ew_where_its_workers_outnumber_the_cpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def onto(cpus: int, **kw: Any) -> str:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        return ServeConfig(**kw).role_configs("/m", "tcp", 1, 1, None).attention.collapse_onto
+
+    assert onto(2) == "one" and onto(3) == "one"  # 2 AW + 2 EW
+    assert onto(4) == "turns" and onto(64) == "turns"  # a core each
+    assert onto(4, expert_workers=3) == "one"
+    assert onto(2, collapse_onto="turns") == "turns" and onto(64, collapse_onto="one") == "one"  # as asked
+    assert onto(2, cluster="ray") == "turns"  # on Ray each node has its own cores
+    with pytest.raises(ConfigError, match="collapse_onto"):
+        AttentionWorkerConfig(model="m", orchestrator="h:1", collapse_onto="spread")
 
 
 def test_every_subcommand_parses_its_defaults() -> None:
