@@ -51,8 +51,9 @@ class CollapsePolicy:
     WINDOW = 64  # layers whose mean expert time decides how the next window's layers go
     LEAVE = 1.5  # collapsed layers spread again past this many times the line
 
-    def __init__(self, below_s: float | None = None) -> None:
+    def __init__(self, below_s: float | None = None, onto_one: bool = False) -> None:
         self.below_s = below_s  # the line: None, a call's own time, measured; > 0 fixed; 0 never collapse
+        self.onto_one = onto_one  # layers that several EWs could take: all to the first (`layer_targets`)
         self.on = False
         self.collapsed = 0  # layers sent to one EW (stats)
         self.switches = 0  # times the policy changed its mind (stats)
@@ -65,9 +66,10 @@ class CollapsePolicy:
     def enabled(self) -> bool:
         return self.below_s is None or self.below_s > 0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         """Its counts, and the last window's mean expert time a layer and the line it was held against."""
-        return {"collapsed_layers": self.collapsed, "collapse_switches": self.switches,
+        return {"collapse_onto": "one" if self.onto_one else "turns",
+                "collapsed_layers": self.collapsed, "collapse_switches": self.switches,
                 "collapse_expert_us": round(self.expert_s * 1e6, 1), "collapse_line_us": round(self.line_s * 1e6, 1)}
 
     def ran(self, expert_s: float, own_s: float = 0.0) -> None:

@@ -76,8 +76,7 @@ class ForwardingEngine:
                              self._table_arrived, lambda: self.next_table or self.table)
         self._ids = itertools.count(1)
         # Whether a layer's rows go to one EW (attention_worker/collapse.py).
-        self.collapse = CollapsePolicy(collapse_below_s)
-        self.collapse_onto_one = collapse_onto_one  # collapsed layers that several EWs could take: all to one
+        self.collapse = CollapsePolicy(collapse_below_s, collapse_onto_one)
         # Each layer's expert -> the one EW that serves it now (None: spread over several, or no live copy), for
         # the table, the EWs routed around and the collapse that it was worked out for (`_ews_of`).
         self._routes: dict[int, list[str | None]] = {}
@@ -221,7 +220,7 @@ class ForwardingEngine:
         collapsed = self.collapse.on
         if self._routes_for[0] is not table or self._routes_for[1] != excluded or self._routes_for[2] != collapsed:
             self._routes, self._routes_for = {}, (table, set(excluded), collapsed)
-            self._targets = layer_targets(table, excluded, self.collapse_onto_one) if collapsed else {}
+            self._targets = layer_targets(table, excluded, self.collapse.onto_one) if collapsed else {}
         ews = self._routes.get(layer)
         if ews is None:
             ews = self._routes[layer] = [None] * table.num_experts

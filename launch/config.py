@@ -198,7 +198,7 @@ class ServeConfig:
         if self.collapse_onto != "auto":
             return self.collapse_onto
         local = self.cluster == "local"
-        return "one" if local and self.attention_workers + self.expert_workers > len(os.sched_getaffinity(0)) else "turns"
+        return "one" if local and self.attention_workers + self.expert_workers > _usable_cpus() else "turns"
 
     @property
     def store_kernel(self) -> str:
@@ -257,3 +257,9 @@ class RoleConfigs:
     store: CheckpointStoreConfig
     gateway: GatewayConfig
     weight_store: WeightStoreConfig | None
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1

@@ -125,6 +125,8 @@ def test_every_collapsed_layer_onto_one_ew_where_asked() -> None:
     assert layer_targets(two, {"ew-0"}, one=True) == dict.fromkeys(LAYERS, "ew-1")  # the next, once it is gone
     four = planned([f"ew-{i}" for i in range(4)])  # none holds every expert: each layer the first of those tied
     assert layer_targets(four, set(), one=True) == reference_targets(four, set(), one=True)
+    assert CollapsePolicy(None, onto_one=True).stats()["collapse_onto"] == "one"  # (an AW's stats say which)
+    assert CollapsePolicy().stats()["collapse_onto"] == "turns"
 
 
 def reference_targets(table: RoutingTable, excluded: set[str], one: bool = False) -> dict[int, str]:
