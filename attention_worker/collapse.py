@@ -32,12 +32,13 @@ tie, they take turns by the layer's place among the MoE layers, so that with two
 a host with a core for each worker. Where the workers outnumber the cores, one is faster: a step's layers then take
 two processes in turn, not three, and the EW that serves every layer finds its caches as it left them, where two
 that take turns each come back to caches the other processes took. On the 2-core VM, 2 AW + 2 EW with no compute,
-side by side (docs/performance.md, twelfth round): 0.89x / 0.88x / 0.78x the time a layer at 1 / 16 / 64 streams,
-1.16x / 1.03x / 1.04x the tokens a second, the EWs' CPU a token 0.82x / 0.88x / 0.81x. `serve` takes one where its
-AWs and EWs outnumber the CPUs it may use (`--collapse-onto auto`), turns elsewhere. Every AW works it out from the
-same table, so a layer's calls from every AW meet on one EW, where a batch can take them together. Experts without a copy there go where they would have gone, and so do those the table spreads over
-several replicas (expert load balancing, orchestrator/balancer.py: the operator's choice stands). A failed call is
-replayed the usual way, on the next live replica of each of its experts.
+side by side (docs/performance.md, twelfth round): 0.91x / 0.93x / 0.88x the time a layer at 1 / 16 / 64 streams,
+1.11x / 1.01x / 0.95x the tokens a second, the EWs' CPU a token 0.89x; at 64 streams the slowest gaps widen, as
+both AWs' calls of a layer queue at one EW. `serve` takes one where its AWs and EWs outnumber the CPUs it may use
+(`--collapse-onto auto`), turns elsewhere. Every AW works it out from the same table, so a layer's calls from every
+AW meet on one EW, where a batch can take them together. Experts without a copy there go where they would have
+gone, and so do those the table spreads over several replicas (expert load balancing, orchestrator/balancer.py: the
+operator's choice stands). A failed call is replayed the usual way, on the next live replica of each of its experts.
 """
 
 from __future__ import annotations

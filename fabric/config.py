@@ -41,6 +41,7 @@ from fabric.tls import Tls
 
 COLLAPSE_ONTO = ("turns", "one")  # an AW's collapsed layers: attention_worker/collapse.py, `layer_targets`
 
+
 @dataclass(frozen=True)
 class RoleConfig:
     """Fields every role that registers with the orchestrator shares."""

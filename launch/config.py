@@ -193,7 +193,7 @@ class ServeConfig:
     @property
     def resolved_collapse_onto(self) -> str:
         """`collapse_onto` with auto resolved: one where the AWs and EWs that serve here outnumber the CPUs this command
-        may use (on 2 cores, 2 AW + 2 EW with no compute: 0.89x / 0.88x / 0.78x the time a layer at 1 / 16 / 64
+        may use (on 2 cores, 2 AW + 2 EW with no compute: 0.91x / 0.93x / 0.88x the time a layer at 1 / 16 / 64
         streams, docs/performance.md), else turns, which spread the layers where each worker has a core."""
         if self.collapse_onto != "auto":
             return self.collapse_onto
