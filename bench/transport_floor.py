@@ -85,14 +85,13 @@ def floor_round_trips(rows: int, hidden: int, iters: int) -> dict[str, float]:
     from fabric.transport import same_host
     from fabric.transport.tcp import TcpTransport
 
-    choose.wire_codec("auto", "cpu")  # (this process, as an AW: off again at the end)
-
     ctx = mp.get_context("spawn")
     out: dict[str, float] = {}
     procs = []
     was = os.environ.get(same_host.ENABLE)
     os.environ[same_host.ENABLE] = "1"  # (the echo processes listen on same-host sockets too; off again below)
     try:
+        choose.wire_codec("auto", "cpu")  # (this process, as an AW: off again at the end)
         q: mp.Queue = ctx.Queue()
         for _ in range(2):
             p = ctx.Process(target=_echo_server, args=(q, "tcp"), daemon=True)

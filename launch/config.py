@@ -143,6 +143,8 @@ class ServeConfig:
             raise ConfigError(f"unknown cluster {self.cluster!r}; choose local or ray")
         if self.ray_address is not None and self.cluster != "ray":
             raise ConfigError("--ray-address is for --cluster ray")
+        if self.collapse_onto not in ("auto", *COLLAPSE_ONTO):
+            raise ConfigError(f"unknown collapse_onto {self.collapse_onto!r}; choose auto, {', '.join(COLLAPSE_ONTO)}")
         check_device(self.device)
         check_kernel(self.kernel)
         if self.pin_workers and self.cluster != "local":

@@ -59,6 +59,8 @@ def test_serve_sends_collapsed_layers_onto_one_ew_where_its_workers_outnumber_th
     assert onto(2, cluster="ray") == "turns"  # on Ray each node has its own cores
     with pytest.raises(ConfigError, match="collapse_onto"):
         AttentionWorkerConfig(model="m", orchestrator="h:1", collapse_onto="spread")
+    with pytest.raises(ConfigError, match="collapse_onto"):
+        ServeConfig(collapse_onto="spread")
 
 
 def test_every_subcommand_parses_its_defaults() -> None:
