@@ -11,7 +11,10 @@ Per AW: each region's µs a step and a token (the step's rows) and its share of 
 thread's rest (the event loop: its polls and reads, timers, tasks' hops) and the process's other threads (the
 control plane). Per EW the same a batch and a row. Medians over the workers of a role are not taken: each worker
 is shown. Each worker's waits for a wake-up (voluntary context switches, `/proc`) a step or batch say how often
-the processes on its core take its caches between two of its runs.
+the processes on its core take its caches between two of its runs. `--checkpoint off` runs the fabric with no
+checkpoints and no store, to set an AW's regions against the default's:
+
+    python bench/cpu_regions.py --sim --concurrency 64 --checkpoint off
 """
 
 from __future__ import annotations
@@ -81,10 +84,13 @@ def report(c: int, a: Snap, b: Snap) -> None:
 
 def main() -> None:
     ap = profiler_parser(__doc__, "bench/out/cpu-regions", "1,64", 8.0)
+    ap.add_argument("--checkpoint", default="incremental", choices=("incremental", "off"),
+                    help="serve --checkpoint (off: no checkpoint store, to set against the default)")
     args = ap.parse_args()
     if args.seconds <= 0:
         ap.error("--seconds must be positive")
-    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim)
+    over = {"checkpoint": "off", "checkpoint_stores": 0} if args.checkpoint == "off" else {}
+    cfg, vocab = profiled_fabric(args.model_dir, args.out, args.transport, args.sim, **over)
     url = f"http://127.0.0.1:{cfg.port}/v1/completions"
     with tempfile.TemporaryDirectory(prefix="cpu-regions-") as where:
         os.environ[cpu_regions.ENV] = where  # the workers inherit it

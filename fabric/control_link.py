@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from fabric import auth
+from fabric import auth, stalls
 from fabric.errors import AuthError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message, decode_message, encode_message
 from fabric.messages.control import Fenced, Heartbeat, LinkProbe, LinkProbeReply, Register, Registered, ViewReport
@@ -190,14 +190,20 @@ class ControlLink:
             if beat is not None:
                 beat.cancel()
 
-    @staticmethod
-    async def _beat(ws: aiohttp.ClientWebSocketResponse, interval: float) -> None:
-        """This worker's lease on the orchestrator's side (orchestrator/verdicts.py)."""
+    async def _beat(self, ws: aiohttp.ClientWebSocketResponse, interval: float) -> None:
+        """This worker's lease on the orchestrator's side (orchestrator/verdicts.py).
+
+        A beat that goes `stalls.LATE_S` late is logged with what held this loop up (fabric/stalls.py)."""
         data = pack(Heartbeat())
         with contextlib.suppress(ConnectionError, aiohttp.ClientError):
             while not ws.closed:
                 await ws.send_bytes(data)
+                before = stalls.take()
                 await asyncio.sleep(interval)
+                late = stalls.held_up(before, stalls.take(), interval)
+                if late is not None and stalls.noted(late):
+                    log.warning("%s: this worker's control loop was %s", self.worker_id or "this worker",
+                                late.describe())
 
     async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> Message:
         msg = await ws.receive()

@@ -62,6 +62,7 @@ from fabric.messages.control import (
 )
 from fabric.notify import notifier
 from fabric.process import fatal_on_error, freeze_heap, heap_report, mark_failed
+from fabric.stalls import stall_report
 from fabric.transport import make_transport, resolve_transport_name
 from fabric.transport.base import Transport
 
@@ -297,6 +298,7 @@ class Runtime:
             if stats is None or not self.link.connected.is_set():
                 continue
             stats.report.update(heap_report())
+            stats.report.update(stall_report())
             if stats == last and now - last_at < STATS_REFRESH and registrations == self.link.registrations:
                 continue
             last, last_at, registrations = stats, now, self.link.registrations
