@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import holes
 import torch
 from common import scan_logs  # bench/ is on sys.path when run as a script
 from fabrics import FabricSpec, baseline_fabric, running_fabric
@@ -196,6 +197,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads for generate (0 = torch default)")
     ap.add_argument("--device", default="cpu", help="where the fabric's workers and transformers run (cpu, cuda)")
+    ap.add_argument("--watch-holes", action="store_true",
+                    help="watch the machine for holes in its scheduling beside the rounds (bench/holes.py: a plain "
+                         "process that could not run for 200 ms, and what ran instead); printed at the end")
     args = ap.parse_args()
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -253,6 +257,7 @@ def main() -> None:
     errors: list[str] = []
     streams: dict[str, dict[int, list[list[int]]]] = {s: {} for s in systems}  # the token ids of each stream
     with contextlib.ExitStack() as stack:
+        holes_log = stack.enter_context(holes.watching(Path(log_root) / "holes.log")) if args.watch_holes else None
         # Every fabric stays up (idle between its rounds) for the whole run, so the systems'
         # rounds alternate closely and each fabric round has a transformers round next to it.
         urls: dict[str, str] = {}
@@ -355,6 +360,10 @@ def main() -> None:
                                           f"{', '.join(f'{g:.2g}' for g in gaps)} apart" if gaps else ""))
                 tie_gaps_of.setdefault(ref, {})[s] = gaps
     notes = scan_logs(log_root)
+    if holes_log is not None:
+        found = holes_log.read_text().splitlines()
+        notes.append(f"holes in the machine's scheduling (bench/holes.py): {len(found)}")
+        notes.extend(found)
     for line in errors + notes:
         print(f"note: {line}")
     args.out.mkdir(parents=True, exist_ok=True)
