@@ -3,9 +3,9 @@
 A worker's lease is its control loop's heartbeat (fabric/control_link.py, orchestrator/verdicts.py). When the
 orchestrator declares a live worker dead, the question is what kept that loop from beating, and only the worker can
 say. So the heartbeat loop takes a `Snapshot` before each sleep. A beat that comes `LATE_S` or more after it was due
-is logged, with what the process and its machine did meanwhile (`HeldUp`):
+is logged (at most one line a second), with what the process and its machine did since that snapshot (`HeldUp`):
 
-- the CPU time of the data plane's thread (the main thread) in that delay. The control loop needs the GIL, so a main
+- the CPU time of the data plane's thread (the main thread) in that window. The control loop needs the GIL, so a main
   thread that ran through it held the GIL in a long call, or in a garbage collection;
 - whether a full garbage collection ran meanwhile (its count, `gc.get_stats`: O(1));
 - the CPU time the hypervisor took from the machine's vCPUs (steal in /proc/stat, the most any one vCPU lost): a
@@ -14,7 +14,8 @@ is logged, with what the process and its machine did meanwhile (`HeldUp`):
   stopped, or the main thread held the GIL while blocked in a call.
 
 Nothing here runs per message or per step: a heartbeat (every 150 ms by default) takes two snapshots, ~45 µs in
-all, most of it one read of /proc/stat; no gc callback is installed. The stats report how many beats came late and the latest one's delay (`stall_report`).
+all, most of it one read of /proc/stat; no gc callback is installed. The stats report how many beats came late and
+the latest one's delay (`stall_report`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class Snapshot:
 
 def _main_cpu_ns() -> int:
     ident = threading.main_thread().ident
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):  # (not on Linux)
+        return -1
     try:
-        assert ident is not None
         return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
-    except (AttributeError, AssertionError, OSError):  # not on Linux, or the thread is gone
+    except OSError:  # the thread is gone
         return -1
 
 
