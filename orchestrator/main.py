@@ -364,13 +364,13 @@ class Orchestrator:
         await self.recovered.wait()
         while True:
             await asyncio.sleep(self.verdicts.tick_s)
-            probe, expired = self.verdicts.tick(time.monotonic())
+            probe, expired = self.verdicts.tick(now := time.monotonic())
             for wid in probe:
                 if (link := self.links.get(wid)) is not None:
                     self.probes.send(link)
             for wid, silent in expired:
                 self._declare(wid, f"silent on its link for {silent * 1e3:.0f} ms, its probe unanswered "
-                                   f"(a lease of {self.cfg.lease_ms:.0f} ms)")
+                                   f"(a lease of {self.cfg.lease_ms:.0f} ms){self.verdicts.others_heard(now)}")
 
     def apply(self, effect: Effect) -> bool:
         """Carries out what a helper decided (orchestrator/effects.py).

@@ -99,6 +99,14 @@ class Verdicts:
         when, what = self.ended.pop(worker_id, (0.0, ""))
         return what if what and now - when < self.lease_s else None
 
+    def others_heard(self, now: float) -> str:
+        """When the orchestrator last heard any worker it still watches, said for a verdict: a moment before if it was
+        reading its links, as long ago as the silence if it was not."""
+        if not self.leases:
+            return ""
+        last = min(now - lease.heard for lease in self.leases.values())
+        return f"; the last word from any other worker came {last * 1e3:.0f} ms before"
+
     def tick(self, now: float) -> tuple[list[str], list[tuple[str, float]]]:
         """Returns (workers to probe, (worker, silence) whose lease ran out)."""
         if self.last_tick is not None:

@@ -177,3 +177,17 @@ def test_a_reported_worker_whose_link_is_gone_is_dead_at_once_if_a_connection_en
 
     state = asyncio.run(main()).cluster.workers["cs-0"].state
     assert state is (WorkerState.DEAD if closed else WorkerState.ALIVE)
+
+
+def test_a_verdict_says_when_another_worker_was_last_heard() -> None:
+    """A moment before where the orchestrator read its links through the silence (said with the verdict, after the
+    worker's lease is gone); nothing where it watches nobody else."""
+    v = Verdicts(LEASE)
+    v.watch("gw-1", 0.0, serving=True)
+    v.watch("ew-0", 0.0, serving=True)
+    _, expired = ticks(v, 0.0, 2.0, heard={"ew-0": 0.15})
+    assert expired == ["gw-1"]
+    last = 2.0 - v.leases["ew-0"].heard
+    assert last <= 0.15 and v.others_heard(2.0) == f"; the last word from any other worker came {last * 1e3:.0f} ms before"
+    v.forget("ew-0")
+    assert v.others_heard(2.0) == ""
