@@ -37,7 +37,10 @@ def cpu_ticks() -> list[int]:
 
 
 def processes() -> dict[int, tuple[str, int]]:
-    """pid -> (name, user + system CPU ticks) for every process."""
+    """pid -> (name, user + system CPU ticks) for every process.
+
+    One read of each /proc/<pid>/stat gives both; machine.cpu_split reads the same fields, but importing that module
+    loads torch into this watcher, which must stay small."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():

@@ -185,6 +185,11 @@ async def run_niced_async(fn: Callable[[], T], nice: int) -> T:
     return await done
 
 
+def full_collections() -> int:
+    """How many full (generation 2) garbage collections this process has made: O(1)."""
+    return int(gc.get_stats()[2]["collections"])
+
+
 def freeze_heap(collect: bool = True) -> None:
     """Puts what the process holds now (modules, weights, tables, caches) out of the cyclic GC's reach.
 
@@ -200,7 +205,7 @@ def freeze_heap(collect: bool = True) -> None:
         gc.collect()
     gc.freeze()
     _heap["freezes"] += 1
-    _heap["full_at_freeze"] = gc.get_stats()[2]["collections"]
+    _heap["full_at_freeze"] = full_collections()
     if collect:
         _heap["frozen"] = gc.get_freeze_count()
 
@@ -213,7 +218,7 @@ _heap = {"frozen": 0, "freezes": 0, "full_at_freeze": 0}
 def heap_report() -> dict[str, int]:
     """What a worker's stats say of its heap, in O(1): objects frozen by the fork server, freezes, and full
     collections since the last freeze."""
-    full = gc.get_stats()[2]["collections"]
+    full = full_collections()
     return {"gc_frozen": _heap["frozen"], "gc_freezes": _heap["freezes"],
             "gc_full_collections": full - _heap["full_at_freeze"]}
 

@@ -7,7 +7,7 @@ is logged (at most one line a second), with what the process and its machine did
 
 - the CPU time of the data plane's thread (the main thread) in that window. The control loop needs the GIL, so a main
   thread that ran through it held the GIL in a long call, or in a garbage collection;
-- whether a full garbage collection ran meanwhile (its count, `gc.get_stats`: O(1));
+- whether a full garbage collection ran meanwhile (their count, `process.full_collections`: O(1));
 - the CPU time the hypervisor took from the machine's vCPUs (steal in /proc/stat, the most any one vCPU lost): a
   vCPU descheduled by its host freezes whatever this guest ran on it, unseen by the guest's own scheduler;
 - the rest: neither thread ran. The process waited for a CPU (the machine's other processes had them), or was
@@ -20,11 +20,12 @@ the latest one's delay (`stall_report`).
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import time
 from dataclasses import dataclass
+
+from fabric.process import full_collections
 
 # A beat this late is logged. The lease is 700 ms and a probe goes at half of it (orchestrator/verdicts.py).
 LATE_S = 0.25
@@ -78,7 +79,7 @@ def take(stat: str = PROC_STAT) -> Snapshot:
     if now - when > STEAL_MAX_AGE_S or where != stat:
         steal = _steal(stat)
         _steal_read = (now, stat, steal)
-    return Snapshot(now, _main_cpu_ns(), gc.get_stats()[2]["collections"], steal)
+    return Snapshot(now, _main_cpu_ns(), full_collections(), steal)
 
 
 @dataclass(frozen=True)

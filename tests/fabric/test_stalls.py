@@ -56,7 +56,8 @@ def test_steal_is_read_per_vcpu(tmp_path: Path) -> None:
 
 
 def test_late_beats_are_all_counted_and_one_a_second_logged(monkeypatch: Any) -> None:
-    monkeypatch.setattr(stalls, "_logged_at", -1e9)
+    monkeypatch.setattr(stalls, "_logged_at", -1e12)
+    monkeypatch.setattr(stalls, "LOG_EVERY_S", 1e9)  # (the three calls fall in one interval however slow this runs)
     h = stalls.HeldUp(400.0, 550.0, 100.0, 0, None)
     before = stalls.stall_report()["beats_late"]
     assert [stalls.noted(h) for _ in range(3)] == [True, False, False]  # many simulated workers, one hold-up
