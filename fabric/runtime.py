@@ -46,6 +46,7 @@ from fabric.control_link import ControlLink, Registration
 from fabric.control_plane import ControlPlane
 from fabric.control_port import ControlPort
 from fabric.errors import ConfigError, PeerDeadError, ProtocolError
+from fabric.local_process import identity
 from fabric.messages.base import Message
 from fabric.messages.control import (
     ClusterView,
@@ -188,7 +189,7 @@ class Runtime:
         cfg = self.cfg
         return Register(self.service.role, os.getpid(), cfg.host, cfg.advertise_port or self.port, self.link.worker_id,
                         self.link.generation, self.view,
-                        control_port=cfg.advertise_control_port or self.control_port_number, **fields)
+                        control_port=cfg.advertise_control_port or self.control_port_number, proc=identity(), **fields)
 
     def _deliver(self, msg: Message) -> None:
         """Hands a message from the orchestrator to the dispatcher on the data loop (control loop)."""

@@ -10,11 +10,15 @@ is logged (at most one line a second), with what the process and its machine did
 - whether a full garbage collection ran meanwhile (their count, `process.full_collections`: O(1));
 - the CPU time the hypervisor took from the machine's vCPUs (steal in /proc/stat, the most any one vCPU lost): a
   vCPU descheduled by its host freezes whatever this guest ran on it, unseen by the guest's own scheduler;
-- the rest: neither thread ran. The process waited for a CPU (the machine's other processes had them), or was
-  stopped, or the main thread held the GIL while blocked in a call.
+- the time the main thread or the control loop's own thread waited for a CPU, runnable and not running (the kernel's
+  count of each thread's waits that ended, `/proc/<pid>/task/<tid>/schedstat`; the longer of the two): the machine's
+  other processes had the CPUs. The orchestrator on the same machine sees that wait too, and does not count it against
+  the lease (orchestrator/verdicts.py);
+- the rest: neither thread ran nor waited for a CPU. The process was stopped, or the main thread held the GIL while
+  blocked in a call.
 
-Nothing here runs per message or per step: a heartbeat (every 150 ms by default) takes two snapshots, ~45 µs in
-all, most of it one read of /proc/stat; no gc callback is installed. The stats report how many beats came late and
+Nothing here runs per message or per step: a heartbeat (every 150 ms by default) takes two snapshots, ~70 µs in
+all, most of it one read of /proc/stat and two of schedstat; no gc callback is installed. The stats report how many beats came late and
 the latest one's delay (`stall_report`).
 """
 
@@ -39,6 +43,8 @@ class Snapshot:
     main_cpu_ns: int  # the main thread's CPU clock, -1 where it cannot be read
     full_gcs: int  # full (generation 2) collections so far
     steal_ticks: tuple[int, ...]  # each vCPU's steal, in clock ticks; () where /proc/stat has none
+    main_wait_ns: int = -1  # the main thread's waits for a CPU so far (those that ended); -1 where unread
+    own_wait_ns: int = -1  # the same of the thread that took the snapshot (the control loop's)
 
 
 def _main_cpu_ns() -> int:
@@ -48,6 +54,15 @@ def _main_cpu_ns() -> int:
     try:
         return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
     except OSError:  # the thread is gone
+        return -1
+
+
+def _wait_ns(path: str) -> int:
+    """A thread's time on a run queue so far, from its schedstat; -1 where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
         return -1
 
 
@@ -79,7 +94,9 @@ def take(stat: str = PROC_STAT) -> Snapshot:
     if now - when > STEAL_MAX_AGE_S or where != stat:
         steal = _steal(stat)
         _steal_read = (now, stat, steal)
-    return Snapshot(now, _main_cpu_ns(), full_collections(), steal)
+    main = threading.main_thread().native_id
+    return Snapshot(now, _main_cpu_ns(), full_collections(), steal,
+                    _wait_ns(f"/proc/self/task/{main}/schedstat") if main else -1, _wait_ns("/proc/thread-self/schedstat"))
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,7 @@ class HeldUp:
     main_ran_ms: float | None  # the main thread's CPU time in the window; None where its clock cannot be read
     full_gcs: int
     stolen_ms: float | None  # the most one vCPU lost to its host in the window; None where /proc/stat says nothing
+    waited_ms: float | None = None  # the longer of the two threads' waits for a CPU in the window; None where unread
 
     def describe(self) -> str:
         parts = []
@@ -103,10 +121,13 @@ class HeldUp:
             parts.append(f"{self.full_gcs} full garbage collection(s) ran")
         if self.stolen_ms is not None:
             parts.append(f"the host took {self.stolen_ms:.0f} ms from a vCPU (steal)")
-        rest = self.window_ms - (self.main_ran_ms or 0.0) - (self.stolen_ms or 0.0)
+        if self.waited_ms is not None:
+            parts.append(f"it waited for a CPU (runnable, given none) for {self.waited_ms:.0f} ms")
+        rest = self.window_ms - (self.main_ran_ms or 0.0) - (self.stolen_ms or 0.0) - (self.waited_ms or 0.0)
         if rest > 0:
-            parts.append(f"neither ran for about {rest:.0f} ms (no CPU for this process, the process stopped, "
-                         "or the GIL held by a call that blocked)")
+            cause = ("the process stopped, or the GIL held by a call that blocked" if self.waited_ms is not None else
+                     "no CPU for this process, the process stopped, or the GIL held by a call that blocked")
+            parts.append(f"neither ran for about {rest:.0f} ms ({cause})")
         return (f"held up {self.late_ms:.0f} ms past a heartbeat. In the {self.window_ms:.0f} ms since the one "
                 f"before: " + "; ".join(parts))
 
@@ -123,7 +144,10 @@ def held_up(before: Snapshot, after: Snapshot, interval_s: float, late_s: float 
     stolen = None
     if before.steal_ticks and len(before.steal_ticks) == len(after.steal_ticks):
         stolen = min(window * 1e3, max(b - a for a, b in zip(before.steal_ticks, after.steal_ticks)) * _TICK_MS)
-    return HeldUp(late * 1e3, window * 1e3, main, after.full_gcs - before.full_gcs, stolen)
+    waits = [(b - a) / 1e6 for a, b in ((before.main_wait_ns, after.main_wait_ns), (before.own_wait_ns, after.own_wait_ns))
+             if a >= 0 and b >= 0]
+    waited = min(window * 1e3, max(waits)) if waits else None
+    return HeldUp(late * 1e3, window * 1e3, main, after.full_gcs - before.full_gcs, stolen, waited)
 
 
 # Many simulated workers share one process and loop (`ControlPlane(separate=False)`): one hold-up makes all their

@@ -33,6 +33,7 @@ from fabric import auth
 from fabric.config import OrchestratorConfig
 from fabric.control_link import pack, unpack, ws_channel
 from fabric.errors import AuthError, FabricError
+from fabric.local_process import LocalProcess
 from fabric.messages.base import Message
 from fabric.messages.control import (
     AssignExperts,
@@ -187,7 +188,7 @@ class Orchestrator:
             # It sends its view itself only if that may be the newest (recovery/Recovery).
             send_view = self.recovery.registered(rec.id, reg, not self.recovered.is_set())
             link.send(Registered(rec.id, self.generation, send_view, self.cfg.heartbeat_ms))
-            self.verdicts.watch(rec.id, time.monotonic(), rec.short_lease)
+            self.verdicts.watch(rec.id, time.monotonic(), rec.short_lease, LocalProcess.find(reg.pid, reg.proc))
             if self.recovered.is_set():
                 await self._joined(rec, link)
             async for msg in ws:

@@ -16,19 +16,33 @@ The orchestrator probes the worker at once, and the lease decides. If the worker
 every peer that reported it hears so (`PeerAlive`). Whether a peer uses that worker again is its
 own probes' call, since a worker may answer here and be unreachable on its data port.
 
-This is pure state. `tick` and `heard` return what must be sent or declared, and `Orchestrator`
-does it. A worker not serving yet (registered, loading, warming up, or a standby) holds nothing
+This is state, and a look at local processes' run queues. `tick` and `heard` return what must be sent or declared,
+and `Orchestrator` does it. A worker not serving yet (registered, loading, warming up, or a standby) holds nothing
 anyone waits for. A replacement boots in the idle scheduling class. So such a worker's lease is
 `STARTING_LEASE_S`.
+
+Slow is not dead, on this machine. A worker whose process runs here (`LocalProcess`) and that waited on a run queue,
+runnable but given no CPU, was not silent by its own doing: from the probe on, the time its threads waited is credited
+to its lease (`_excused`), up to `MAX_EXCUSED_S` a silence, and the orchestrator's log says so. A stopped process, or
+one blocked for good, waits on no run queue, and its lease runs out as before; so does that of a worker on another host.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+from fabric.local_process import LocalProcess, Sample, waited_s
+
+log = logging.getLogger(__name__)
 
 STARTING_LEASE_S = 10.0
 # A tick this late means the orchestrator itself was not running, so nobody's silence counts.
 LAG_CREDIT_S = 0.05
+# A wait for a CPU is credited from this much between two looks (half a tick), up to MAX_EXCUSED_S a silence: a process
+# that waits for a CPU for ever still has its lease run out, its peers having routed around it long before.
+MIN_EXCUSE_S = 0.025
+MAX_EXCUSED_S = 10.0
 
 
 @dataclass
@@ -39,6 +53,9 @@ class Lease:
     probed: bool = False  # a probe is out since it was last heard
     # Peers that reported it since it was last heard.
     reporters: set[str] = field(default_factory=set)
+    process: LocalProcess | None = None  # its process, where it runs on this machine
+    mark: Sample | None = None  # its threads' run-queue waits when last looked at (from its probe on)
+    excused_s: float = 0.0  # credited to this silence as waiting for a CPU
 
 
 @dataclass
@@ -52,9 +69,9 @@ class Verdicts:
     # Worker -> (when, what): a peer's connection to it ended.
     ended: dict[str, tuple[float, str]] = field(default_factory=dict)
 
-    def watch(self, worker_id: str, now: float, serving: bool) -> None:
-        """Starts the lease of a worker that (re)registered on a live link."""
-        self.leases[worker_id] = Lease(now, serving)
+    def watch(self, worker_id: str, now: float, serving: bool, process: LocalProcess | None = None) -> None:
+        """Starts the lease of a worker that (re)registered on a live link; `process` where it runs on this machine."""
+        self.leases[worker_id] = Lease(now, serving, process=process)
 
     def serving(self, worker_id: str, serving: bool = True) -> None:
         lease = self.leases.get(worker_id)
@@ -72,7 +89,7 @@ class Verdicts:
         lease = self.leases.get(worker_id)
         if lease is None:
             return set()
-        lease.heard, lease.probed = now, False
+        lease.heard, lease.probed, lease.mark, lease.excused_s = now, False, None, 0.0
         told, lease.reporters = lease.reporters, set()
         return told
 
@@ -84,8 +101,14 @@ class Verdicts:
         lease.reporters.add(reporter)
         if lease.probed:
             return False
-        lease.probed = True
+        self._probed(lease)
         return True
+
+    @staticmethod
+    def _probed(lease: Lease) -> None:
+        lease.probed = True
+        if lease.process is not None:
+            lease.mark = lease.process.sample()
 
     def connection_ended(self, worker_id: str, now: float, what: str) -> None:
         """Records that a peer's connection to the worker ended while its link was up.
@@ -122,10 +145,30 @@ class Verdicts:
             silent = now - lease.heard
             limit = self.lease_s if lease.serving else STARTING_LEASE_S
             if silent >= limit and lease.probed:
-                expired.append((wid, silent))
+                if not self._excused(wid, lease, silent):
+                    expired.append((wid, silent))
             elif silent >= limit / 2 and not lease.probed:
-                lease.probed = True
+                self._probed(lease)
                 probe.append(wid)
         for wid, _ in expired:
             del self.leases[wid]
         return probe, expired
+
+    @staticmethod
+    def _excused(worker_id: str, lease: Lease, silent: float) -> bool:
+        """Whether the worker's process waited for a CPU since it was last looked at; if so that wait is credited to
+        its lease, which then runs on."""
+        if lease.process is None or lease.excused_s >= MAX_EXCUSED_S:
+            return False
+        before, lease.mark = lease.mark, lease.process.sample()
+        if before is None or lease.mark is None:
+            return False
+        waited = waited_s(before, lease.mark)
+        if waited < MIN_EXCUSE_S:
+            return False
+        if not lease.excused_s:
+            log.warning("%s was silent for %.0f ms, but its process waited for a CPU for %.0f ms of it (runnable, given "
+                        "none): slow, not dead; its lease runs on", worker_id, silent * 1e3, waited * 1e3)
+        lease.heard += waited
+        lease.excused_s += waited
+        return True

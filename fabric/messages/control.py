@@ -157,6 +157,9 @@ class Register(Message):
     traits: Traits = field(default_factory=Traits)
     view_version: list[int] = field(default_factory=list)  # instead of `view`: its (generation, epoch, seq)
     control_port: int = 0  # where peers probe it (fabric/control_port.py; 0: none)
+    # Who its process is on its machine (fabric/local_process.py): an orchestrator on the same machine watches its run
+    # queue waits; "" where it cannot say.
+    proc: str = ""
 
 
 @register

@@ -39,9 +39,23 @@ def test_a_late_beat_says_what_ran_in_its_window() -> None:
     assert f"neither ran for about {750 - 400 - h.stolen_ms:.0f} ms" in text
 
 
+def test_a_wait_for_a_cpu_is_told_from_the_rest() -> None:
+    """The longer of the main thread's and the control loop's waits on a run queue is a wait for a CPU; what is left
+    of the window is a stop or a blocked call."""
+    before = stalls.Snapshot(10.0, 0, 0, (0, 0), main_wait_ns=1_000_000, own_wait_ns=5_000_000)
+    after = stalls.Snapshot(10.75, 50_000_000, 0, (0, 0), main_wait_ns=601_000_000, own_wait_ns=105_000_000)
+    h = stalls.held_up(before, after, 0.15)
+    assert h is not None and h.waited_ms == pytest.approx(600)
+    text = h.describe()
+    assert "it waited for a CPU (runnable, given none) for 600 ms" in text
+    assert "neither ran for about 100 ms (the process stopped, or the GIL held by a call that blocked)" in text
+    now = stalls.take()  # (this process's own threads, read from /proc)
+    assert now.main_wait_ns >= 0 and now.own_wait_ns >= 0
+
+
 def test_what_cannot_be_read_is_not_claimed() -> None:
     h = stalls.held_up(stalls.Snapshot(0.0, -1, 0, ()), stalls.Snapshot(1.0, -1, 0, ()), 0.15)
-    assert h is not None and h.main_ran_ms is None and h.stolen_ms is None and h.full_gcs == 0
+    assert h is not None and h.main_ran_ms is None and h.stolen_ms is None and h.waited_ms is None and h.full_gcs == 0
     assert "data plane" not in h.describe() and "steal" not in h.describe()
     assert "neither ran for about 1000 ms" in h.describe()
 

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from fabric.config import OrchestratorConfig
+from fabric.local_process import LocalProcess, Sample, Thread
 from fabric.messages.control import Heartbeat, LinkProbe, PeerAlive, PeerFailed, Register, Role, WorkerState
 from orchestrator.main import Orchestrator
-from orchestrator.verdicts import STARTING_LEASE_S, Verdicts
+from orchestrator.verdicts import MAX_EXCUSED_S, STARTING_LEASE_S, Verdicts
 
 LEASE = 0.7
 
@@ -91,6 +92,67 @@ def test_a_connection_that_ended_before_the_link_is_an_exit_for_a_lease() -> Non
     v.connection_ended("ew-2", 20.0, "aw-1's connection to it ended")
     assert v.exited("ew-2", 20.0 + LEASE + 0.01) is None  # too long after: the rejoin grace decides
     assert v.exited("cs-0", 20.0) is None  # nobody saw it end
+
+
+class Starved(LocalProcess):
+    """A worker's process on this machine whose one thread, from `since` on, is runnable and given no CPU (or, with
+    `stopped`, is stopped), as `/proc` would show it; the clock is the test's."""
+
+    def __init__(self, since: float, stopped: bool = False) -> None:
+        super().__init__(0)
+        self.since, self.stopped, self.now = since, stopped, 0.0
+
+    def sample(self) -> Sample | None:
+        ran = int(min(self.now, self.since) * 1e9)  # its CPU time: it runs until `since`, then waits
+        return Sample(self.now, self.stopped, {1: Thread(self.now >= self.since, ran, 0)})
+
+
+def lease_ticks(v: Verdicts, proc: Starved, start: float, until: float) -> tuple[list[str], float]:
+    """Ticks every 50 ms, the process's clock the test's; returns whoever's lease ran out and when it first did."""
+    now, expired, when = start, [], -1.0
+    while now < until:
+        now += v.tick_s
+        proc.now = now
+        gone = [w for w, _ in v.tick(now)[1]]
+        if gone and when < 0:
+            when = now
+        expired += gone
+    return expired, when
+
+
+def test_a_worker_waiting_for_a_cpu_here_keeps_its_lease(caplog: pytest.LogCaptureFixture) -> None:
+    """Silent from t=0, its process runnable and given no CPU: the waits from its probe on are credited, and its
+    lease runs on, said once; heard again, it is as any other. Stopped instead, it is dead at its lease."""
+    v = Verdicts(LEASE)
+    proc = Starved(since=0.0)
+    v.watch("gw-1", 0.0, serving=True, process=proc)
+    expired, _ = lease_ticks(v, proc, 0.0, 3.0)
+    assert expired == [] and v.leases["gw-1"].excused_s > 1.5
+    assert caplog.text.count("gw-1 was silent for") == 1 and "waited for a CPU" in caplog.text
+    v.heard("gw-1", 3.0)
+    assert v.leases["gw-1"].excused_s == 0.0
+
+    v = Verdicts(LEASE)
+    stopped = Starved(since=0.0, stopped=True)
+    v.watch("aw-1", 0.0, serving=True, process=stopped)
+    assert lease_ticks(v, stopped, 0.0, 3.0) == (["aw-1"], pytest.approx(LEASE, abs=0.06))
+
+
+def test_a_wait_that_began_after_the_probe_is_not_credited_until_seen_whole() -> None:
+    """Silent from t=0 (a hang), its process runnable only from t=0.6 on: at its lease (0.7) the wait since the probe
+    (0.35) is not yet seen whole, so it is dead at its lease."""
+    v = Verdicts(LEASE)
+    proc = Starved(since=0.6)
+    v.watch("ew-0", 0.0, serving=True, process=proc)
+    assert lease_ticks(v, proc, 0.0, 2.0)[0] == ["ew-0"]
+
+
+def test_waiting_for_a_cpu_for_ever_is_excused_only_so_long() -> None:
+    v = Verdicts(LEASE)
+    proc = Starved(since=0.0)
+    v.watch("ew-1", 0.0, serving=True, process=proc)
+    expired, when = lease_ticks(v, proc, 0.0, MAX_EXCUSED_S + 5.0)
+    assert expired == ["ew-1"] and MAX_EXCUSED_S < when < MAX_EXCUSED_S + 2 * LEASE
 
 
 class Link:

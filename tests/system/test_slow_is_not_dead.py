@@ -6,9 +6,12 @@ step that never ends (a wedged device) is not slowness: the worker's watchdog en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,3 +116,63 @@ def test_a_wedged_step_ends_the_worker(hf_models: dict[str, Path], tmp_path: Pat
     assert dead == [pid]  # that EW, and nobody else
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+HOG = """import os, sys, time
+os.sched_setaffinity(0, {0})
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+except PermissionError:
+    sys.exit(3)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    pass
+"""
+
+
+def starve(pid: int, seconds: float) -> int:
+    """Keeps every thread of `pid` runnable but off the CPU for `seconds`: its threads are put on CPU 0, where a
+    real-time process spins (the kernel leaves the normal class 5% of each second there). What a busy machine, a
+    noisy neighbour or a container over its CPU quota does to a process. Its threads go back where they were
+    afterwards. Returns the spinner's exit status: 3 where this process may not start a real-time one."""
+    before = {tid: os.sched_getaffinity(tid) for tid in _threads(pid)}
+    for tid in before:
+        os.sched_setaffinity(tid, {0})
+    try:
+        return subprocess.run([sys.executable, "-c", HOG, str(seconds)], timeout=seconds + 30).returncode
+    finally:
+        for tid, cpus in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
+
+
+@pytest.mark.parametrize("victim", ["attention-worker-1"])
+def test_a_starved_worker_is_not_declared_dead(victim: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """A worker kept off the CPU for 3 s, four leases, while streams decode: its heartbeats stop (a second at a
+    time), but its process waited on a run queue all the while. The orchestrator, on the same machine, sees that and
+    does not declare it dead; its peers route around it meanwhile, and every stream comes out token-identical."""
+    with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
+        reference_streams = run_streams(fabric)
+        pid = fabric.pid(victim)
+        status: list[int] = []
+        starver = threading.Thread(target=lambda: status.append(starve(pid, 3.0)))
+        starver.start()
+        try:
+            assert run_streams(fabric) == reference_streams
+        finally:
+            starver.join()
+        if status == [3]:
+            pytest.skip("starving a process needs a real-time one, which this user may not start (CAP_SYS_NICE)")
+        assert status == [0]
+        assert run_streams(fabric) == reference_streams
+        assert fabric.pid(victim) == pid  # never replaced
+        nobody_declared_dead(fabric)
+        worker_id = next(w["id"] for w in fabric.cluster()["workers"] if w["pid"] == pid)
+    log = (tmp_path / "logs" / "orchestrator.log").read_text()
+    assert f"{worker_id} was silent" in log and "waited for a CPU" in log
+    own = (tmp_path / "logs" / f"{victim}.log").read_text()
+    assert "held up" in own and "it waited for a CPU" in own  # its heartbeats did stop, and it says why

@@ -1,0 +1,115 @@
+"""A process on this machine as an orchestrator sees it (fabric/local_process.py): who it is, whether it is stopped,
+and how long it waited for a CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from fabric.local_process import LocalProcess, Sample, Thread, identity, waited_s
+
+SPIN = "while True:\n    pass\n"
+SLEEP = "import time\ntime.sleep(600)\n"
+TICK = "import time\nwhile True:\n    time.sleep(0.01)\n"
+
+
+@contextmanager
+def child(code: str) -> Iterator[subprocess.Popen[bytes]]:
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_process_is_found_by_its_identity_and_only_by_it() -> None:
+    me = identity()
+    assert me and me == identity(os.getpid())
+    with child(SLEEP) as p:
+        theirs = identity(p.pid)
+        assert theirs and theirs != me
+        found = LocalProcess.find(p.pid, theirs)
+        assert found is not None and found.pid == p.pid
+        assert LocalProcess.find(p.pid, me) is None  # the pid, but another process's word
+        assert LocalProcess.find(p.pid, "") is None
+        assert LocalProcess.find(p.pid, "another-boot:" + theirs.split(":")[1]) is None
+    assert found.sample() is None  # gone
+    assert LocalProcess.find(p.pid, theirs) is None
+
+
+def test_a_sleeping_process_waits_for_nothing_and_a_stopped_one_is_said_to_be() -> None:
+    with child(SLEEP) as p:
+        time.sleep(0.3)  # (past its start)
+        proc = LocalProcess(p.pid)
+        a = proc.sample()
+        time.sleep(0.2)
+        b = proc.sample()
+        assert a is not None and b is not None and not b.stopped
+        assert waited_s(a, b) == 0.0
+        os.kill(p.pid, signal.SIGSTOP)
+        for _ in range(100):
+            c = proc.sample()
+            if c is not None and c.stopped:
+                break
+            time.sleep(0.01)
+        assert c is not None and c.stopped and waited_s(a, c) == 0.0
+        os.kill(p.pid, signal.SIGCONT)
+
+
+HOG = """import os, sys
+os.sched_setaffinity(0, {0})
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+except PermissionError:
+    sys.exit(3)
+sys.stdout.write("spinning\\n")
+sys.stdout.flush()
+while True:
+    pass
+"""
+
+
+@pytest.mark.parametrize("code", [SPIN, TICK], ids=["busy", "waking every 10 ms"])
+def test_a_process_kept_off_its_cpu_is_seen_waiting(code: str) -> None:
+    """A busy process, and one that wakes every 10 ms, on CPU 0 beside a real-time spinner: runnable, given almost
+    no CPU (the kernel leaves the normal class 5% of each second). Most of a second between two looks is a wait."""
+    with child(code) as p:
+        os.sched_setaffinity(p.pid, {0})
+        with subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE) as hog:
+            try:
+                assert hog.stdout is not None
+                if hog.stdout.readline() != b"spinning\n":
+                    assert hog.wait() == 3
+                    pytest.skip("a real-time spinner needs CAP_SYS_NICE, which this user lacks")
+                proc = LocalProcess(p.pid)
+                a = proc.sample()
+                time.sleep(1.0)
+                b = proc.sample()
+            finally:
+                hog.kill()
+        assert a is not None and b is not None
+        assert waited_s(a, b) > 0.5 * (b.at - a.at)
+
+
+def sample(at: float, *threads: tuple[bool, int, int], stopped: bool = False) -> Sample:
+    return Sample(at, stopped, {tid: Thread(*t) for tid, t in enumerate(threads)})
+
+
+def test_waits_counted_by_the_kernel_and_one_under_way() -> None:
+    a = sample(1.0, (True, 10, 5_000_000), (False, 7, 0))
+    # The first thread ran between the looks and waited 40 ms in all; the second woke and waits still: not counted.
+    assert waited_s(a, sample(1.5, (True, 20, 45_000_000), (True, 7, 0))) == pytest.approx(0.04)
+    # The first was runnable at both looks and did not run between them: it waited all 500 ms.
+    assert waited_s(a, sample(1.5, (True, 10, 5_000_000), (False, 7, 0))) == pytest.approx(0.5)
+    # Stopped: it waits for no CPU, whatever it did before.
+    assert waited_s(a, sample(1.5, (True, 10, 5_000_000), stopped=True)) == 0.0
+    # A thread born between the looks is not counted.
+    assert waited_s(a, sample(1.5, (False, 10, 5_000_000), (False, 7, 0), (True, 0, 0))) == 0.0
