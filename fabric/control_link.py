@@ -195,12 +195,13 @@ class ControlLink:
 
         A beat that goes `stalls.LATE_S` late is logged with what held this loop up (fabric/stalls.py)."""
         data = pack(Heartbeat())
+        before = stalls.take()  # (one snapshot a beat: each beat's is the next one's `before`)
         with contextlib.suppress(ConnectionError, aiohttp.ClientError):
             while not ws.closed:
                 await ws.send_bytes(data)
-                before = stalls.take()
                 await asyncio.sleep(interval)
-                late = stalls.held_up(before, stalls.take(), interval)
+                after = stalls.take()
+                late, before = stalls.held_up(before, after, interval), after
                 if late is not None and stalls.noted(late):
                     log.warning("%s: this worker's control loop was %s", self.worker_id or "this worker",
                                 late.describe())

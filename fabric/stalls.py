@@ -2,7 +2,7 @@
 
 A worker's lease is its control loop's heartbeat (fabric/control_link.py, orchestrator/verdicts.py). When the
 orchestrator declares a live worker dead, the question is what kept that loop from beating, and only the worker can
-say. So the heartbeat loop takes a `Snapshot` before each sleep. A beat that comes `LATE_S` or more after it was due
+say. So the heartbeat loop takes a `Snapshot` after each sleep, which is also the next beat's starting point. A beat that comes `LATE_S` or more after it was due
 is logged (at most one line a second), with what the process and its machine did since that snapshot (`HeldUp`):
 
 - the CPU time of the data plane's thread (the main thread) in that window. The control loop needs the GIL, so a main
@@ -17,9 +17,10 @@ is logged (at most one line a second), with what the process and its machine did
 - the rest: neither thread ran nor waited for a CPU. The process was stopped, or the main thread held the GIL while
   blocked in a call.
 
-Nothing here runs per message or per step: a heartbeat (every 150 ms by default) takes two snapshots, ~70 µs in
-all, most of it one read of /proc/stat and two of schedstat; no gc callback is installed. The stats report how many beats came late and
-the latest one's delay (`stall_report`).
+Nothing here runs per message or per step: a heartbeat (every 150 ms by default) takes one snapshot, ~50 µs on the
+2-core VM of docs/performance.md, two reads of schedstat (~24 µs each there), and ~40 µs more for /proc/stat where
+no snapshot of this process read it in the last 50 ms; no gc callback is installed. The stats report how many
+beats came late and the latest one's delay (`stall_report`).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def _steal(path: str = PROC_STAT) -> tuple[int, ...]:
     return tuple(out)
 
 
-# Reading /proc/stat takes ~40 µs here. A reading this recent serves every snapshot: a beat's `before` follows its
-# last one's `after` by a send, and many simulated workers in one process share their readings.
+# Reading /proc/stat takes ~40 µs here. A reading this recent serves every snapshot: many simulated workers in one
+# process share their readings.
 STEAL_MAX_AGE_S = 0.05
 _steal_read: tuple[float, str, tuple[int, ...]] = (-1.0, "", ())  # (when, from, what)
 
@@ -101,7 +102,7 @@ def take(stat: str = PROC_STAT) -> Snapshot:
 
 @dataclass(frozen=True)
 class HeldUp:
-    """A beat `late_ms` after it was due, and what ran in the `window_ms` since the snapshot before its sleep."""
+    """A beat `late_ms` after it was due, and what ran in the `window_ms` since the beat before's snapshot."""
 
     late_ms: float
     window_ms: float
