@@ -64,6 +64,12 @@ class Sample:
     threads: dict[int, Thread]
 
 
+# Many simulated workers share one process (`--sim-workers`), and quiet together: their looks within this long share
+# one sample of it.
+SAMPLE_MAX_AGE_S = 0.01
+_recent: dict[int, Sample] = {}  # pid -> its latest sample
+
+
 class LocalProcess:
     """A worker's process on this machine, checked to be the one that said `identity()` (`find`)."""
 
@@ -77,8 +83,11 @@ class LocalProcess:
 
     def sample(self) -> Sample | None:
         """Its threads' run-queue waits now, and whether it is stopped; None once it is gone."""
-        stopped, threads = False, {}
         at = time.monotonic()
+        recent = _recent.get(self.pid)
+        if recent is not None and at - recent.at < SAMPLE_MAX_AGE_S:
+            return recent
+        stopped, threads = False, {}
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")
         except OSError:
@@ -91,7 +100,11 @@ class LocalProcess:
             stopped |= state in ("T", "t", "Z", "X")
             ran, waited = sched.split()[:2]
             threads[int(tid)] = Thread(state == "R", int(ran), int(waited))
-        return Sample(at, stopped, threads) if threads else None
+        if not threads:
+            _recent.pop(self.pid, None)
+            return None
+        _recent[self.pid] = Sample(at, stopped, threads)
+        return _recent[self.pid]
 
 
 def waited_s(before: Sample, after: Sample) -> float:

@@ -113,3 +113,15 @@ def test_waits_counted_by_the_kernel_and_one_under_way() -> None:
     assert waited_s(a, sample(1.5, (True, 10, 5_000_000), stopped=True)) == 0.0
     # A thread born between the looks is not counted.
     assert waited_s(a, sample(1.5, (False, 10, 5_000_000), (False, 7, 0), (True, 0, 0))) == 0.0
+
+
+def test_workers_of_one_process_share_a_recent_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated workers share a process: looks at it within `SAMPLE_MAX_AGE_S` of each other are one sample."""
+    from fabric import local_process
+
+    me = os.getpid()
+    monkeypatch.setattr(local_process, "SAMPLE_MAX_AGE_S", 1e9)
+    first = LocalProcess(me).sample()
+    assert first is not None and LocalProcess(me).sample() is first
+    monkeypatch.setattr(local_process, "SAMPLE_MAX_AGE_S", 0.0)
+    assert LocalProcess(me).sample() is not first
