@@ -111,8 +111,9 @@ def waited_s(before: Sample, after: Sample) -> float:
     """The longest any one thread waited for a CPU between the samples, in seconds; 0 if it is stopped now.
 
     A thread's waits that ended meanwhile are counted by the kernel. One runnable at both looks that did not run
-    between them waited all the while (it cannot have slept without running first). A wait that began after the first
-    look and goes on is not counted: so this says at most how long the process waited, never more. The longest, not
+    between them waited all the while (it cannot have slept without running first; only a stop and a continue between
+    the looks, which it cannot see, would make that more than it waited). A wait that began after the first look and
+    goes on is not counted, so this errs short. The longest, not
     the sum: the data plane's thread waiting with the GIL held is what keeps the control loop's thread from beating,
     and threads wait side by side."""
     if after.stopped:
