@@ -33,6 +33,19 @@ def _read(path: str) -> str | None:
         return None
 
 
+def schedstat(path: str) -> tuple[int, int] | None:
+    """A thread's schedstat: its CPU time and its time on a run queue so far, in ns (the wait under way not included);
+    None where it cannot be read."""
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        ran, waited = text.split()[:2]
+        return int(ran), int(waited)
+    except ValueError:
+        return None
+
+
 def _stat_fields(text: str) -> list[str]:
     """/proc/<pid>/stat's fields from the third (the state) on: the command name, in parentheses, may hold spaces."""
     return text[text.rindex(")") + 2:].split()
@@ -93,13 +106,12 @@ class LocalProcess:
         except OSError:
             return None
         for tid in tids:
-            stat, sched = _read(f"/proc/{self.pid}/task/{tid}/stat"), _read(f"/proc/{self.pid}/task/{tid}/schedstat")
+            stat, sched = _read(f"/proc/{self.pid}/task/{tid}/stat"), schedstat(f"/proc/{self.pid}/task/{tid}/schedstat")
             if stat is None or sched is None:  # (a thread that just ended)
                 continue
             state = _stat_fields(stat)[0]
             stopped |= state in ("T", "t", "Z", "X")
-            ran, waited = sched.split()[:2]
-            threads[int(tid)] = Thread(state == "R", int(ran), int(waited))
+            threads[int(tid)] = Thread(state == "R", *sched)
         if not threads:
             _recent.pop(self.pid, None)
             return None

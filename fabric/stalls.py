@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from fabric.local_process import schedstat
 from fabric.process import full_collections
 
 # A beat this late is logged. The lease is 700 ms and a probe goes at half of it (orchestrator/verdicts.py).
@@ -60,11 +61,8 @@ def _main_cpu_ns() -> int:
 
 def _wait_ns(path: str) -> int:
     """A thread's time on a run queue so far, from its schedstat; -1 where it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
+    sched = schedstat(path)
+    return sched[1] if sched is not None else -1
 
 
 def _steal(path: str = PROC_STAT) -> tuple[int, ...]:

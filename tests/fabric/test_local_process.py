@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from fabric.local_process import LocalProcess, Sample, Thread, identity, waited_s
+from tests.starve import pinned_to_cpu0, spinner_on_cpu0
 
 SPIN = "while True:\n    pass\n"
 SLEEP = "import time\ntime.sleep(600)\n"
@@ -45,11 +46,20 @@ def test_a_process_is_found_by_its_identity_and_only_by_it() -> None:
     assert LocalProcess.find(p.pid, theirs) is None
 
 
+def asleep(proc: LocalProcess) -> Sample:
+    """A sample of `proc` once its one thread sleeps (past its start-up), looked at every 10 ms for up to 30 s."""
+    for _ in range(3000):
+        s = proc.sample()
+        if s is not None and not any(t.runnable for t in s.threads.values()):
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"{proc.pid} never slept")
+
+
 def test_a_sleeping_process_waits_for_nothing_and_a_stopped_one_is_said_to_be() -> None:
     with child(SLEEP) as p:
-        time.sleep(0.3)  # (past its start)
         proc = LocalProcess(p.pid)
-        a = proc.sample()
+        a = asleep(proc)
         time.sleep(0.2)
         b = proc.sample()
         assert a is not None and b is not None and not b.stopped
@@ -64,39 +74,17 @@ def test_a_sleeping_process_waits_for_nothing_and_a_stopped_one_is_said_to_be() 
         os.kill(p.pid, signal.SIGCONT)
 
 
-HOG = """import os, sys
-os.sched_setaffinity(0, {0})
-try:
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-except PermissionError:
-    sys.exit(3)
-sys.stdout.write("spinning\\n")
-sys.stdout.flush()
-while True:
-    pass
-"""
-
-
 @pytest.mark.parametrize("code", [SPIN, TICK], ids=["busy", "waking every 10 ms"])
 def test_a_process_kept_off_its_cpu_is_seen_waiting(code: str) -> None:
     """A busy process, and one that wakes every 10 ms, on CPU 0 beside a real-time spinner: runnable, given almost
     no CPU (the kernel leaves the normal class 5% of each second). Most of a second between two looks is a wait."""
-    with child(code) as p:
-        os.sched_setaffinity(p.pid, {0})
-        with subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE) as hog:
-            try:
-                assert hog.stdout is not None
-                if hog.stdout.readline() != b"spinning\n":
-                    assert hog.wait() == 3
-                    pytest.skip("a real-time spinner needs CAP_SYS_NICE, which this user lacks")
-                proc = LocalProcess(p.pid)
-                a = proc.sample()
-                time.sleep(1.0)
-                b = proc.sample()
-            finally:
-                hog.kill()
-        assert a is not None and b is not None
-        assert waited_s(a, b) > 0.5 * (b.at - a.at)
+    with child(code) as p, pinned_to_cpu0(p.pid), spinner_on_cpu0():
+        proc = LocalProcess(p.pid)
+        a = proc.sample()
+        time.sleep(1.0)  # (the window looked at)
+        b = proc.sample()
+    assert a is not None and b is not None
+    assert waited_s(a, b) > 0.5 * (b.at - a.at)
 
 
 def sample(at: float, *threads: tuple[bool, int, int], stopped: bool = False) -> Sample:

@@ -6,12 +6,9 @@ step that never ends (a wedged device) is not slowness: the worker's watchdog en
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +19,7 @@ from fabric.faults import SLOW_ENV
 from launch.local import Fabric
 from tests.conftest import running_fabric
 from tests.load import run_streams
+from tests.starve import pinned_to_cpu0, spinner_on_cpu0
 from tests.system.test_parity import assert_matches, reference, run_requests
 
 
@@ -118,38 +116,6 @@ def test_a_wedged_step_ends_the_worker(hf_models: dict[str, Path], tmp_path: Pat
         os.kill(pid, 0)
 
 
-def _threads(pid: int) -> list[int]:
-    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-
-
-HOG = """import os, sys, time
-os.sched_setaffinity(0, {0})
-try:
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-except PermissionError:
-    sys.exit(3)
-end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
-    pass
-"""
-
-
-def starve(pid: int, seconds: float) -> int:
-    """Keeps every thread of `pid` runnable but off the CPU for `seconds`: its threads are put on CPU 0, where a
-    real-time process spins (the kernel leaves the normal class 5% of each second there). What a busy machine, a
-    noisy neighbour or a container over its CPU quota does to a process. Its threads go back where they were
-    afterwards. Returns the spinner's exit status: 3 where this process may not start a real-time one."""
-    before = {tid: os.sched_getaffinity(tid) for tid in _threads(pid)}
-    for tid in before:
-        os.sched_setaffinity(tid, {0})
-    try:
-        return subprocess.run([sys.executable, "-c", HOG, str(seconds)], timeout=seconds + 30).returncode
-    finally:
-        for tid, cpus in before.items():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, cpus)
-
-
 @pytest.mark.parametrize("victim", ["attention-worker-1"])
 def test_a_starved_worker_is_not_declared_dead(victim: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
     """A worker kept off the CPU for 3 s, four leases, while streams decode: its heartbeats stop (a second at a
@@ -158,16 +124,13 @@ def test_a_starved_worker_is_not_declared_dead(victim: str, hf_models: dict[str,
     with running_fabric(hf_models["mixtral"], tmp_path, aws=2, ews=3) as fabric:
         reference_streams = run_streams(fabric)
         pid = fabric.pid(victim)
-        status: list[int] = []
-        starver = threading.Thread(target=lambda: status.append(starve(pid, 3.0)))
-        starver.start()
-        try:
-            assert run_streams(fabric) == reference_streams
-        finally:
-            starver.join()
-        if status == [3]:
-            pytest.skip("starving a process needs a real-time one, which this user may not start (CAP_SYS_NICE)")
-        assert status == [0]
+        got: list[list[list[int]]] = []
+        streams = threading.Thread(target=lambda: got.append(run_streams(fabric)))
+        with pinned_to_cpu0(pid), spinner_on_cpu0():
+            streams.start()
+            time.sleep(3.0)  # (how long the worker is kept off its CPU)
+        streams.join()
+        assert got == [reference_streams]
         assert run_streams(fabric) == reference_streams
         assert fabric.pid(victim) == pid  # never replaced
         nobody_declared_dead(fabric)
