@@ -158,8 +158,6 @@ class ModelRunner:
         self.kv_sink: KvSink | None = None
         # CUDA graphs of pure decode steps' layers (attention_worker/cuda_graphs.py), where the AW has them.
         self.graphs: LayerGraphs | None = None
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def _mask(self, q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Causal (and sliding-window) mask [n, L] for query positions `q_pos` [n]."""
@@ -363,16 +361,8 @@ class ModelRunner:
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
         kc, vc = self.kv.k[i], self.kv.v[i]  # [B*S, K, d]
-        if lw.q_norm is not None and lw.k_norm is not None:
-            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = self.glue.rope(self.glue.norm(q, lw.q_norm), meta.cos, meta.sin)
-            k = self.glue.rope(self.glue.norm(k, lw.k_norm), meta.cos, meta.sin)
-            kc.index_copy_(0, meta.slots, k)  # as kc[slots] = k, without advanced indexing's overhead
-            vc.index_copy_(0, meta.slots, v)
-        else:
-            q, k, v = self.glue.rope_cache(qkv, meta.cos, meta.sin, kc, vc, meta.slots, cfg.num_heads)
+        norms = (lw.q_norm, lw.k_norm) if lw.q_norm is not None and lw.k_norm is not None else None  # Qwen3's
+        q, k, v = self.glue.rope_cache(qkv, meta.cos, meta.sin, kc, vc, meta.slots, cfg.num_heads, norms)
         if meta.all_decode:  # a pure decode step: no row to pick or put back
             return lw.o_proj(self._decode(q, kc, vc, meta).view(t, -1))
         out = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=qkv.dtype, device=qkv.device)  # [T, H, d]

@@ -151,33 +151,69 @@ torch::Tensor combine_add(const torch::Tensor& h, const std::vector<torch::Tenso
   return out;
 }
 
+namespace {
+
+// The checks of a fused projection qkv [T, (H + 2K) d] and the caches kc, vc [slots, K, d] it writes at slots [T].
+void check_qkv_cache(const torch::Tensor& qkv, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& slots,
+                     int64_t H, const char* what) {
+  TORCH_CHECK(qkv.is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 2 && qkv.stride(1) == 1, what,
+              ": qkv must be a [T, (H + 2K) d] float32 CPU tensor, its rows contiguous");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
+              kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32, what,
+              ": the caches must be contiguous [slots, K, d] float32 tensors of one shape");
+  const int64_t T = qkv.size(0), K = kc.size(1), d = kc.size(2), nslots = kc.size(0);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * K) * d, what, ": qkv ", qkv.sizes(), " does not fit ", H, " heads and the cache ",
+              kc.sizes());
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64 && slots.numel() == T, what,
+              ": slots must be [T] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, what, ": slot ", sp[t], " is outside the cache");
+}
+
+// qk [T, H + K, d] (q and k, rotated) and qkv's v: k and v written to the caches at slots -> (q, k, v) views.
+std::vector<torch::Tensor> write_cache(const torch::Tensor& qk, const torch::Tensor& qkv, torch::Tensor kc, torch::Tensor vc,
+                                       const torch::Tensor& slots, int64_t H) {
+  const int64_t T = qkv.size(0), K = kc.size(1), d = kc.size(2), row = K * d;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kp + sp[t] * row, qk.data_ptr<float>() + (t * (H + K) + H) * d, sizeof(float) * row);
+    std::memcpy(vp + sp[t] * row, qkv.data_ptr<float>() + t * qkv.stride(0) + (H + K) * d, sizeof(float) * row);
+  }
+  return {qk.narrow(1, 0, H), qk.narrow(1, H, K), qkv.narrow(1, (H + K) * d, K * d).view({T, K, d})};
+}
+
+}  // namespace
+
 // The attention's inputs from a fused projection qkv [T, (H + 2K) d] (rows strided): q and k rotated (rope),
 // k and v written to the cache at slots [T] (kc, vc [slots, K, d]) -> (q [T, H, d], k [T, K, d], v [T, K, d]),
 // as the model runner's views, apply_rope and index_copy_ make them.
 std::vector<torch::Tensor> rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                       torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots, int64_t H) {
-  TORCH_CHECK(qkv.is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 2 && qkv.stride(1) == 1,
-              "rope_cache: qkv must be a [T, (H + 2K) d] float32 CPU tensor, its rows contiguous");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
-              kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32,
-              "rope_cache: the caches must be contiguous [slots, K, d] float32 tensors of one shape");
-  const int64_t T = qkv.size(0), K = kc.size(1), d = kc.size(2), nslots = kc.size(0);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * K) * d, "rope_cache: qkv ", qkv.sizes(), " does not fit ", H, " heads and the cache ",
-              kc.sizes());
-  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64 && slots.numel() == T,
-              "rope_cache: slots must be [T] int64");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_cache: slot ", sp[t], " is outside the cache");
+  check_qkv_cache(qkv, kc, vc, slots, H, "rope_cache");
+  const int64_t T = qkv.size(0), K = kc.size(1), d = kc.size(2);
   auto qk = rope(qkv.narrow(1, 0, (H + K) * d).view({T, H + K, d}), cos, sin);  // [T, H + K, d]
-  auto v = qkv.narrow(1, (H + K) * d, K * d).view({T, K, d});
-  float* kp = kc.data_ptr<float>();
-  float* vp = vc.data_ptr<float>();
-  const int64_t row = K * d;
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kp + sp[t] * row, qk.data_ptr<float>() + (t * (H + K) + H) * d, sizeof(float) * row);
-    std::memcpy(vp + sp[t] * row, qkv.data_ptr<float>() + t * qkv.stride(0) + (H + K) * d, sizeof(float) * row);
-  }
-  return {qk.narrow(1, 0, H), qk.narrow(1, H, K), v};
+  return write_cache(qk, qkv, kc, vc, slots, H);
+}
+
+// The same with each head of q and of k RMSNorm'd first (q_norm, k_norm [d]: Qwen3's), as the runner's
+// rms_norm of each head then rope make them, bit for bit: the same norm_row and rope.
+std::vector<torch::Tensor> norm_rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                           torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots, int64_t H,
+                                           const torch::Tensor& q_norm, const torch::Tensor& k_norm, double eps) {
+  check_qkv_cache(qkv, kc, vc, slots, H, "norm_rope_cache");
+  const int64_t T = qkv.size(0), K = kc.size(1), d = kc.size(2);
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK(w->is_contiguous() && w->scalar_type() == torch::kFloat32 && w->numel() == d,
+                "norm_rope_cache: q_norm and k_norm must be [d] float32");
+  auto normed = torch::empty({T, H + K, d}, qkv.options());  // [T, H + K, d]
+  float* np_ = normed.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < H + K; ++n)
+      norm_row(qkv.data_ptr<float>() + t * qkv.stride(0) + n * d, (n < H ? q_norm : k_norm).data_ptr<float>(),
+               np_ + (t * (H + K) + n) * d, d, static_cast<float>(eps));
+  return write_cache(rope(normed, cos, sin), qkv, kc, vc, slots, H);
 }
 
 // A MoE layer's rows sorted by expert (stable: tokens ascending within an expert), as layer_plan.plan_layer

@@ -236,6 +236,9 @@ torch::Tensor combine_add(const torch::Tensor& h, const std::vector<torch::Tenso
                           const torch::Tensor& token_of_row);
 std::vector<torch::Tensor> rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                       torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots, int64_t H);
+std::vector<torch::Tensor> norm_rope_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                           torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots, int64_t H,
+                                           const torch::Tensor& q_norm, const torch::Tensor& k_norm, double eps);
 std::vector<torch::Tensor> plan_rows(const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
                                      int64_t E);
 std::vector<torch::Tensor> route(const torch::Tensor& logits, int64_t k, bool normalize);
@@ -264,6 +267,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weights [R], token_of_row [R]) -> [T, D]");
   m.def("rope_cache", &rope_cache, "q, k rotated and k, v written to the cache at slots, from a fused qkv [T, (H + 2K) d] "
         "-> (q [T, H, d], k [T, K, d], v [T, K, d])");
+  m.def("norm_rope_cache", &norm_rope_cache, "rope_cache with each head of q and k RMSNorm'd first (q_norm, k_norm [d], "
+        "eps)");
   m.def("plan_rows", &plan_rows, "a MoE layer's rows sorted by expert: x [T, D], experts [T, k], weights [T, k], E -> "
         "(rows [R, D], token of each row [R], weights [R], rows per expert [E])");
   m.def("router_logits", &router_logits, "the router's logits, a token's whatever rows come with it: x [T, D], w [E, D] "

@@ -119,6 +119,31 @@ def test_rope_and_cache_writes_equal_torch_bit_for_bit(t: int, heads: int, kv_he
     assert got[3].abs().sum() > 0
 
 
+@pytest.mark.parametrize(("t", "heads", "kv_heads", "d"), [(1, 8, 4, 64), (9, 6, 2, 16), (33, 4, 4, 128)])
+def test_qwen3s_head_norms_rope_and_cache_writes_in_one_call(t: int, heads: int, kv_heads: int, d: int) -> None:
+    """The one call gives what the norms, the ropes and the cache writes apart gave (the runner's path before it), bit
+    for bit; torch's ops agree but for RMSNorm's last bit."""
+    torch.manual_seed(t)
+    cos, sin = rope_cos_sin(torch.arange(t) + 3, rope_inv_freq(d, 1e6), torch.float32)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d + 8)[:, :-8]
+    norms = (torch.rand(d) + 0.5, torch.rand(d) + 0.5)
+    slots = torch.randperm(50)[:t]
+    glue = native()
+    kc, vc = torch.zeros(50, kv_heads, d), torch.zeros(50, kv_heads, d)
+    got = [*glue.rope_cache(qkv, cos, sin, kc, vc, slots, heads, norms), kc, vc]
+    q = glue.rope(glue.norm(qkv[:, : heads * d].view(t, heads, d), norms[0]), cos, sin)
+    k = glue.rope(glue.norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d), norms[1]), cos, sin)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    kc2, vc2 = torch.zeros(50, kv_heads, d), torch.zeros(50, kv_heads, d)
+    kc2.index_copy_(0, slots, k)
+    vc2.index_copy_(0, slots, v)
+    assert all(torch.equal(a, b) for a, b in zip(got, [q, k, v, kc2, vc2], strict=True))
+    assert not torch.equal(got[0], glue.rope(qkv[:, : heads * d].view(t, heads, d), cos, sin))  # (the norm ran)
+    kc3, vc3 = torch.zeros(50, kv_heads, d), torch.zeros(50, kv_heads, d)
+    want = [*TorchGlue(EPS).rope_cache(qkv, cos, sin, kc3, vc3, slots, heads, norms), kc3, vc3]
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_the_plan_equals_torchs_bit_for_bit(t: int) -> None:
     torch.manual_seed(t)
@@ -191,6 +216,12 @@ def test_bad_tensors_are_refused() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.rope_cache(torch.zeros(1, 4 * 8), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(3, 1, 8),
                        torch.zeros(3, 1, 8), torch.tensor([3]), 2)
+    with pytest.raises(RuntimeError, match=r"q_norm and k_norm must be \[d\]"):
+        ops.norm_rope_cache(torch.zeros(1, 4 * 8), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(3, 1, 8),
+                            torch.zeros(3, 1, 8), torch.tensor([0]), 2, torch.ones(8), torch.ones(7), EPS)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.norm_rope_cache(torch.zeros(1, 4 * 8), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(3, 1, 8),
+                            torch.zeros(3, 1, 8), torch.tensor([-1]), 2, torch.ones(8), torch.ones(8), EPS)
     with pytest.raises(RuntimeError, match="is not one of"):
         ops.plan_rows(torch.zeros(2, 8), torch.tensor([[0, 1], [2, 6]]), torch.zeros(2, 2), 6)
     plan = _plan(4, 0)
