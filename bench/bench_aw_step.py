@@ -4,9 +4,13 @@
 `ModelRunner.forward` runs B decode sequences of ~100 tokens through every layer with the skinny GEMM and the
 paged decode attention, as an AW does with `--kernel auto`. Its experts return their rows (halved), so the plan
 and the combine run on real results; no EW, no event-loop wait. One thread, as an AW runs. Rounds alternate
-between the two glues; medians of per-round means.
+between the glues; medians of per-round means.
 
     python bench/bench_aw_step.py --batches 1,8,32 --rounds 7
+
+For a model with q and k head norms (Qwen3: `moe-fabric demo-model --arch qwen3_moe --size bench OUT`, then
+`--model-dir OUT`) a third glue runs beside them: one call each but the head norms, RoPE and the cache writes apart,
+six calls (`NormsApart`: the runner's path before `norm_rope_cache`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ class HalvedRows:
 
     async def run_plan(self, plan: LayerPlan) -> list[Part]:
         return [(slice(0, plan.xs.shape[0]), plan.xs * 0.5)]
+
+
+class NormsApart(NativeGlue):
+    """NativeGlue, but Qwen3's q and k head norms, their RoPE and the K and V cache writes as six calls: each norm and
+    RoPE one kernel call, each cache write an `index_copy_`."""
+
+    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   slots: torch.Tensor, heads: int, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if qk_norms is None:
+            return super().rope_cache(qkv, cos, sin, kc, vc, slots, heads)
+        return TorchGlue.rope_cache(self, qkv, cos, sin, kc, vc, slots, heads, qk_norms)
 
 
 def decode_chunks(runner: ModelRunner, batch: int, vocab: int) -> list[Chunk]:
@@ -67,11 +83,15 @@ def main() -> None:
     glues: dict[str, TorchGlue] = {"torch's ops": TorchGlue(cfg.rms_norm_eps),
                                    "one call each": glue_for(ops, cfg.rms_norm_eps, torch.float32, torch.device("cpu"))}
     assert isinstance(glues["one call each"], NativeGlue)
+    apart = weights.layers[0].q_norm is not None
+    if apart:
+        glues["head norms apart"] = NormsApart(cfg.rms_norm_eps, ops)
     print(f"{a.model_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32, 1 thread; {a.steps} steps a "
           f"round, median of {a.rounds} rounds (alternating)\n")
-    print("| decode sequences | torch's ops, ms a step | one call each, ms a step | ratio |")
-    print("|---:|---:|---:|---:|")
-    table: list[tuple[int, float, float]] = []
+    print("| decode sequences | torch's ops, ms a step | one call each, ms a step | ratio |"
+          + (" head norms apart, ms a step | one call each / apart |" if apart else ""))
+    print("|---:|---:|---:|---:|" + ("---:|---:|" if apart else ""))
+    table: list[tuple[float, ...]] = []
     for batch in [int(b) for b in a.batches.split(",")]:
         runs = {}
         for name, glue in glues.items():
@@ -82,9 +102,10 @@ def main() -> None:
         for _ in range(a.rounds + 1):  # (the first round warms up)
             for name, (runner, chunks) in runs.items():
                 times[name].append(asyncio.run(step_time(runner, chunks, a.steps)))
-        t, n = (statistics.median(times[name][1:]) for name in glues)
-        table.append((batch, t, n))
-        print(f"| {batch} | {t * 1e3:.2f} | {n * 1e3:.2f} | {n / t:.2f}x |", flush=True)
+        t, n, *rest = (statistics.median(times[name][1:]) for name in glues)
+        table.append((batch, t, n, *rest))
+        print(f"| {batch} | {t * 1e3:.2f} | {n * 1e3:.2f} | {n / t:.2f}x |"
+              + "".join(f" {r * 1e3:.2f} | {n / r:.2f}x |" for r in rest), flush=True)
     import matplotlib
 
     matplotlib.use("Agg")
