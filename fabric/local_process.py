@@ -80,7 +80,7 @@ class Sample:
 # Many simulated workers share one process (`--sim-workers`), and quiet together: their looks within this long share
 # one sample of it.
 SAMPLE_MAX_AGE_S = 0.01
-_recent: dict[int, Sample] = {}  # pid -> its latest sample
+_recent: dict[int, Sample] = {}  # pid -> its latest sample, younger than SAMPLE_MAX_AGE_S as of the last one taken
 
 
 class LocalProcess:
@@ -112,6 +112,8 @@ class LocalProcess:
             state = _stat_fields(stat)[0]
             stopped |= state in ("T", "t", "Z", "X")
             threads[int(tid)] = Thread(state == "R", *sched)
+        for pid in [p for p, r in _recent.items() if at - r.at >= SAMPLE_MAX_AGE_S]:  # (none is looked up again)
+            del _recent[pid]
         if not threads:
             _recent.pop(self.pid, None)
             return None

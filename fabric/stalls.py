@@ -2,8 +2,9 @@
 
 A worker's lease is its control loop's heartbeat (fabric/control_link.py, orchestrator/verdicts.py). When the
 orchestrator declares a live worker dead, the question is what kept that loop from beating, and only the worker can
-say. So the heartbeat loop takes a `Snapshot` after each sleep, which is also the next beat's starting point. A beat that comes `LATE_S` or more after it was due
-is logged (at most one line a second), with what the process and its machine did since that snapshot (`HeldUp`):
+say. So the heartbeat loop takes a `Snapshot` after each sleep, which is also the next beat's starting point. A beat
+that comes `LATE_S` or more after it was due is logged (at most one line a second), with what the process and its
+machine did since the snapshot before (`HeldUp`):
 
 - the CPU time of the data plane's thread (the main thread) in that window. The control loop needs the GIL, so a main
   thread that ran through it held the GIL in a long call, or in a garbage collection;

@@ -208,11 +208,11 @@ std::vector<torch::Tensor> norm_rope_cache(const torch::Tensor& qkv, const torch
     TORCH_CHECK(w->is_contiguous() && w->scalar_type() == torch::kFloat32 && w->numel() == d,
                 "norm_rope_cache: q_norm and k_norm must be [d] float32");
   auto normed = torch::empty({T, H + K, d}, qkv.options());  // [T, H + K, d]
-  float* np_ = normed.data_ptr<float>();
+  float* out = normed.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t n = 0; n < H + K; ++n)
       norm_row(qkv.data_ptr<float>() + t * qkv.stride(0) + n * d, (n < H ? q_norm : k_norm).data_ptr<float>(),
-               np_ + (t * (H + K) + n) * d, d, static_cast<float>(eps));
+               out + (t * (H + K) + n) * d, d, static_cast<float>(eps));
   return write_cache(rope(normed, cos, sin), qkv, kc, vc, slots, H);
 }
 

@@ -113,3 +113,17 @@ def test_workers_of_one_process_share_a_recent_look(monkeypatch: pytest.MonkeyPa
     assert first is not None and LocalProcess(me).sample() is first
     monkeypatch.setattr(local_process, "SAMPLE_MAX_AGE_S", 0.0)
     assert LocalProcess(me).sample() is not first
+
+
+def test_old_looks_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An orchestrator looks at every worker it ever had: a look older than `SAMPLE_MAX_AGE_S` is dropped at the next
+    one, so that looks at dead workers' processes do not pile up."""
+    from fabric import local_process
+
+    monkeypatch.setattr(local_process, "_recent", {})
+    monkeypatch.setattr(local_process, "SAMPLE_MAX_AGE_S", 1e9)
+    assert LocalProcess(os.getpid()).sample() is not None
+    assert os.getpid() in local_process._recent
+    monkeypatch.setattr(local_process, "SAMPLE_MAX_AGE_S", 0.0)
+    assert LocalProcess(os.getppid()).sample() is not None
+    assert list(local_process._recent) == [os.getppid()]
