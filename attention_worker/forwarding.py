@@ -29,6 +29,7 @@ from attention_worker.ew_link import EwLink
 from attention_worker.ew_links import EwLinks
 from attention_worker.expert_calls import Call, Piece, rows_of
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
+from attention_worker.spread import spread
 from fabric import cpu_regions, trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
@@ -85,6 +86,7 @@ class ForwardingEngine:
         # Expert calls sent and not yet answered (the link's idle gap).
         self.in_flight = 0
         self.replays = 0
+        self.spread_layers = 0  # layers whose experts went over more EWs than their primaries (spread.py)
         # Steps that waited for a replacement because every copy of an expert was gone.
         self.expert_waits = 0
         # Table epoch -> when this AW switched to it (wall clock).
@@ -287,8 +289,14 @@ class ForwardingEngine:
     def _usual_calls(self, plan: LayerPlan) -> list[Call] | None:
         """The layer's calls where every expert with rows has one live EW serving it alone (the usual case): an EW's
         experts, their rows, one run of them where they are consecutive. None otherwise, for the general way
-        (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert."""
+        (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert. While this AW is alone
+        on its EWs and its layers are spread, its experts are spread over their copies (attention_worker/spread.py)."""
         ews = self._ews_of(plan.layer, self.links.excluded)
+        if len(plan.spans) > 1 and not self.collapse.on and not any(k.pads for k in self.links.links.values()):
+            assert self.table is not None
+            spread_ews = spread(self.table, plan.layer, plan.spans, ews, lambda w: self.links.live(w) is not None)
+            self.spread_layers += spread_ews is not ews
+            ews = spread_ews
         by_ew: dict[str, Call] = {}
         scattered: set[str] = set()  # EWs whose rows are not one run
         last = -1

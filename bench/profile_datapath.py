@@ -1,7 +1,8 @@
 """Where the data path's time goes: a fabric (2 AWs + 2 EWs) under a closed loop of C streams;
 CPU seconds per 1000 output tokens of every process (from /proc), and its user and system CPU per token and
 layer (at one stream, per layer), each EW's batches (and how many
-held calls for more than one layer, each layer's experts read apart), and, with `--py-spy`, the
+held calls for more than one layer, each layer's experts read apart), each AW's steps (and how many of its layers
+spread their experts beyond their primaries, attention_worker/spread.py), and, with `--py-spy`, the
 functions that take each attention and expert worker's CPU and gateway-0's (py-spy samples, by
 own time and by total time). `--device cuda` runs the workers on a GPU.
 
@@ -53,6 +54,13 @@ def _ew_batches(fabric: Fabric) -> dict[str, tuple[int, int]]:
             for w in fabric.cluster()["workers"] if w["role"] == "expert" and "stats" in w}
 
 
+def _aw_layers(fabric: Fabric) -> dict[str, tuple[int, int]]:
+    """Each AW's steps so far, and its layers whose experts went over more EWs than their primaries (`spread_layers`:
+    attention_worker/spread.py)."""
+    return {w["id"]: (w["stats"].get("steps", 0), w["stats"].get("spread_layers", 0))
+            for w in fabric.cluster()["workers"] if w["role"] == "attention" and "stats" in w}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("bench/out/model-bench"))
@@ -90,7 +98,7 @@ def main() -> None:
             while not stop.is_set():
                 tokens[0] += int(asyncio.run(fabric_round(url, prompts, 64))["tokens"])
 
-        ews_before = _ew_batches(fabric)
+        ews_before, aws_before = _ew_batches(fabric), _aw_layers(fabric)
         t = time.perf_counter()
         runner = threading.Thread(target=load)
         runner.start()
@@ -99,7 +107,7 @@ def main() -> None:
         runner.join()
         wall = time.perf_counter() - t
         after = {n: cpu_split(p.pid) for n, p in procs.items()}
-        ews_after = _ew_batches(fabric)
+        ews_after, aws_after = _ew_batches(fabric), _aw_layers(fabric)
         for _, _, p in spies:
             p.wait(60)
     n = tokens[0]
@@ -117,6 +125,9 @@ def main() -> None:
     for ew, (b, m) in sorted(ews_after.items()):
         b0, m0 = ews_before.get(ew, (0, 0))
         print(f"{ew}: {b - b0} batches, {m - m0} of them with calls for more than one layer")
+    for aw, (steps, spread) in sorted(aws_after.items()):
+        s0, p0 = aws_before.get(aw, (0, 0))
+        print(f"{aw}: {steps - s0} steps, {spread - p0} layers with their experts spread beyond their primaries")
     for name, out, _ in spies:
         if not out.exists():
             print(f"\n(no py-spy samples for {name})")
