@@ -71,8 +71,8 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
 // (strips each over the whole of K read it from memory in strided passes: 3.7 GB/s at 4 rows, against 10.7 for one
 // row's single pass). The four strips of 4 to 6 rows also prefetch the next 16 KiB of the packed weight, the next chunk
 // of this block or the first of the next, a share of its lines at each k, so that it streams in while they compute this
-// one: else memory waited for the compute and the compute for memory, one after the other (0.84x-0.91x the time of a
-// product at 4 to 16 rows). The sums carry across chunks in memory, exactly: each output element is the same FMA chain
+// one: else memory waited for the compute and the compute for memory, one after the other (0.82x-0.94x the time of an
+// expert at 4 to 16 rows). The sums carry across chunks in memory, exactly: each output element is the same FMA chain
 // over k as the AVX-512 build's, so the same floats.
 constexpr int64_t kChunk = 64;  // k rows a chunk: 16 KiB of the block, in L1
 
