@@ -290,7 +290,7 @@ class ForwardingEngine:
         """The layer's calls where every expert with rows has one live EW serving it alone (the usual case): an EW's
         experts, their rows, one run of them where they are consecutive. None otherwise, for the general way
         (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert. While this AW is alone
-        on its EWs and its layers are spread, its experts are spread over their copies (attention_worker/spread.py)."""
+        on its EWs and its layers are not collapsed, its experts go over their copies (attention_worker/spread.py)."""
         ews = self._ews_of(plan.layer, self.links.excluded)
         if len(plan.spans) > 1 and not self.collapse.on and not any(k.pads for k in self.links.links.values()):
             assert self.table is not None

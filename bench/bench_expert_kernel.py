@@ -36,12 +36,13 @@ def baseline_kernel(tree: Path) -> skinny.SkinnyGemm:
     if not sources:
         raise SystemExit(f"{tree} has no fabric/kernels/*.cpp")
     key = hashlib.sha1(b"".join(p.read_bytes() for p in sources + sorted(kernels.glob("*.h"))))
-    key.update(" ".join(skinny._flags() or []).encode())
+    key.update(" ".join(skinny.compiler_flags() or []).encode())
     out = skinny.build_dir().parent / f"baseline-{key.hexdigest()[:12]}"
     out.mkdir(parents=True, exist_ok=True)
     print(f"building the baseline's kernel in {out} (minutes, once)", flush=True)
+    flags = ["-O3", *(skinny.compiler_flags() or [])]
     return skinny.SkinnyGemm(load_extension(name="moe_fabric_skinny_baseline", sources=[str(p) for p in sources],
-                                            build_directory=str(out), extra_cflags=["-O3", *(skinny._flags() or [])]))
+                                            build_directory=str(out), extra_cflags=flags))
 
 
 def main() -> None:

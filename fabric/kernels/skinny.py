@@ -42,14 +42,14 @@ COLS = 64  # output columns per packed block
 def build_dir() -> Path:
     """One build per environment and sources: the build files name this Python's torch headers, and a checkout
     of other sources (another version beside this one) builds its own instead of rebuilding this one's."""
-    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(_flags() or [])}".encode())
+    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(compiler_flags() or [])}".encode())
     for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
     env = key.hexdigest()[:12]
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels" / env
 
 
-def _flags() -> list[str] | None:
+def compiler_flags() -> list[str] | None:
     """The compiler's instruction-set flags for this CPU (torch's reading of it), or None where neither build runs."""
     return FLAGS.get(torch.backends.cpu.get_cpu_capability())
 
@@ -74,7 +74,7 @@ def load() -> Any | None:
     t0 = time.perf_counter()
     try:
         module = load_extension(name="moe_fabric_skinny", sources=[str(p) for p in SOURCES], build_directory=str(out),
-                                extra_cflags=["-O3", *(_flags() or [])], verbose=False)
+                                extra_cflags=["-O3", *(compiler_flags() or [])], verbose=False)
     except Exception as exc:
         # No compiler or no headers. Serve with torch's matmul instead.
         log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)
