@@ -15,7 +15,6 @@ rounds, checking that the two give the same floats:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -29,20 +28,14 @@ from fabric.model.ops import swiglu_ffn_t
 def baseline_kernel(tree: Path) -> skinny.SkinnyGemm:
     """Another checkout's kernel, built from its sources into a directory of its own under another module name (a
     module of one name loads once a process)."""
-    from torch.utils.cpp_extension import load as load_extension
-
     kernels = tree / "fabric" / "kernels"
     sources = sorted(kernels.glob("*.cpp"))
     if not sources:
         raise SystemExit(f"{tree} has no fabric/kernels/*.cpp")
-    key = hashlib.sha1(b"".join(p.read_bytes() for p in sources + sorted(kernels.glob("*.h"))))
-    key.update(" ".join(skinny.compiler_flags() or []).encode())
-    out = skinny.build_dir().parent / f"baseline-{key.hexdigest()[:12]}"
-    out.mkdir(parents=True, exist_ok=True)
+    name = "moe_fabric_skinny_baseline"
+    out = skinny.build_dir(sources + sorted(kernels.glob("*.h")), name)
     print(f"building the baseline's kernel in {out} (minutes, once)", flush=True)
-    flags = ["-O3", *(skinny.compiler_flags() or [])]
-    return skinny.SkinnyGemm(load_extension(name="moe_fabric_skinny_baseline", sources=[str(p) for p in sources],
-                                            build_directory=str(out), extra_cflags=flags))
+    return skinny.SkinnyGemm(skinny.compile_module(name, sources, out))
 
 
 def main() -> None:

@@ -39,14 +39,30 @@ FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AMX": ["-mavx512f", "-mfma"], "AVX2"
 COLS = 64  # output columns per packed block
 
 
-def build_dir() -> Path:
-    """One build per environment and sources: the build files name this Python's torch headers, and a checkout
-    of other sources (another version beside this one) builds its own instead of rebuilding this one's."""
+MODULE = "moe_fabric_skinny"
+
+
+def build_dir(files: list[Path] = SOURCES + HEADERS, name: str = MODULE) -> Path:
+    """One build per environment, sources and module: the build files name this Python's torch headers, and a checkout
+    of other sources (another version beside this one, or a benchmark's baseline) builds its own instead of rebuilding
+    this one's."""
     key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(compiler_flags() or [])}".encode())
-    for src in SOURCES + HEADERS:
+    if name != MODULE:
+        key.update(name.encode())
+    for src in files:
         key.update(src.read_bytes())
     env = key.hexdigest()[:12]
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-fabric" / "kernels" / env
+
+
+def compile_module(name: str, sources: list[Path], out: Path) -> Any:
+    """The module `name` from `sources`, built in `out` with this CPU's flags (or found built there); raises where it
+    cannot be built."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    out.mkdir(parents=True, exist_ok=True)
+    return load_extension(name=name, sources=[str(p) for p in sources], build_directory=str(out),
+                          extra_cflags=["-O3", *(compiler_flags() or [])], verbose=False)
 
 
 def compiler_flags() -> list[str] | None:
@@ -67,14 +83,9 @@ def load() -> Any | None:
     if reason is not None:
         log.info("skinny GEMM kernel off: %s; torch matmul instead", reason)
         return None
-    from torch.utils.cpp_extension import load as load_extension
-
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        module = load_extension(name="moe_fabric_skinny", sources=[str(p) for p in SOURCES], build_directory=str(out),
-                                extra_cflags=["-O3", *(compiler_flags() or [])], verbose=False)
+        module = compile_module(MODULE, SOURCES, build_dir())
     except Exception as exc:
         # No compiler or no headers. Serve with torch's matmul instead.
         log.warning("skinny GEMM kernel could not be built (%s); torch matmul instead", exc)
