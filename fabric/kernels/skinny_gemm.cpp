@@ -4,10 +4,10 @@
 // prefill's 2.3x slower than this here. W is packed once, at load, into column blocks of 64
 // ([ceil(N/64), K, 64], the last padded with zeros) so that each block streams contiguously; a product
 // names its N, and a last block's padding is computed and not stored. Per block, rows go in groups of up to 6
-// (24 AVX-512 accumulators; on AVX2, strips of the block with at most 12), the block staying in L2 across the
-// groups. Every output element is one FMA chain over k = 0..K-1, whatever M is and whichever build: a row's result
-// does not depend on the rows batched with it (ATen's batched matmul, which took more than 48 rows until
-// 2026-11-29, gave a row other floats). Unlike the attention and the glue, the register block is written per
+// (24 AVX-512 accumulators, the block staying in L2 across the groups; on AVX2, strips of the block with at most 12,
+// a panel's groups taking a chunk of the block at a time while it is in L1). Every output element is one FMA chain
+// over k = 0..K-1, whatever M is and whichever build: a row's result does not depend on the rows batched with it
+// (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats). Unlike the attention and the glue, the register block is written per
 // instruction set (the `#if` below), as the two have different registers to block for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -64,60 +64,6 @@ void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
     }
   }
 }
-#else
-// AVX2 has 16 registers of 8 lanes, not 32 of 16: a block goes in strips of NV vectors (8 NV of its 64 columns), at
-// most 12 accumulators, and over k in chunks of kChunk rows, every strip of a chunk before the next chunk. The first
-// strip prefetches the chunk's other lines, so the block streams from memory once and the other strips read it from L1
-// (strips each over the whole of K read it from memory in strided passes: 3.7 GB/s at 4 rows, against 10.7 for one
-// row's single pass). The four strips of 4 to 6 rows also prefetch the next 16 KiB of the packed weight, the next chunk
-// of this block or the first of the next, a share of its lines at each k, so that it streams in while they compute this
-// one: else memory waited for the compute and the compute for memory, one after the other (0.82x-0.94x the time of an
-// expert at 4 to 16 rows). The sums carry across chunks in memory, exactly: each output element is the same FMA chain
-// over k as the AVX-512 build's, so the same floats.
-constexpr int64_t kChunk = 64;  // k rows a chunk: 16 KiB of the block, in L1
-
-// One strip of a chunk. With four strips a chunk (NV = 2: 4 to 6 rows), the `s`-th prefetches the `s`-th quarter of
-// `ahead`'s 4 kn lines, one at each k (one row's one strip streams at the bandwidth by itself, and two or three rows'
-// two strips lost 4% with it).
-template <int MB, int NV, bool kFetch>
-void strip(const float* x, int64_t ldx, const float* w, int64_t kn, float* sums, bool first, const float* ahead,
-           int64_t s) {
-  __m256 acc[MB][NV];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + m * kCols + 8 * j);
-  const float* next = ahead + 16 * s * kn;  // (the quarter's lines, in memory order)
-  for (int64_t k = 0; k < kn; ++k) {
-    const float* wk = w + k * kCols;
-    if constexpr (kFetch)  // (the lines of this k's 64 columns past the strip's own)
-      for (int line = NV / 2; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * line), _MM_HINT_T0);
-    if constexpr (NV == 2) _mm_prefetch(reinterpret_cast<const char*>(next + 16 * k), _MM_HINT_T1);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wk + 8 * j), acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(sums + m * kCols + 8 * j, acc[m][j]);
-}
-
-// y [MB, cols] = x [MB, K] @ one packed block [K, 64], its first `cols` columns stored (a part-full last block's
-// strips past `cols` not computed).
-template <int MB, bool kPart>
-void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t cols) {
-  constexpr int NV = MB == 1 ? 8 : MB <= 3 ? 4 : 2;
-  constexpr int64_t kStrip = 8 * NV;
-  const int64_t width = kPart ? cols : kCols;
-  float sums[MB * kCols];  // [MB, 64]
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t kn = std::min(kChunk, K - k0);
-    const float* ahead = w + (k0 + kn) * kCols;  // (past the weight's end a prefetch reads nothing: it never faults)
-    strip<MB, NV, NV < 8>(x + k0, ldx, w + k0 * kCols, kn, sums, k0 == 0, ahead, 0);
-    for (int64_t c0 = kStrip, s = 1; c0 < width; c0 += kStrip, ++s)
-      strip<MB, NV, false>(x + k0, ldx, w + k0 * kCols + c0, kn, sums + c0, k0 == 0, ahead, s);
-  }
-  for (int m = 0; m < MB; ++m) std::copy(sums + m * kCols, sums + m * kCols + width, y + m * ldy);
-}
-#endif
 
 // Every one of the M rows against one packed block, in register groups of up to kRows.
 template <bool kPart>
@@ -135,6 +81,115 @@ void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float
     }
   }
 }
+#else
+// AVX2 has 16 registers of 8 lanes, not 32 of 16: a block goes in strips of NV vectors (8 NV of its 64 columns), at
+// most 12 accumulators (a group of up to 6 rows), and over k in chunks of kChunk rows (16 KiB of the block, in L1).
+// A panel of up to kPanel rows takes a chunk at a time, every strip of each of its row groups, before the next chunk:
+// the chunk comes from memory once for the panel's groups, not once a group (each group over the whole of K read the
+// block again from L2, and its first chunk's wait for memory was not overlapped with any compute). The rows are split
+// into groups of near-equal size (16 rows: 6, 5, 5, not 6, 6, 4), so that no group is left with the few accumulators
+// that wait on the FMA's latency. The first strip of a chunk prefetches the chunk's other lines into L1, and every strip
+// of the panel prefetches an equal share of the next 16 KiB of the packed weight into L2 (the next chunk of this block
+// or the first of the next), a line at each of its first k: memory streams the next chunk in while the panel computes
+// this one (an expert's FFN at 12 to 64 rows in 0.71x-0.83x the time of groups that each took the whole block, and in
+// 0.93x at 8; a panel of one to three rows, which streams at the bandwidth by itself, prefetches nothing ahead). The sums
+// carry across chunks in memory, exactly: each output element is the same FMA chain over k as the AVX-512 build's, so
+// the same floats.
+constexpr int64_t kChunk = 64;  // k rows a chunk
+constexpr int64_t kPanel = 48;  // rows a panel: its sums [48, 64] and x's chunk beside the weight's chunk in L1
+
+constexpr int vectors(int64_t rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }  // NV of a group of `rows`
+
+// One strip of a chunk: the `fetch`-th to (`fetch` + `lines` - 1)-th lines of `ahead` prefetched into L2, one at each of
+// its first k.
+template <int MB, int NV, bool kFetch>
+void strip(const float* x, int64_t ldx, const float* w, int64_t kn, float* sums, bool first, const float* ahead,
+           int64_t fetch, int64_t lines) {
+  __m256 acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + m * kCols + 8 * j);
+  const float* next = ahead + 16 * fetch;
+  for (int64_t k = 0; k < kn; ++k) {
+    const float* wk = w + k * kCols;
+    if constexpr (kFetch)  // (the lines of this k's 64 columns past the strip's own)
+      for (int line = NV / 2; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * line), _MM_HINT_T0);
+    if (k < lines) _mm_prefetch(reinterpret_cast<const char*>(next + 16 * k), _MM_HINT_T1);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wk + 8 * j), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(sums + m * kCols + 8 * j, acc[m][j]);
+}
+
+// One group of MB rows over a chunk: its strips up to `width` columns (a part-full last block's strips past it not
+// computed). `fetch` counts the lines of `ahead` prefetched so far, `lines` a strip's share.
+template <int MB>
+void group(const float* x, int64_t ldx, const float* w, int64_t kn, float* sums, bool first, bool lead, int64_t width,
+           const float* ahead, int64_t& fetch, int64_t lines) {
+  constexpr int NV = vectors(MB);
+  constexpr int64_t kStrip = 8 * NV;
+  if (lead && NV < 8)
+    strip<MB, NV, true>(x, ldx, w, kn, sums, first, ahead, fetch, lines);
+  else
+    strip<MB, NV, false>(x, ldx, w, kn, sums, first, ahead, fetch, lines);
+  fetch += lines;
+  for (int64_t c0 = kStrip; c0 < width; c0 += kStrip, fetch += lines)
+    strip<MB, NV, false>(x, ldx, w + c0, kn, sums + c0, first, ahead, fetch, lines);
+}
+
+// The i-th of `groups` near-equal groups of `rows` rows: its size (the first rows % groups one larger).
+inline int64_t share(int64_t rows, int64_t groups, int64_t i) { return rows / groups + (i < rows % groups); }
+
+// y [M, cols] = x [M, K] @ one packed block [K, 64] for a panel of M <= kPanel rows, its first `cols` columns stored.
+template <bool kPart>
+void panel(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy, int64_t cols) {
+  const int64_t width = kPart ? cols : kCols;
+  const int64_t G = (M + kRows - 1) / kRows;
+  int64_t strips = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t strip_cols = 8 * vectors(share(M, G, g));
+    strips += (width + strip_cols - 1) / strip_cols;
+  }
+  float sums[kPanel * kCols];  // [M, 64]
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kn = std::min(kChunk, K - k0);
+    const float* ahead = w + (k0 + kn) * kCols;  // (past the weight's end a prefetch reads nothing: it never faults)
+    const int64_t lines = M <= 3 ? 0 : (4 * kn + strips - 1) / strips;  // (a chunk is 4 kn lines)
+    int64_t fetch = 0;
+    for (int64_t g = 0, m0 = 0; g < G; ++g) {
+      const int64_t mb = share(M, G, g);
+      const float* xg = x + m0 * K + k0;
+      float* sg = sums + m0 * kCols;
+      const bool first = k0 == 0, lead = g == 0;
+      const float* wc = w + k0 * kCols;
+      switch (mb) {
+        case 1: group<1>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+        case 2: group<2>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+        case 3: group<3>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+        case 4: group<4>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+        case 5: group<5>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+        default: group<6>(xg, K, wc, kn, sg, first, lead, width, ahead, fetch, lines); break;
+      }
+      m0 += mb;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::copy(sums + m * kCols, sums + m * kCols + width, y + m * ldy);
+}
+
+// Every one of the M rows against one packed block, in near-equal panels of up to kPanel rows.
+template <bool kPart>
+void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float* yp, int64_t N, int64_t cols) {
+  const int64_t P = (M + kPanel - 1) / kPanel;
+  for (int64_t p = 0, m0 = 0; p < P; ++p) {
+    const int64_t mp = share(M, P, p);
+    panel<kPart>(xp + m0 * K, mp, K, wb, yp + m0 * N, N, cols);
+    m0 += mp;
+  }
+}
+#endif
+
 
 // x [M, K] @ W [K, N] -> [M, N], W packed by pack() (N: its shape holds only the blocks).
 torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N) {
