@@ -7,8 +7,9 @@
 // (24 AVX-512 accumulators, the block staying in L2 across the groups; on AVX2, strips of the block with at most 12,
 // a panel's groups taking a chunk of the block at a time while it is in L1). Every output element is one FMA chain
 // over k = 0..K-1, whatever M is and whichever build: a row's result does not depend on the rows batched with it
-// (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats). Unlike the attention and the glue, the register block is written per
-// instruction set (the `#if` below), as the two have different registers to block for.
+// (ATen's batched matmul, which took more than 48 rows until 2026-11-29, gave a row other floats). Unlike the
+// attention and the glue, the register block is written per instruction set (the `#if` below), as the two have
+// different registers to block for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -83,16 +84,16 @@ void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float
 }
 #else
 // AVX2 has 16 registers of 8 lanes, not 32 of 16: a block goes in strips of NV vectors (8 NV of its 64 columns), at
-// most 12 accumulators (a group of up to 6 rows), and over k in chunks of kChunk rows (16 KiB of the block, in L1).
-// A panel of up to kPanel rows takes a chunk at a time, every strip of each of its row groups, before the next chunk:
-// the chunk comes from memory once for the panel's groups, not once a group (each group over the whole of K read the
-// block again from L2, and its first chunk's wait for memory was not overlapped with any compute). The rows are split
-// into groups of near-equal size (16 rows: 6, 5, 5, not 6, 6, 4), so that no group is left with the few accumulators
-// that wait on the FMA's latency. The first strip of a chunk prefetches the chunk's other lines into L1, and every strip
-// of the panel prefetches an equal share of the next 16 KiB of the packed weight into L2 (the next chunk of this block
-// or the first of the next), a line at each of its first k: memory streams the next chunk in while the panel computes
-// this one (an expert's FFN at 12 to 64 rows in 0.71x-0.83x the time of groups that each took the whole block, and in
-// 0.93x at 8; a panel of one to three rows, which streams at the bandwidth by itself, prefetches nothing ahead). The sums
+// most 12 accumulators (a group of up to 6 rows), and over k in chunks of kChunk rows (16 KiB of the block, in L1). A
+// panel of up to kPanel rows takes a chunk at a time, every strip of each of its row groups, before the next chunk: the
+// chunk comes from memory once for the panel's groups, not once a group (each group over the whole of K read the block
+// again from L2, and its first chunk's wait for memory was not overlapped with any compute). The rows are split into
+// groups of near-equal size (16 rows: 6, 5, 5, not 6, 6, 4), so that no group is left with the few accumulators that
+// wait on the FMA's latency. The first strip of a chunk prefetches the chunk's other lines into L1, and every strip of
+// the panel prefetches an equal share of the next 16 KiB of the packed weight into L2 (the next chunk of this block or
+// the first of the next), a line at each of its first k: memory streams the next chunk in while the panel computes this
+// one (an expert's FFN at 12 to 64 rows in 0.71x-0.83x the time of groups that each took the whole block, and in 0.93x
+// at 8; a panel of one to three rows, which streams at the bandwidth by itself, prefetches nothing ahead). The sums
 // carry across chunks in memory, exactly: each output element is the same FMA chain over k as the AVX-512 build's, so
 // the same floats.
 constexpr int64_t kChunk = 64;  // k rows a chunk
@@ -100,8 +101,8 @@ constexpr int64_t kPanel = 48;  // rows a panel: its sums [48, 64] and x's chunk
 
 constexpr int vectors(int64_t rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }  // NV of a group of `rows`
 
-// One strip of a chunk: the `fetch`-th to (`fetch` + `lines` - 1)-th lines of `ahead` prefetched into L2, one at each of
-// its first k.
+// One strip of a chunk: the `fetch`-th to (`fetch` + `lines` - 1)-th lines of `ahead` prefetched into L2, one at each
+// of its first k.
 template <int MB, int NV, bool kFetch>
 void strip(const float* x, int64_t ldx, const float* w, int64_t kn, float* sums, bool first, const float* ahead,
            int64_t fetch, int64_t lines) {
@@ -189,7 +190,6 @@ void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float
   }
 }
 #endif
-
 
 // x [M, K] @ W [K, N] -> [M, N], W packed by pack() (N: its shape holds only the blocks).
 torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N) {
