@@ -46,7 +46,7 @@ def build_dir(files: list[Path] = SOURCES + HEADERS, name: str = MODULE) -> Path
     """One build per environment, sources and module: the build files name this Python's torch headers, and a checkout
     of other sources (another version beside this one, or a benchmark's baseline) builds its own instead of rebuilding
     this one's."""
-    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(compiler_flags() or [])}".encode())
+    key = hashlib.sha1(f"{sys.prefix}:{torch.__version__}:{' '.join(_flags() or [])}".encode())
     if name != MODULE:
         key.update(name.encode())
     for src in files:
@@ -62,10 +62,10 @@ def compile_module(name: str, sources: list[Path], out: Path) -> Any:
 
     out.mkdir(parents=True, exist_ok=True)
     return load_extension(name=name, sources=[str(p) for p in sources], build_directory=str(out),
-                          extra_cflags=["-O3", *(compiler_flags() or [])], verbose=False)
+                          extra_cflags=["-O3", *(_flags() or [])], verbose=False)
 
 
-def compiler_flags() -> list[str] | None:
+def _flags() -> list[str] | None:
     """The compiler's instruction-set flags for this CPU (torch's reading of it), or None where neither build runs."""
     return FLAGS.get(torch.backends.cpu.get_cpu_capability())
 
