@@ -35,7 +35,7 @@ from attention_worker.warmup import warm_up
 from fabric import device, faults
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import PeerDeadError
-from fabric.kernels import choose
+from fabric.kernels import choose, skinny
 from fabric.kernels.choose import DecodeAttention
 from fabric.messages.base import Message
 from fabric.messages.control import (
@@ -99,6 +99,8 @@ class AttentionService(Service):
         torch.set_num_threads(self.cfg.threads)
         if self.cfg.compute != "sim":  # a sim AW has no weights, and nothing cold
             await self._load_weights()  # a standby too: when woken it only starts serving
+            if skinny.second_core(choose.layer_ops(self.cfg.kernel, self.kv.device, self.model.torch_dtype)):
+                log.info("few-row products share their blocks with a second CPU's thread")
             await self._warm_up()
         else:  # but the per-layer glue of real serving (the plan, the combine): it is the fabric's own work
             self.glue = await run_niced_async(self._glue, self.cfg.boot_nice)

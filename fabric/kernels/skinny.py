@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in (
     "skinny_gemm.cpp", "paged_attention.cpp", "layer_ops.cpp", "codec_write.cpp", "codec_read.cpp")]  # one module
-HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "codec.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "codec.h", "second_core.h")]
 # torch's CPU capability -> the instruction sets the module is built for
 FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AMX": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 COLS = 64  # output columns per packed block
@@ -135,6 +135,18 @@ def module_for(kernel: str, dtype: torch.dtype) -> Any | None:
     It carries the AW's decode attention (`paged_decode`, paged_attention.cpp) and its per-layer glue (layer_ops.cpp)
     beside the GEMM."""
     return load() if kernel == "auto" and dtype == torch.float32 else None
+
+
+def second_core(ops: Any | None) -> bool:
+    """Has a helper thread take a share of the few-row products' column blocks (second_core.h): an AW's, whose
+    products at one stream read W while a CPU idles. Only where the kernel runs (`ops`, the module), torch computes
+    with one thread, and this process may run on two CPUs or more. Call it from the thread that computes: the helper
+    takes its scheduling class. Whether it runs."""
+    if ops is None or torch.get_num_threads() != 1:
+        return False
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < 2:
+        return False
+    return bool(ops.second_core())
 
 
 class Projection:

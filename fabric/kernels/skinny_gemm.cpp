@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "codec.h"
+#include "second_core.h"
 
 namespace {
 
@@ -191,6 +192,31 @@ void rows_of_block(const float* xp, int64_t M, int64_t K, const float* wb, float
 }
 #endif
 
+// One product's operands, for its blocks on either thread (second_core.h).
+struct Product {
+  const float* xp;
+  const float* wp;
+  float* yp;
+  int64_t M, K, N;
+};
+
+void product_block(const void* ctx, int64_t nb) {
+  const Product& p = *static_cast<const Product*>(ctx);
+  const float* wb = p.wp + nb * p.K * kCols;
+  const int64_t cols = std::min(kCols, p.N - nb * kCols);
+  if (cols == kCols) {
+    rows_of_block<false>(p.xp, p.M, p.K, wb, p.yp + nb * kCols, p.N, cols);
+  } else {
+    rows_of_block<true>(p.xp, p.M, p.K, wb, p.yp + nb * kCols, p.N, cols);
+  }
+}
+
+// A product goes to the second core (where it is on) from at most this many rows, and at least this many blocks
+// and bytes of W: ~1 MiB at 512 columns a block row, ~100 µs alone, against the helper's ~5-10 µs wake-up.
+constexpr int64_t kShareRows = 4;
+constexpr int64_t kShareBlocks = 4;
+constexpr int64_t kShareBytes = 512 << 10;
+
 // x [M, K] @ W [K, N] -> [M, N], W packed by pack() (N: its shape holds only the blocks).
 torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "mm: x must be a [M, K] float32 tensor");
@@ -202,20 +228,16 @@ torch::Tensor skinny(const torch::Tensor& x_in, const torch::Tensor& w, int64_t 
   TORCH_CHECK(N > (blocks - 1) * kCols && N <= blocks * kCols, "mm: the packed weight's ", blocks,
               " blocks of 64 columns do not hold N = ", N);
   torch::Tensor y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const float* wb = wp + nb * K * kCols;
-      const int64_t cols = std::min(kCols, N - nb * kCols);
-      if (cols == kCols) {
-        rows_of_block<false>(xp, M, K, wb, yp + nb * kCols, N, cols);
-      } else {
-        rows_of_block<true>(xp, M, K, wb, yp + nb * kCols, N, cols);
-      }
-    }
-  });
+  const Product p{x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N};
+  second_core::Helper& helper = second_core::Helper::get();
+  if (helper.on() && M <= kShareRows && blocks >= kShareBlocks && blocks * K * kCols * 4 >= kShareBytes &&
+      at::get_num_threads() == 1) {
+    helper.run(blocks, &product_block, &p);
+  } else {
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) product_block(&p, nb);
+    });
+  }
   return y;
 }
 
@@ -316,6 +338,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [K, N] float32 -> packed [ceil(N/64), K, 64]");
   m.def("mm", &skinny, "x [M, K] @ packed W -> [M, N], any M", py::arg("x"), py::arg("w"), py::arg("n"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("second_core", [] { return second_core::Helper::get().start(); },
+        "a helper thread takes a share of few-row products' blocks from now on (second_core.h); whether it runs");
+  m.def("second_core_stats", [] {
+    const second_core::Helper& h = second_core::Helper::get();
+    return std::make_pair(h.products(), h.helped());
+  }, "products shared with the helper so far, and the blocks it computed of them");
   m.def("ffn_batch", &ffn_batch, "SwiGLU FFNs of a batch of experts over packed weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("ffn_calls", &ffn_calls, "an EW's gathered batch: the calls' rows, each expert's segments of them, its packed "
