@@ -5,6 +5,7 @@ Each check runs in a fresh process: the helper, once started, serves the process
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import pytest
 from fabric.kernels import skinny
 
 pytestmark = pytest.mark.skipif(skinny.unavailable_reason() is not None, reason=skinny.unavailable_reason() or "")
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a helper needs a second CPU to run on")
 
 
 def _run(body: str, *prefix: str) -> str:
@@ -31,6 +33,7 @@ def _run(body: str, *prefix: str) -> str:
     return out.stdout
 
 
+@two_cpus
 def test_shared_products_are_the_same_floats_and_the_helper_takes_blocks() -> None:
     """One to four rows (shared) and more (alone), whole and part-full last blocks: bit for bit the products of a
     process without the helper; and the helper computes some of the blocks."""
@@ -57,6 +60,7 @@ def test_shared_products_are_the_same_floats_and_the_helper_takes_blocks() -> No
     assert helped > 0, f"in {rounds} rounds of {products} shared products the helper computed no block"
 
 
+@two_cpus
 def test_two_callers_at_once_get_their_own_products() -> None:
     """The GIL is released in a product: a second thread's product while one runs is computed alone, and each
     caller gets its own, bit for bit."""
