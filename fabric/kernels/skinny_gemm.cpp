@@ -211,8 +211,8 @@ void product_block(const void* ctx, int64_t nb) {
   }
 }
 
-// A product goes to the second core (where it is on) from at most this many rows, and at least this many blocks
-// and bytes of W: ~1 MiB at 512 columns a block row, ~100 µs alone, against the helper's ~5-10 µs wake-up.
+// A product goes to the second core (where it is on) at most this many rows, and at least this many blocks and bytes
+// of W (512 KiB: ~50 µs at one core's ~10 GB/s, against the helper's wake-up of a few µs).
 constexpr int64_t kShareRows = 4;
 constexpr int64_t kShareBlocks = 4;
 constexpr int64_t kShareBytes = 512 << 10;

@@ -121,6 +121,9 @@ def test_one_stream_spreads_its_experts_and_its_tokens_stay_transformers_through
             got.append(resp["choices"][0]["token_ids"])
         wait_for(fabric, "the AWs' stats to count spread layers", lambda c: sum(
             w.get("stats", {}).get("spread_layers", 0) for w in c["workers"] if w["role"] == "attention") > 0)
+        if len(os.sched_getaffinity(0)) >= 2:  # (and each AW's few-row products share a second CPU: second_core.h)
+            wait_for(fabric, "the AWs' stats to show a second core", lambda c: all(
+                isinstance(w.get("stats", {}).get("second_core"), list) for w in c["workers"] if w["role"] == "attention"))
         victim = next(p.pid for name, p in fabric.procs if name == "expert-worker-0")
         tokens: list[int] = []
         for ev in iter_stream(url, {"prompt": prompts[2], "max_tokens": lengths[2], "temperature": 0,
