@@ -82,7 +82,7 @@ class AttentionService(Service):
         self.attention: DecodeAttention | None = None  # chosen with the weights
         self.rowwise = False  # whether a prefill's rows take `attention` too (`choose.prefills_rowwise`)
         self.glue: TorchGlue | None = None  # likewise
-        self.second_core: Any = None  # the kernels' module, where its products share blocks with a helper thread
+        self.second_core: skinny.SkinnyGemm | None = None  # the GEMM, where its products share a helper thread
         # CUDA graphs of decode steps (on a GPU): the warm-up's runner captures the first, the serving runner's
         # replays them (the same weights, cache and kernels).
         self.graphs: LayerGraphs | None = None
@@ -100,9 +100,9 @@ class AttentionService(Service):
         torch.set_num_threads(self.cfg.threads)
         if self.cfg.compute != "sim":  # a sim AW has no weights, and nothing cold
             await self._load_weights()  # a standby too: when woken it only starts serving
-            ops = choose.layer_ops(self.cfg.kernel, self.kv.device, self.model.torch_dtype)
-            if skinny.second_core(ops):
-                self.second_core = ops
+            gemm = choose.gemm(self.cfg.kernel, self.kv.device, self.model.torch_dtype)  # (the weights' own)
+            if skinny.second_core(gemm):
+                self.second_core = gemm
                 log.info("few-row products share their blocks with a second CPU's thread")
             await self._warm_up()
         else:  # but the per-layer glue of real serving (the plan, the combine): it is the fabric's own work
@@ -289,7 +289,7 @@ class AttentionService(Service):
                 "warmup_ms": round(self.warmup_s * 1e3, 1) if self.warmup_s is not None else None,
                 "compute_busy_s": round(self.clock.busy_s, 3),
                 # Products shared with the helper thread, and the blocks it computed (fabric/kernels/second_core.h).
-                "second_core": list(self.second_core.second_core_stats()) if self.second_core is not None else None,
+                "second_core": list(self.second_core.ops.second_core_stats()) if self.second_core is not None else None,
                 "weights_mib_mapped": round(w.bytes_mapped / 2**20, 1) if w else 0.0,
                 # The scale experiment reads when each epoch's view arrived. See also the engine's.
                 "epochs_seen": {str(e): t for e, t in (rt.epochs_seen if rt else {}).items()}},

@@ -137,16 +137,16 @@ def module_for(kernel: str, dtype: torch.dtype) -> Any | None:
     return load() if kernel == "auto" and dtype == torch.float32 else None
 
 
-def second_core(ops: Any | None) -> bool:
+def second_core(gemm: SkinnyGemm | None) -> bool:
     """Has a helper thread take a share of the few-row products' column blocks (second_core.h): an AW's, whose
-    products at one stream read W while a CPU idles. Only where the kernel runs (`ops`, the module), torch computes
-    with one thread, and this process may run on two CPUs or more. Call it from the thread that computes: the helper
-    takes its scheduling class. Whether it runs."""
-    if ops is None or torch.get_num_threads() != 1:
+    products at one stream read W while a CPU idles. Only where the kernel runs (`gemm`), torch computes with one
+    thread, and this process may run on two CPUs or more. Call it from the thread that computes: the helper takes its
+    scheduling class. Whether it runs."""
+    if gemm is None or torch.get_num_threads() != 1:
         return False
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < 2:
         return False
-    return bool(ops.second_core())
+    return bool(gemm.ops.second_core())
 
 
 class Projection:

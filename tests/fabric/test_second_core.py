@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(skinny.unavailable_reason() is not None, reason=
 two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a helper needs a second CPU to run on")
 
 
-def _run(body: str, *prefix: str) -> str:
+def _run(body: str) -> str:
     code = textwrap.dedent("""
         import os, threading, time
         import torch
@@ -28,7 +28,7 @@ def _run(body: str, *prefix: str) -> str:
         g = skinny.SkinnyGemm(ops)
         torch.manual_seed(0)
     """) + textwrap.dedent(body)
-    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -43,7 +43,7 @@ def test_shared_products_are_the_same_floats_and_the_helper_takes_blocks() -> No
         xs = {(rows, k): torch.randn(rows, k) for rows, k, _ in cases}
         alone = {c: g.mm(xs[c[:2]], ws[c[1:]], c[2]) for c in cases}
         assert ops.second_core_stats() == (0, 0)
-        assert skinny.second_core(ops)
+        assert skinny.second_core(g)
         deadline = time.monotonic() + 60
         rounds = 0
         while True:
@@ -68,7 +68,7 @@ def test_two_callers_at_once_get_their_own_products() -> None:
         w = g.pack(torch.randn(512, 4096))
         xs = [torch.randn(1 + i % 3, 512) for i in range(6)]
         alone = [g.mm(x, w, 4096) for x in xs]
-        assert skinny.second_core(ops)
+        assert skinny.second_core(g)
         bad = []
 
         def work(i):
@@ -90,11 +90,11 @@ def test_it_stays_off_on_one_cpu_or_with_torchs_threads() -> None:
     there (`at::parallel_for`); without the kernel there is nothing to share."""
     out = _run("""
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        print(skinny.second_core(ops), skinny.second_core(None))
+        print(skinny.second_core(g), skinny.second_core(None))
     """)
     assert out.split() == ["False", "False"]
     out = _run("""
         torch.set_num_threads(2)
-        print(skinny.second_core(ops))
+        print(skinny.second_core(g))
     """)
     assert out.split() == ["False"]
