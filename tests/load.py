@@ -13,6 +13,10 @@ from tests.helpers import iter_stream
 
 PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
 TOKENS = 120
+# `decoding` waits until every stream has this many tokens. An AW's checkpointed frontier trails its live one by
+# up to `checkpoint_steps_per_message` (4) steps plus the three it holds, so by then each request has KV at the
+# store, whichever AW it runs on and however far the other AW's streams are ahead.
+DECODING_TOKENS = 8
 
 
 BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}
@@ -21,21 +25,29 @@ BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True
 def run_streams(fabric: Fabric, received: list[int] | None = None, decoding: threading.Event | None = None,
                 times: list[list[float]] | None = None, body: dict[str, object] | None = None) -> list[list[int]]:
     """One concurrent stream per prompt, seeded sampling; returns each stream's token ids.
-    `received[0]` counts tokens as they arrive; `decoding` is set once streams are a few tokens in;
+    `received[0]` counts tokens as they arrive; `decoding` is set once every stream is DECODING_TOKENS in (or over);
     `times[i]` gets the wall-clock arrival time of each of stream i's tokens; `body` replaces BODY."""
     base = f"http://127.0.0.1:{fabric.port}/v1/completions"
     count = received if received is not None else [0]
     out: list[list[int]] = [[] for _ in PROMPTS]
+    ended = [False for _ in PROMPTS]
+
+    def tell_decoding() -> None:
+        if decoding is not None and all(e or len(o) >= DECODING_TOKENS for o, e in zip(out, ended, strict=True)):
+            decoding.set()
 
     def one(i: int) -> None:
-        for ev in iter_stream(base, {**(body or BODY), "prompt": PROMPTS[i]}):
-            assert "error" not in ev, ev
-            out[i].extend(ev["choices"][0]["token_ids"])
-            if times is not None:
-                times[i].append(time.time())
-            count[0] += 1
-            if decoding is not None and count[0] >= 4 * len(PROMPTS):
-                decoding.set()  # every stream is, on average, a few tokens into its decode
+        try:
+            for ev in iter_stream(base, {**(body or BODY), "prompt": PROMPTS[i]}):
+                assert "error" not in ev, ev
+                out[i].extend(ev["choices"][0]["token_ids"])
+                if times is not None:
+                    times[i].append(time.time())
+                count[0] += 1
+                tell_decoding()
+        finally:
+            ended[i] = True
+            tell_decoding()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
