@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,9 +33,9 @@ from attention_worker.grammar_masks import GrammarMasks
 from attention_worker.kv_cache import KVCache
 from attention_worker.model_runner import Chunk, ModelRunner
 from attention_worker.request import Sequence, check_submit
-from attention_worker.sampler import greedy_rows, is_greedy, sample, score_tokens, token_logprobs
 from attention_worker.scheduler import Scheduler
 from attention_worker.sessions import Sessions
+from attention_worker.step_tokens import sample_step, score_chunks
 from fabric import cpu_regions, faults, grammar, trace
 from fabric.config import AttentionWorkerConfig
 from fabric.errors import FabricError, PeerDeadError, ProtocolError, RequestError
@@ -49,7 +48,6 @@ from fabric.messages.client import (
     RequestFailed,
     StepOutput,
     Submit,
-    TokenOut,
 )
 from fabric.messages.liveness import Ping, Pong
 from fabric.model.config import ModelConfig
@@ -261,7 +259,7 @@ class AttentionWorker:
                 self._fail_all(chunks, f"expert datapath failed: {exc}")
                 continue
             c0 = cpu_regions.start()
-            self._score(chunks, scored)
+            score_chunks(chunks, scored)
             self._emit(chunks, logits, masks.result() if masks is not None else None)
             trace.stamp("emitted", "", self.steps)  # (its tokens are on their way to the gateways)
             self.ckpt.step_done(self.scheduler.running)
@@ -286,69 +284,21 @@ class AttentionWorker:
             await asyncio.wait([t for t, _ in self.restoring.values()], timeout=self.cfg.restore_join_ms / 1e3)
             self.restore_join_s += time.perf_counter() - t0
 
-    def _score(self, chunks: list[Chunk], scored: torch.Tensor) -> None:
-        """Prompt scores of the chunks that asked for them. `scored` [R, V] holds their rows in order."""
-        row = 0
-        for c in chunks:
-            positions = c.seq.scores(c.start, c.n)
-            if not positions:
-                continue
-            seq, n = c.seq, len(positions)
-            targets = torch.tensor(seq.prompt_ids[positions.start + 1 : positions.stop + 1], dtype=torch.long)
-            seq.add_scores(c.start, score_tokens(scored[row : row + n], targets, seq.prompt_logprobs))
-            row += n
-
     def _emit(self, chunks: list[Chunk], logits: torch.Tensor, masks: torch.Tensor | None = None) -> None:
-        """Samples each sampling chunk's token (masked by its grammar: `masks` [rows, ceil(V / 32)]) and sends it
-        to its gateway. The argmax of every sampled row in one op: greedy requests are most of a decode batch."""
-        per_client: dict[Connection, list[TokenOut]] = defaultdict(list)
-        done: list[Sequence] = []
-        row = 0
-        greedy = greedy_rows(logits) if any(c.samples and is_greedy(c.seq.temperature, c.seq.top_k)
-                                            for c in chunks) else []
-        for c in chunks:
-            seq = c.seq
-            seq.num_computed += c.n
-            if not c.samples:
-                continue
-            row += 1
-            try:
-                if greedy and seq.matcher is None and seq.logprobs < 0 and is_greedy(seq.temperature, seq.top_k):
-                    token, logprob, top = greedy[row - 1], None, None  # (no row taken out: ~1 µs a row, cold 2-3)
-                else:
-                    row_logits = logits[row - 1]  # [V]
-                    if seq.matcher is not None and masks is not None:
-                        grammar.apply(row_logits, masks[row - 1])  # (logprobs report the masked distribution)
-                    token = sample(row_logits, seq.temperature, seq.top_p, seq.top_k, seq.seed,
-                                   len(seq.output_ids), greedy[row - 1] if greedy and seq.matcher is None else None)
-                    logprob, top = token_logprobs(row_logits, token, seq.logprobs)
-            except Exception as exc:  # this request's own fault: it fails; the worker serves on
-                log.exception("%s: sampling failed; failing this request", seq.request_id)
-                self.failed_requests += 1
-                self._tell(seq, RequestFailed(seq.request_id, f"sampling failed: {exc}", 500))
-                self._remove(seq.request_id)
-                continue
-            scores = seq.take_scores()
-            # The scores go ahead of the token, on the same connection.
-            if scores is not None and seq.client is not None:
-                try:
-                    seq.client.send_nowait(PromptLogprobs(seq.request_id, scores))
-                except PeerDeadError:
-                    pass
-            reason = seq.append(token)
-            out = TokenOut(seq.request_id, token, reason, logprob, top)
-            seq.outputs.append(out)
-            if seq.client is not None:
-                per_client[seq.client].append(out)
-            if reason is not None:
-                done.append(seq)
-        for seq in done:
+        """Samples the step's tokens (attention_worker/step_tokens.py), sends each gateway its own, and frees the
+        requests that finished or whose sampling failed."""
+        out = sample_step(chunks, logits, masks)
+        for seq, why in out.failed:
+            self.failed_requests += 1
+            self._tell(seq, RequestFailed(seq.request_id, why, 500))
+            self._remove(seq.request_id)
+        for seq in out.finished:
             self.sessions.finished(seq)
             self._remove(seq.request_id)
         self.steps += 1
-        self.tokens_out += row
+        self.tokens_out += out.rows
         load = self.scheduler.outstanding_work()
-        for conn, outputs in per_client.items():
+        for conn, outputs in out.per_client.items():
             try:
                 conn.send_nowait(StepOutput(outputs, load))  # a gateway that stops reading loses its link
             except PeerDeadError:
