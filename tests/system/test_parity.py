@@ -2,11 +2,13 @@
 
 2 AWs + 3 EWs, many concurrent requests (streaming and not), a small step token budget so long
 prompts are prefilled in chunks mixed with other requests' decodes; over tcp and ucx; and a qwen3_moe whose middle
-layer is a dense MLP, run on the AW.
+layer is a dense MLP, run on the AW; and one request at a time on a model whose logits' product an AW shares with
+its second core's helper thread.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import running_fabric
-from tests.helpers import post_json, stream_completion
+from tests.helpers import post_json, stream_completion, wait_for, write_hf_model
 
 TIE = 1e-4
 
@@ -88,3 +90,25 @@ def test_greedy_parity(arch: str, transport: str, hf_models: dict[str, Path], tm
     primaries = sorted(sum(1 for _, _, r in replicas if r[0] == w["id"]) for w in ews)
     assert sum(primaries) == n and primaries[-1] - primaries[0] <= 1
     assert sorted(len(w["experts"]) for w in ews) == [2 * n // 3] * 3  # primaries and shadows both loaded
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="an AW starts its second core only where it may use two CPUs")
+def test_greedy_parity_with_the_logits_shared_over_two_cores(tmp_path: Path) -> None:
+    """One request at a time (one row a step) on a Mixtral with a vocabulary of 8192, so that its lm_head (64 x 8192,
+    2 MiB in 128 blocks) is past the threshold at which an AW shares a product of one to four rows with its helper
+    thread (fabric/kernels/second_core.h): the greedy tokens are still transformers'. Whether the helper found a CPU
+    for some of the blocks depends on the machine's load; each AW's stats say how many it computed."""
+    model = write_hf_model(tmp_path / "wide-vocab", "mixtral", vocab_size=8192)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 8192) for _ in range(rng.choice([3, 9, 17]))] for _ in range(6)]
+    lengths = [rng.randrange(8, 16) for _ in prompts]
+    expected = reference(model, prompts, lengths)
+    with running_fabric(model, tmp_path, aws=2, ews=2) as fabric:
+        base = f"http://127.0.0.1:{fabric.port}"
+        got = [run_requests(base, [prompt], [n])[0] for prompt, n in zip(prompts, lengths, strict=True)]
+        cluster = wait_for(fabric, "the AWs' stats to count shared products", lambda c: sum(
+            (w.get("stats", {}).get("second_core") or [0, 0])[0] for w in c["workers"] if w["role"] == "attention") > 0)
+    for i, (tokens, (want, logits)) in enumerate(zip(got, expected, strict=True)):
+        assert_matches(tokens, want, logits, f"wide vocabulary, request {i}")
+    shared = [w["stats"]["second_core"] for w in cluster["workers"] if w["role"] == "attention"]
+    print(f"products shared, blocks the helper computed, by AW: {shared}")
