@@ -12,6 +12,7 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,9 +107,14 @@ def test_greedy_parity_with_the_logits_shared_over_two_cores(tmp_path: Path) -> 
     with running_fabric(model, tmp_path, aws=2, ews=2) as fabric:
         base = f"http://127.0.0.1:{fabric.port}"
         got = [run_requests(base, [prompt], [n])[0] for prompt, n in zip(prompts, lengths, strict=True)]
-        cluster = wait_for(fabric, "the AWs' stats to count shared products", lambda c: sum(
-            (w.get("stats", {}).get("second_core") or [0, 0])[0] for w in c["workers"] if w["role"] == "attention") > 0)
+        # (An AW that was still warming up while the other served reports its stats later.)
+        cluster = wait_for(fabric, "every AW's stats, and shared products", lambda c: all(
+            isinstance(s, list) for s in second_cores(c)) and sum(s[0] for s in second_cores(c)) > 0)
     for i, (tokens, (want, logits)) in enumerate(zip(got, expected, strict=True)):
         assert_matches(tokens, want, logits, f"wide vocabulary, request {i}")
-    shared = [w["stats"]["second_core"] for w in cluster["workers"] if w["role"] == "attention"]
-    print(f"products shared, blocks the helper computed, by AW: {shared}")
+    print(f"products shared, blocks the helper computed, by AW: {second_cores(cluster)}")
+
+
+def second_cores(cluster: dict[str, Any]) -> list[Any]:
+    """Each AW's `second_core` stats ([products shared, blocks the helper computed]), None before it reports them."""
+    return [w.get("stats", {}).get("second_core") for w in cluster["workers"] if w["role"] == "attention"]
