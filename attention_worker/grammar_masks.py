@@ -23,7 +23,8 @@ class GrammarMasks:
 
     def start(self, chunks: list[Chunk]) -> Future[torch.Tensor] | None:
         """Starts filling the masks of the step's sampled rows, in sampling order; None if none is
-        constrained. The matchers stay still until the result is taken (`_emit` advances them)."""
+        constrained. The matchers stay still until the result is taken (`sample_step` advances them,
+        attention_worker/step_tokens.py)."""
         sampled = [c.seq for c in chunks if c.samples]
         rows = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
         if not rows:

@@ -8,15 +8,16 @@ import signal
 import threading
 import time
 
+from fabric.config import AttentionWorkerConfig
 from launch.local import Fabric
 from tests.helpers import iter_stream
 
 PROMPTS = [[3 + i, 40 + i, 7, 99 - i] for i in range(8)]
 TOKENS = 120
-# `decoding` waits until every stream has this many tokens. An AW's checkpointed frontier trails its live one by
-# up to `checkpoint_steps_per_message` (4) steps plus the three it holds, so by then each request has KV at the
-# store, whichever AW it runs on and however far the other AW's streams are ahead.
-DECODING_TOKENS = 8
+# `decoding` waits until every stream has this many tokens. An AW's checkpointed frontier trails its live one by up
+# to the steps a checkpoint message holds (attention_worker/held_steps.py), more while that message waits for an idle
+# gap; twice that, each request has KV at the store, whichever AW it runs on and however far the other's streams are.
+DECODING_TOKENS = 2 * AttentionWorkerConfig.checkpoint_steps_per_message
 
 
 BODY = {"max_tokens": TOKENS, "temperature": 0.8, "seed": 11, "ignore_eos": True, "return_token_ids": True}

@@ -22,7 +22,7 @@ from fabric.transport.tcp import TcpTransport
 from tests.attention_worker.test_collapse import EXPERTS, LAYERS, _Conn, planned
 from tests.conftest import running_fabric
 from tests.helpers import iter_stream, post_json, wait_for
-from tests.system.test_parity import assert_matches, reference
+from tests.system.test_parity import assert_matches, reference, second_cores
 
 
 def test_experts_move_from_the_busiest_ew_to_copies_until_even_on_random_tables() -> None:
@@ -123,7 +123,7 @@ def test_one_stream_spreads_its_experts_and_its_tokens_stay_transformers_through
             w.get("stats", {}).get("spread_layers", 0) for w in c["workers"] if w["role"] == "attention") > 0)
         if len(os.sched_getaffinity(0)) >= 2:  # (and each AW's few-row products share a second CPU: second_core.h)
             wait_for(fabric, "the AWs' stats to show a second core", lambda c: all(
-                isinstance(w.get("stats", {}).get("second_core"), list) for w in c["workers"] if w["role"] == "attention"))
+                isinstance(s, list) for s in second_cores(c)))
         victim = next(p.pid for name, p in fabric.procs if name == "expert-worker-0")
         tokens: list[int] = []
         for ev in iter_stream(url, {"prompt": prompts[2], "max_tokens": lengths[2], "temperature": 0,
