@@ -330,7 +330,7 @@ class AttentionWorker:
             "steps": self.steps, "tokens_out": self.tokens_out, "preemptions": self.scheduler.preemptions,
             "failed_requests": self.failed_requests, "detached": detached, "parked": len(self.sessions.parked),
             "attaches": self.sessions.attaches, "detaches": self.sessions.detaches, "expired": self.sessions.expired,
-            "replays": refe.replays, "expert_waits": refe.expert_waits, "spread_layers": refe.spread_layers,
+            "replays": refe.replays, "expert_waits": refe.expert_waits, "spread_layers": refe.calls.spread_layers,
             **refe.collapse.stats(),  # (layers sent to one EW: attention_worker/collapse.py)
             # EWs routed around: declared dead, or unreachable from here and tried again in the background.
             "dead_expert_workers": sorted(links.excluded), "unreachable_expert_workers": sorted(links.unreachable),

@@ -9,7 +9,8 @@ A layer's experts run in three parts.
 - `combine` (tensor work, layer_plan.py too) adds the weighted results to the residual.
 
 The model runner's step runs the tensor parts inline and yields to the loop only while it waits for
-EWs. The links, and which EWs this AW can reach, are attention_worker/ew_links.py's.
+EWs. The links, and which EWs this AW can reach, are attention_worker/ew_links.py's; which EW each expert's rows go
+to, and the calls of the usual case, attention_worker/layer_calls.py's.
 
 Legend: T tokens, k experts per token, R = T*k rows, D hidden.
 """
@@ -24,12 +25,12 @@ from collections.abc import Callable
 
 import torch
 
-from attention_worker.collapse import CollapsePolicy, layer_targets
+from attention_worker.collapse import CollapsePolicy
 from attention_worker.ew_link import EwLink
 from attention_worker.ew_links import EwLinks
 from attention_worker.expert_calls import Call, Piece, rows_of
+from attention_worker.layer_calls import LayerCalls
 from attention_worker.layer_plan import LayerPlan, Part, Rows, combine, plan_layer
-from attention_worker.spread import spread
 from fabric import cpu_regions, trace
 from fabric.errors import ExpertsUnavailableError, PeerDeadError
 from fabric.messages.expert import ExpertCall
@@ -78,15 +79,12 @@ class ForwardingEngine:
         self._ids = itertools.count(1)
         # Whether a layer's rows go to one EW (attention_worker/collapse.py).
         self.collapse = CollapsePolicy(collapse_below_s, collapse_onto_one)
-        # Each layer's expert -> the one EW that serves it now (None: spread over several, or no live copy), for
-        # the table, the EWs routed around and the collapse that it was worked out for (`_ews_of`).
-        self._routes: dict[int, list[str | None]] = {}
-        self._routes_for: tuple[RoutingTable | None, set[str], bool] = (None, set(), False)
-        self._targets: dict[int, str] = {}  # MoE layer -> its one EW while collapsed (`layer_targets`)
+        # Where a layer's rows go (attention_worker/layer_calls.py).
+        self.calls = LayerCalls(self.collapse, lambda ew: self.links.live(ew) is not None,
+                                lambda: any(k.pads for k in self.links.links.values()))
         # Expert calls sent and not yet answered (the link's idle gap).
         self.in_flight = 0
         self.replays = 0
-        self.spread_layers = 0  # layers whose experts went over more EWs than their primaries (spread.py)
         # Steps that waited for a replacement because every copy of an expert was gone.
         self.expert_waits = 0
         # Table epoch -> when this AW switched to it (wall clock).
@@ -208,65 +206,13 @@ class ForwardingEngine:
         plan = plan_layer(layer, x, experts, weights, self.table.num_experts)
         return combine(plan, await self.run_plan(plan), x)
 
-    def _ews_of(self, layer: int, excluded: set[str]) -> list[str | None]:
-        """Expert -> the one EW serving it at `layer` under the current table with `excluded` routed around; None
-        where its rows are spread over several replicas or it has no live copy (those take the general way).
-
-        While collapsed, an expert with a copy on the layer's EW (`layer_targets`) is served there, unless the table
-        spreads it over several replicas (expert load balancing).
-
-        Worked out once per layer, table, set of excluded EWs and collapse, instead of two table lookups per expert a
-        layer."""
-        table = self.table
-        assert table is not None
-        collapsed = self.collapse.on
-        if self._routes_for[0] is not table or self._routes_for[1] != excluded or self._routes_for[2] != collapsed:
-            self._routes, self._routes_for = {}, (table, set(excluded), collapsed)
-            self._targets = layer_targets(table, excluded, self.collapse.onto_one) if collapsed else {}
-        ews = self._routes.get(layer)
-        if ews is None:
-            ews = self._routes[layer] = [None] * table.num_experts
-            target = self._targets.get(layer)
-            for e in range(table.num_experts):
-                if target is not None and table.active_of(layer, e) <= 1 and target in table.replicas_of(layer, e):
-                    ews[e] = target
-                    continue
-                serving = table.serving(layer, e, excluded)
-                if len(serving) == 1 and table.active_of(layer, e) <= 1:
-                    ews[e] = serving[0]
-        return ews
-
-    def _pieces(self, layer: int, spans: dict[int, tuple[int, int]]) -> list[Piece]:
-        """Each expert's rows as one piece, or as k pieces for a hot expert.
-
-        The table may make a hot expert active on k replicas. Its rows then become k contiguous,
-        near-equal pieces, one per replica, which spreads its load (expert load balancing). A row's
-        result does not depend on its batch, so the tokens stay the same."""
-        assert self.table is not None
-        excluded = self.links.excluded
-        ews = self._ews_of(layer, excluded)
-        if all(ews[e] is not None for e in spans):  # no expert spread (the usual case): a piece each
-            return [Piece(e, start, n, 0) for e, (start, n) in sorted(spans.items())]
-        out: list[Piece] = []
-        for e, (start, n) in sorted(spans.items()):
-            k = min(n, len(self.table.serving(layer, e, excluded))) if self.table.active_of(layer, e) > 1 else 1
-            if k <= 1:
-                out.append(Piece(e, start, n, 0))
-                continue
-            base, extra = divmod(n, k)
-            for part in range(k):
-                m = base + (1 if part < extra else 0)
-                out.append(Piece(e, start, m, part))
-                start += m
-        return out
-
     async def _route(self, layer: int, pieces: list[Piece]) -> dict[str, list[int]]:
         """EW -> the pieces (indices into `pieces`) of `layer` it serves now.
 
         A piece goes to its part's replica among the expert's reachable serving replicas. It waits,
         bounded, for experts that have none."""
         assert self.table is not None
-        one = self._ews_of(layer, self.links.excluded)
+        one = self.calls.ews_of(self.table, layer, self.links.excluded)
         if all(one[p.expert] is not None for p in pieces):  # one live EW each (the usual case)
             route: dict[str, list[int]] = {}
             for j, p in enumerate(pieces):
@@ -285,41 +231,6 @@ class ForwardingEngine:
                 plan.setdefault(ews[p.part % len(ews)], []).append(j)
             else:
                 return plan
-
-    def _usual_calls(self, plan: LayerPlan) -> list[Call] | None:
-        """The layer's calls where every expert with rows has one live EW serving it alone (the usual case): an EW's
-        experts, their rows, one run of them where they are consecutive. None otherwise, for the general way
-        (`_pieces`, `_route`); the same calls, without a piece or a route made for each expert. While this AW is alone
-        on its EWs and its layers are not collapsed, its experts go over their copies (attention_worker/spread.py)."""
-        ews = self._ews_of(plan.layer, self.links.excluded)
-        if len(plan.spans) > 1 and not self.collapse.on and not any(k.pads for k in self.links.links.values()):
-            assert self.table is not None
-            spread_ews = spread(self.table, plan.layer, plan.spans, ews, lambda w: self.links.live(w) is not None)
-            self.spread_layers += spread_ews is not ews
-            ews = spread_ews
-        by_ew: dict[str, Call] = {}
-        scattered: set[str] = set()  # EWs whose rows are not one run
-        last = -1
-        for e, (start, n) in plan.spans.items():
-            ew = ews[e]
-            if ew is None or start < last:  # (spread or gone; or spans out of row order, which the general way sorts)
-                return None
-            last = start
-            call = by_ew.get(ew)
-            if call is None:
-                by_ew[ew] = Call(ew, [e], [n], [start], slice(start, start + n))
-                continue
-            call.experts.append(e)
-            call.counts.append(n)
-            call.starts.append(start)
-            run = call.rows
-            if ew not in scattered and isinstance(run, slice) and run.stop == start:
-                call.rows = slice(run.start, start + n)
-            else:
-                scattered.add(ew)
-        for ew in scattered:  # their rows' indices [R'], made once
-            by_ew[ew].rows = rows_of(by_ew[ew].as_pieces())
-        return list(by_ew.values())
 
     async def _routed_calls(self, layer: int, todo: list[Piece]) -> list[Call]:
         """The general way: `todo`'s pieces routed to the EWs that serve them now (`_route`), a call per EW."""
@@ -343,9 +254,10 @@ class ForwardingEngine:
         hundreds of EWs, `--gather threshold` spares those calls."""
         assert self.table is not None
         c0 = cpu_regions.start()
-        calls = self._usual_calls(plan)
+        excluded = self.links.excluded
+        calls = self.calls.usual(self.table, plan, excluded)
         if calls is None:
-            calls = await self._routed_calls(plan.layer, self._pieces(plan.layer, plan.spans))
+            calls = await self._routed_calls(plan.layer, self.calls.pieces(self.table, plan.layer, plan.spans, excluded))
         parts: list[Part] = []
         replay = False
         while True:

@@ -190,11 +190,11 @@ async def _collapsed_calls() -> None:
     def plan(layer: int) -> Any:
         return plan_layer(layer, x, experts, torch.full((tokens, 2), 0.5), EXPERTS)
 
-    spread = {c.ew for c in refe._usual_calls(plan(0)) or []}
+    spread = {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []}
     assert spread == set(ews)  # the placement's runs: rows for both
     refe.collapse.on = True
     for layer, ew in layer_targets(refe.table, set()).items():
-        calls = refe._usual_calls(plan(layer))
+        calls = refe.calls.usual(refe.table, plan(layer), refe.links.excluded)
         assert calls is not None and [c.ew for c in calls] == [ew]
         assert calls[0].rows == slice(0, 2 * tokens) and sum(calls[0].counts) == 2 * tokens  # every row, one run
         refe.post(ew, plan(layer), calls[0].experts, calls[0].counts, calls[0].rows)
@@ -208,17 +208,17 @@ async def _collapsed_calls() -> None:
     assert [(m.counts, m.pads) for m in conns["ew-1"].sent] == [([], False)]
     # The target routed around (dead): the layer goes where its experts' next copies are.
     refe.links.dead = {"ew-0"}
-    assert {c.ew for c in refe._usual_calls(plan(0)) or []} == {"ew-1"}
+    assert {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []} == {"ew-1"}
     refe.links.dead = set()
     # An expert the table spreads over its replicas (expert load balancing) stays spread; the others collapse.
     t = refe.table
     active = np.ones((len(LAYERS), EXPERTS), dtype=np.int16)
     active[0, 3] = 2
     refe.table = RoutingTable(1, 2, 4, EXPERTS, LAYERS, t.slots, t.occupants, t.addresses, t.placement, active)
-    assert refe._ews_of(0, set()) == [None if e == 3 else "ew-0" for e in range(EXPERTS)]
+    assert refe.calls.ews_of(refe.table, 0, set()) == [None if e == 3 else "ew-0" for e in range(EXPERTS)]
     refe.table = t
     refe.collapse.on = False  # and spread again: the placement's runs
-    assert {c.ew for c in refe._usual_calls(plan(0)) or []} == set(ews)
+    assert {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []} == set(ews)
     for link in refe.links.links.values():
         link.pending.clear()
 

@@ -1,6 +1,6 @@
-"""The REFE's routes worked out once per layer (`ForwardingEngine._ews_of`) are the table's, whatever the table
+"""The REFE's routes worked out once per layer (`LayerCalls.ews_of`) are the table's, whatever the table
 and whichever EWs it routes around, and are worked out again when either changes; and a layer's calls made the
-usual way (`_usual_calls`) are the general way's, wherever the usual way applies."""
+usual way (`LayerCalls.usual`) are the general way's, wherever the usual way applies."""
 
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ async def _routes_follow() -> None:
                 spans = {e: (starts[e], n) for e, n in enumerate(counts) if n}
                 live = [e for e in spans if refe.table.serving(layer, e, excluded)]
                 spans = {e: spans[e] for e in live}  # (an expert with no copy waits for a replacement: not here)
-                pieces = refe._pieces(layer, spans)
+                pieces = refe.calls.pieces(refe.table, layer, spans, refe.links.excluded)
                 assert sum(p.rows for p in pieces) == sum(n for _, n in spans.values())
                 assert await refe._route(layer, pieces) == general_route(refe.table, layer, pieces, excluded)
-                ews_of = refe._ews_of(layer, excluded)
+                ews_of = refe.calls.ews_of(refe.table, layer, excluded)
                 for e in range(EXPERTS):
                     serving = refe.table.serving(layer, e, excluded)
                     one = len(serving) == 1 and refe.table.active_of(layer, e) == 1
@@ -95,14 +95,14 @@ async def _usual_calls() -> None:
             plan = plan_layer(layer, torch.randn(tokens, 16), experts, torch.full((tokens, 2), 0.5), EXPERTS)
             if any(not refe.table.serving(layer, e, excluded) for e in plan.spans):
                 continue  # (an expert with no copy waits for a replacement: not here)
-            calls = refe._usual_calls(plan)
-            ews_of = refe._ews_of(layer, excluded)
+            calls = refe.calls.usual(refe.table, plan, refe.links.excluded)
+            ews_of = refe.calls.ews_of(refe.table, layer, excluded)
             assert (calls is None) == any(ews_of[e] is None for e in plan.spans)
             if calls is None:
                 general += 1
                 continue
             usual += 1
-            routed = await refe._routed_calls(layer, refe._pieces(layer, plan.spans))
+            routed = await refe._routed_calls(layer, refe.calls.pieces(refe.table, layer, plan.spans, refe.links.excluded))
             assert [(c.ew, c.experts, c.counts, c.starts) for c in calls] == \
                 [(c.ew, c.experts, c.counts, c.starts) for c in routed]
             for c, r in zip(calls, routed):

@@ -80,17 +80,17 @@ async def _alone() -> None:
     plan = plan_layer(0, x, torch.tensor([first] * 3), torch.full((3, 2), 0.5), EXPERTS)
 
     def calls() -> list[tuple[str, list[int]]]:
-        return [(c.ew, c.experts) for c in refe._usual_calls(plan) or []]
+        return [(c.ew, c.experts) for c in refe.calls.usual(refe.table, plan, refe.links.excluded) or []]
 
     assert calls() == [("ew-0", first)]  # a new link pads (another AW may be there) until a result says otherwise
     for link in refe.links.links.values():
         link.pads = False
     spread_calls = calls()
     assert sorted(w for w, _ in spread_calls) == ews and sorted(e for _, es in spread_calls for e in es) == first
-    for c in refe._usual_calls(plan) or []:  # each call holds its experts' rows
+    for c in refe.calls.usual(refe.table, plan, refe.links.excluded) or []:  # each call holds its experts' rows
         assert torch.equal(plan.xs[c.rows], torch.cat([plan.xs[s:s + n] for s, n in zip(c.starts, c.counts)]))
         assert c.counts == [3]
-    assert refe.spread_layers == 2
+    assert refe.calls.spread_layers == 2
     refe.links.links["ew-1"].pads = True  # another AW's batch runs on ew-1: the primaries, where calls meet
     assert calls() == [("ew-0", first)]
     refe.links.links["ew-1"].pads = False
