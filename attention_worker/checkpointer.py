@@ -5,7 +5,7 @@ slots, held and joined in attention_worker/held_steps.py, its K and V gathered f
 travels to the
 checkpoint store in a low-priority lane that only sends while this AW is not sending expert calls.
 This is "opportunistic interleaving", mostly while the AW waits for expert results. A restoring AW
-fetches a dead AW's request back (`fetch`).
+fetches a dead AW's request back (`fetch`) and writes it into its cache (attention_worker/kv_restore.py).
 
 Modes:
 - `incremental`, the default. Whole steps are held and sent `steps_per_message` at a time, each
@@ -36,9 +36,10 @@ import torch
 from attention_worker.forwarding import ForwardingEngine
 from attention_worker.held_steps import HeldSteps, ToGather
 from attention_worker.kv_cache import KVCache
+from attention_worker.kv_restore import restore_into
 from attention_worker.request import Sequence
 from fabric import cpu_regions
-from fabric.device import HostCopies, done, to_device, to_host
+from fabric.device import HostCopies, done, to_host
 from fabric.errors import PeerDeadError, ProtocolError, connection_ended
 from fabric.messages.base import Message
 from fabric.messages.checkpoint import KvAppend, KvDone, KvFetch, KvHandOff, KvPut, KvRestore, KvSync, StoreHello
@@ -340,46 +341,15 @@ class Checkpointer:
             self._restores.pop(call, None)
 
     async def restore(self, seq: Sequence, owner: str) -> int:
-        """Per-request restoration; returns the tokens restored.
-
-        It fetches the request's checkpointed KV and writes each chunk into this AW's cache as it
-        arrives. It restores all committed tokens, but at least one short of the request's end, so
-        the step that follows yields the next token's logits. It returns 0 if the store has nothing
-        or no blocks are free; the request then re-prefills. Raises PeerDeadError or TimeoutError if
-        the store fails part-way. The blocks of an unfinished restore, failed or cancelled, are
-        released."""
-        want, written = 0, 0
-        try:
-            async with contextlib.aclosing(self.fetch(owner, seq.request_id, seq.num_tokens - 1)) as chunks:
-                async for chunk in chunks:
-                    if not want:  # the first chunk says how much there is
-                        want = min(chunk.frontier, seq.num_tokens - 1)
-                        if want <= 0 or not self.kv.blocks.grow(seq.block_table, want):
-                            return 0
-                    written += self._write(seq, chunk, want)
-        except BaseException:
-            self.kv.blocks.release(seq.block_table)
-            raise
-        if written < want:  # the stream ended early, so not a usable prefix
-            self.kv.blocks.release(seq.block_table)
-            return 0
-        seq.num_computed = want
+        """Per-request restoration (attention_worker/kv_restore.py): `owner`'s checkpoint of `seq` fetched and
+        written into this AW's cache as it arrives; returns the tokens restored, 0 where the request re-prefills.
+        Raises PeerDeadError or TimeoutError if the store fails part-way."""
+        async with contextlib.aclosing(self.fetch(owner, seq.request_id, seq.num_tokens - 1)) as chunks:
+            want = await restore_into(self.kv, seq, chunks)
         if want:
             self.restores += 1
             self.restored_tokens += want
         return want
-
-    def _write(self, seq: Sequence, chunk: KvRestore, want: int) -> int:
-        """Writes into the cache the tokens chunk.start .. of chunk.k, v [L, c, K, d] that fall below `want`."""
-        end = min(want, chunk.start + chunk.k.shape[1])
-        if end <= chunk.start:
-            return 0
-        c = end - chunk.start
-        slots = torch.tensor(self.kv.slots(seq.block_table, chunk.start, end), dtype=torch.long, device=self.kv.device)
-        k, v = to_device(chunk.k[:, :c], self.kv.device), to_device(chunk.v[:, :c], self.kv.device)
-        self.kv.k_all.index_copy_(1, slots, k)  # every layer in one op
-        self.kv.v_all.index_copy_(1, slots, v)
-        return c
 
     def stats(self) -> dict[str, Any]:
         lags = list(self.lags)
