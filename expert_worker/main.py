@@ -1,8 +1,8 @@
 """Expert worker process.
 
-Main loop: wait for pending calls -> ask the gather policy what runs now -> run each expert once
-over the rows of all calls in the batch -> send each AW its results. The read callback of a call
-takes that turn itself (`_turn`): the batch the call completes runs there, sparing a hop through the
+Main loop (expert_worker/batching.py): wait for pending calls -> ask the gather policy what runs now -> run each
+expert once over the rows of all calls in the batch -> send each AW its results. The read callback of a call
+takes that turn itself (`Batching.turn`): the batch the call completes runs there, sparing a hop through the
 main loop.
 
 Connection handlers validate and enqueue, and take that turn. The AWs' control channels carry their probes and
@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from expert_worker import loading
+from expert_worker.batching import Batching
 from expert_worker.executor import ExpertExecutor
-from expert_worker.gather import PendingCall, make_policy
+from expert_worker.gather import make_policy
 from expert_worker.sim_executor import SimExecutor
-from fabric import cpu_regions, device, faults, trace
+from fabric import device, faults
 from fabric.config import ExpertWorkerConfig
 from fabric.errors import AuthError, FabricError, PeerDeadError, ProtocolError
 from fabric.messages.base import Message
@@ -39,7 +40,7 @@ from fabric.messages.control import (
     WorkerReady,
     WorkerStats,
 )
-from fabric.messages.expert import ExpertCall, ExpertError, ExpertResult
+from fabric.messages.expert import ExpertCall, ExpertError
 from fabric.messages.liveness import AwActivity, Hello, Ping, Pong
 from fabric.model.config import ModelConfig
 from fabric.process import run_niced_async
@@ -60,23 +61,12 @@ class ExpertWorker(Service):
         self.model = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.executor = (SimExecutor(self.model, cfg.sim_expert_ms, cfg.sim_expert_row_us) if cfg.compute == "sim"
                          else ExpertExecutor(self.model, cfg.kernel, str(device.resolve(cfg.device)), cfg.cuda_graphs))
-        self.policy = make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms, self.model.num_layers)
         self.transport = make_transport(cfg.transport, send_timeout=cfg.send_timeout_ms / 1000,
                                         secret=cfg.secret, tls=cfg.tls)
         self.runtime: Runtime | None = None
         self.listener: Listener | None = None
         self.slot = ""  # the placement slot whose experts this EW holds
         self.loaded = False
-        self.pending: list[PendingCall] = []
-        self.computing: list[PendingCall] = []  # the batch under way
-        self.failed: Exception | None = None  # what a batch run from a read callback raised
-        self.active_aws: set[str] = set()
-        self.not_padding: set[str] = set()  # AWs whose last call said they do not pad (`ExpertCall.pads`)
-        self.empty_calls = 0
-        self.wakeup = asyncio.Event()
-        self.batches = 0
-        self.mixed_batches = 0  # batches that held calls for more than one layer (each layer's experts read apart)
-        self.compute_s = 0.0  # cumulative time running experts (for stats)
         # Newest routing-table epoch seen, from the orchestrator or on a call.
         self.epoch = 0
         # Calls tagged with an older epoch. They are still served, as we host the expert.
@@ -84,8 +74,10 @@ class ExpertWorker(Service):
         # AWs the orchestrator declared dead. They are never waited for and never served.
         self.fenced: set[str] = set()
         self.conns: dict[str, dict[str, Connection]] = {}  # AW -> channel ("control", "data") -> its connection
-        self.slow = faults.slow_steps()  # the test-only fault hook: slow batches
         self.clock = StepClock()
+        # The calls held, the batches picked, run and answered (expert_worker/batching.py).
+        self.batching = Batching(self.executor, make_policy(cfg.gather, cfg.min_batch_tokens, cfg.max_wait_ms,
+                                                            self.model.num_layers), self.clock, faults.slow_steps())
         self.warmup_s: float | None = None  # the cold paths, run once before the first WorkerReady
 
     # -- connection handlers ------------------------------------------------------------------
@@ -106,7 +98,7 @@ class ExpertWorker(Service):
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
         if hello.channel == "data":
-            self.not_padding.discard(hello.aw_id)  # a new link pads until it says otherwise
+            self.batching.not_padding.discard(hello.aw_id)  # a new link pads until it says otherwise
             # Calls and results land as the GPU's memory where UCX can.
             conn.land_frames_on(self.executor.device)
         try:
@@ -115,12 +107,10 @@ class ExpertWorker(Service):
             channels = self.conns.get(hello.aw_id, {})
             if channels.get(hello.channel) is conn:
                 del channels[hello.channel]
-            self.pending = [p for p in self.pending if p.conn is not conn]  # nobody reads those results
+            self.batching.drop(conn)
             if not channels:  # its data link is gone: never wait for its calls
                 self.conns.pop(hello.aw_id, None)
-                self.active_aws.discard(hello.aw_id)
-                self.not_padding.discard(hello.aw_id)
-                self.wakeup.set()
+                self.batching.forget(hello.aw_id)
 
     def control_message(self, peer: str, msg: Message | None) -> None:
         """Handles an AW's control channel, on the control loop.
@@ -139,10 +129,10 @@ class ExpertWorker(Service):
     def _activity(self, aw_id: str, active: bool) -> None:
         """Gather policies wait only for the AWs that have a batch running (and a control channel)."""
         if active and aw_id not in self.fenced:
-            self.active_aws.add(aw_id)
+            self.batching.active_aws.add(aw_id)
         else:
-            self.active_aws.discard(aw_id)
-        self.wakeup.set()
+            self.batching.active_aws.discard(aw_id)
+        self.batching.wakeup.set()
 
     # -- the role runtime's side ---------------------------------------------------------------
     async def start(self, runtime: Runtime) -> int:
@@ -153,7 +143,7 @@ class ExpertWorker(Service):
             await run_niced_async(self._premap, self.cfg.boot_nice)
             await self._warm_up()
         self.listener = await self.transport.listen(self.cfg.host, self.cfg.port, self.handle_conn)
-        runtime.spawn(self.main_loop(runtime.stop), main_loop=True)
+        runtime.spawn(self.batching.run_loop(runtime.stop), main_loop=True)
         log.info("expert worker listening on %s:%d (%s)", self.cfg.host, self.listener.port, self.transport.name)
         return self.listener.port
 
@@ -218,7 +208,7 @@ class ExpertWorker(Service):
         process: a batch's calls are held until their results are sent (`_turn`).
         """
         # (lists copied under the GIL)
-        held = sum(p.aw_id == peer for p in [*self.pending, *self.computing])
+        held = self.batching.held(peer)
         data = self.conns.get(peer, {}).get("data")
         if data is not None and (data.unread() > 0 or data.unsent() > 0):
             held += 1
@@ -232,10 +222,10 @@ class ExpertWorker(Service):
 
     def stats(self) -> WorkerStats:
         rows = [[lyr, e, n] for (lyr, e), n in sorted(dict(self.executor.tokens_by_expert).items())]
-        return WorkerStats({"batches": self.batches, "mixed_batches": self.mixed_batches,
-                            "hurried_batches": self.policy.hurried,
-                            "compute_s": round(self.compute_s, 3), "epoch": self.epoch,
-                            "stale_calls": self.stale_calls, "empty_calls": self.empty_calls,
+        b = self.batching
+        return WorkerStats({"batches": b.batches, "mixed_batches": b.mixed_batches, "hurried_batches": b.policy.hurried,
+                            "compute_s": round(b.compute_s, 3), "epoch": self.epoch,
+                            "stale_calls": self.stale_calls, "empty_calls": b.empty_calls,
                             "expert_mib_read": round(self.executor.bytes_read / 2**20, 1),
                             "expert_mib_mapped": round(self.executor.bytes_mapped / 2**20, 1),
                             "kernel": self.executor.kernel,
@@ -259,16 +249,13 @@ class ExpertWorker(Service):
         newly = [w for w in view.dead if w not in self.fenced]  # (only AWs ever connect here)
         for aw_id in newly:
             self.fenced.add(aw_id)
-            if aw_id in self.active_aws or aw_id in self.conns:
+            if aw_id in self.batching.active_aws or aw_id in self.conns:
                 log.info("%s declared dead: no longer waited for", aw_id)
-            self.active_aws.discard(aw_id)
-            self.pending = [p for p in self.pending if p.aw_id != aw_id]
+            self.batching.forget(aw_id)
             for conn in self.conns.pop(aw_id, {}).values():
                 await conn.close()
             assert self.runtime is not None
             await self.runtime.drop_peer(aw_id)
-        if newly:
-            self.wakeup.set()
 
     async def _data_loop(self, aw_id: str, conn: Connection) -> None:
         """Takes the AW's calls as they arrive (in the transport's read callback) until its connection ends."""
@@ -296,103 +283,7 @@ class ExpertWorker(Service):
         if missing:
             conn.send_nowait(ExpertError(msg.call_id, f"layer {msg.layer} experts {missing} not hosted here"))
             return
-        self.active_aws.add(aw_id)
-        if msg.pads:
-            self.not_padding.discard(aw_id)
-        else:
-            self.not_padding.add(aw_id)
-        self.empty_calls += not msg.counts
-        trace.stamp("arrive", aw_id, msg.call_id)
-        self.pending.append(PendingCall(aw_id, conn, msg))
-        if not self.computing and self.failed is None:
-            try:
-                self._turn()  # the batch this call completes, here
-            except Exception as exc:  # the worker's failure, not this AW's: the main loop raises it
-                self.failed = exc
-        if self.pending or self.failed is not None:
-            self.wakeup.set()
-
-    # -- main loop ----------------------------------------------------------------------------
-    async def main_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            if self.failed is not None:
-                raise self.failed  # (a batch run from a read callback)
-            ran, wait = self._turn()
-            if ran:
-                continue
-            self.wakeup.clear()
-            # A timer, not wait_for, which would wrap the wait in a task of its own every layer.
-            timer = asyncio.get_running_loop().call_later(wait if wait is not None else 1.0, self.wakeup.set)
-            try:
-                await self.wakeup.wait()
-            finally:
-                timer.cancel()
-
-    def _turn(self) -> tuple[bool, float | None]:
-        """Runs and answers the batch the policy picks now, if any: (whether one ran, seconds until the policy's
-        next time-based decision). The main loop takes turns, and so does the read callback of a call that
-        completes a batch, sparing the hop through the main loop."""
-        replays = [p for p in self.pending if p.call.replay]
-        # Replayed work from a dead EW's AWs goes first, whatever the policy says.
-        if replays:
-            batch, wait = replays, None
-        else:
-            batch, wait = self.policy.select(self.pending, self._awaited(), time.monotonic())
-        if not batch:
-            return False, wait
-        # The control loop counts the batch held (`load`) from before it leaves `pending` until its results are sent:
-        # a probe answered between the two would tell its AWs that this EW holds none of their calls.
-        self.computing = batch
-        chosen = {id(p) for p in batch} if len(batch) < len(self.pending) else None  # (None: all of them)
-        self.pending = [p for p in self.pending if id(p) not in chosen] if chosen else []
-        try:
-            t0 = time.perf_counter()
-            c0 = cpu_regions.start()
-            outputs = self.clock.run(self._run, batch)
-            cpu_regions.add("batch: run", c0)
-            c0 = cpu_regions.start()
-            took = time.perf_counter() - t0
-            active = self.active_aws
-            for p, y in zip(batch, outputs):  # the results first: their AWs wait for them, the counts below wait for nobody
-                if not p.rows:
-                    # An AW's empty call, sent so that the gather does not wait for it. Nobody waits for an answer.
-                    continue
-                try:
-                    # Never wait on one slow AW. (`others`: an AW other than this one has a batch running.)
-                    others = len(active) > 1 or (len(active) == 1 and p.aw_id not in active)
-                    p.conn.send_nowait(ExpertResult(p.call.call_id, y, others, took))
-                    trace.stamp("sent", p.aw_id, p.call.call_id)
-                except PeerDeadError:
-                    pass  # that AW is gone; nobody waits for these rows
-            self.compute_s += took
-            self.policy.ran(took)
-            self.batches += 1
-            self.mixed_batches += len(batch) > 1 and len({p.call.layer for p in batch}) > 1
-            cpu_regions.add("batch: encode and write the results", c0)
-            if cpu_regions.on:
-                cpu_regions.count(batches=1, rows=sum(p.rows for p in batch))
-        finally:
-            self.computing = []
-        return True, None
-
-    def _awaited(self) -> set[str]:
-        """The AWs a sync gather waits for: those with a batch running whose last call said they pad.
-
-        An AW that does not pad sends nothing at a layer it has no rows for here, so waiting for it could
-        last until `max_wait`. One stops padding only when this EW's results tell it that no other AW has a
-        batch running, or while its layers' rows go to one EW each (attention_worker/collapse.py), and only
-        through a message that says so, which lands before any layer it skips."""
-        return self.active_aws - self.not_padding if self.not_padding else self.active_aws
-
-    def _run(self, batch: list[PendingCall]) -> list[torch.Tensor]:
-        """Runs one batch on this loop. The control plane answers for the worker meanwhile."""
-        for p in batch:
-            trace.stamp("run", p.aw_id, p.call.call_id)
-        if self.slow is not None:
-            self.slow()
-        outputs = self.executor.run(batch)
-        trace.stamp("ran", "", -1)
-        return outputs
+        self.batching.take(aw_id, conn, msg)
 
 
 async def serve(cfg: ExpertWorkerConfig, stop: asyncio.Event) -> None:

@@ -1,5 +1,5 @@
-"""An expert worker runs the batch a call completes in that call's read callback, with no hop through its main
-loop: the results are sent before the callback returns. A batch that fails there fails the worker, as one in its
+"""An expert worker runs the batch a call completes in that call's read callback (expert_worker/batching.py), with no
+hop through its main loop: the results are sent before the callback returns. A batch that fails there fails the worker, as one in its
 main loop does (its main loop raises it), not the AW whose call completed it."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def worker(model: Path) -> ExpertWorker:
     ew = ExpertWorker(ExpertWorkerConfig(model=str(model), orchestrator="127.0.0.1:1", compute="sim",
                                          sim_expert_ms=0.0))
     ew.executor.load("", [(1, 0), (1, 1)])
-    ew.active_aws = {"aw-0", "aw-1"}  # both have a batch running: the sync gather waits for both
+    ew.batching.active_aws = {"aw-0", "aw-1"}  # both have a batch running: the sync gather waits for both
     return ew
 
 
@@ -43,12 +43,12 @@ def test_the_call_that_completes_a_batch_runs_it_in_its_read_callback(hf_models:
         ew = worker(hf_models["mixtral"])
         a, b = Conn(), Conn()
         ew._on_data("aw-0", a, call(ew, 1))  # type: ignore[arg-type]
-        assert a.sent == [] and len(ew.pending) == 1 and ew.wakeup.is_set()  # waits for aw-1's call
-        ew.wakeup.clear()
+        assert a.sent == [] and len(ew.batching.pending) == 1 and ew.batching.wakeup.is_set()  # waits for aw-1's call
+        ew.batching.wakeup.clear()
         ew._on_data("aw-1", b, call(ew, 2))  # type: ignore[arg-type]
         # Both answered before the callback returned; nothing left for the main loop, which is not woken.
         assert [type(m) for m in a.sent] == [ExpertResult] and [m.call_id for m in b.sent] == [2]  # type: ignore[attr-defined]
-        assert ew.pending == [] and ew.batches == 1 and not ew.wakeup.is_set()
+        assert ew.batching.pending == [] and ew.batching.batches == 1 and not ew.batching.wakeup.is_set()
 
     asyncio.run(body())
 
@@ -56,16 +56,16 @@ def test_the_call_that_completes_a_batch_runs_it_in_its_read_callback(hf_models:
 def test_a_batch_that_fails_in_a_read_callback_fails_the_worker(hf_models: dict[str, Path]) -> None:
     async def body() -> None:
         ew = worker(hf_models["mixtral"])
-        ew.active_aws = {"aw-0"}
+        ew.batching.active_aws = {"aw-0"}
 
         def broken(batch: object) -> list[torch.Tensor]:
             raise RuntimeError("device lost")
 
         ew.executor.run = broken  # type: ignore[method-assign,assignment]
         ew._on_data("aw-0", Conn(), call(ew, 1))  # type: ignore[arg-type]  # (it does not raise to the AW's link)
-        assert isinstance(ew.failed, RuntimeError) and ew.wakeup.is_set()
+        assert isinstance(ew.batching.failed, RuntimeError) and ew.batching.wakeup.is_set()
         with pytest.raises(RuntimeError, match="device lost"):
-            await asyncio.wait_for(ew.main_loop(asyncio.Event()), 5)
+            await asyncio.wait_for(ew.batching.run_loop(asyncio.Event()), 5)
 
     asyncio.run(body())
 
@@ -96,7 +96,7 @@ def test_a_batch_counts_held_until_its_results_are_sent(hf_models: dict[str, Pat
 
     async def body() -> None:
         ew = worker(hf_models["mixtral"])
-        ew.active_aws = {"aw-0"}
+        ew.batching.active_aws = {"aw-0"}
         conn = Watching(ew, "aw-0")
         ew._on_data("aw-0", conn, call(ew, 1))  # type: ignore[arg-type]
         assert [m.call_id for m in conn.sent] == [1]  # type: ignore[attr-defined]
