@@ -11,6 +11,11 @@ file, so nothing outlives the process, however it ends.
 
 The cost: idle CPUs poll instead of sleeping, which draws power, and on a VM its host sees the vCPUs busy. Writing
 the file takes root, or a udev rule that gives the serving user the device; without it nothing changes.
+
+The request is read by the kernel's cpuidle governor. A kernel that runs no cpuidle driver (a Firecracker guest reads
+`none` in /sys/devices/system/cpu/cpuidle/current_driver) halts an idle CPU whatever is asked, so there the request
+is held and changes nothing: the log says so (`idle_driver`). A driver (haltpoll in a KVM guest) or `idle=poll` on
+the kernel's command line is what makes the request count there.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import struct
 from collections.abc import Iterator
 
 DEVICE = "/dev/cpu_dma_latency"
+IDLE_DRIVER = "/sys/devices/system/cpu/cpuidle/current_driver"
 
 log = logging.getLogger(__name__)
 _held: int | None = None  # this process's request, held open until it exits
@@ -55,8 +61,22 @@ def hold(us: int | None, device: str = DEVICE) -> bool:
         return False
     _held = request(us, device)
     if _held is not None:
-        log.info("idle CPUs kept within %d µs of waking while this process serves (%s)", us, device)
+        if idle_driver() == "none":
+            log.info("asked for idle CPUs within %d µs of waking (%s), but this kernel runs no cpuidle driver (%s: "
+                     "none): an idle CPU halts whatever is asked", us, device, IDLE_DRIVER)
+        else:
+            log.info("idle CPUs kept within %d µs of waking while this process serves (%s)", us, device)
     return _held is not None
+
+
+def idle_driver(path: str = IDLE_DRIVER) -> str | None:
+    """The kernel's cpuidle driver ("none" where it runs none, and then idle CPUs halt whatever PM QoS asks), or
+    None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def current(device: str = DEVICE) -> int | None:

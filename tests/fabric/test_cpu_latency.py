@@ -36,6 +36,15 @@ def test_nothing_is_asked_of_a_device_that_is_missing_or_for_a_negative_latency(
         assert taken is False
 
 
+def test_the_idle_driver_is_read_and_a_missing_file_is_none(tmp_path: Path) -> None:
+    """The log says a request changes nothing where the kernel runs no cpuidle driver; what it reads."""
+    (tmp_path / "current_driver").write_text("none\n")
+    assert cpu_latency.idle_driver(str(tmp_path / "current_driver")) == "none"
+    (tmp_path / "current_driver").write_text("haltpoll\n")
+    assert cpu_latency.idle_driver(str(tmp_path / "current_driver")) == "haltpoll"
+    assert cpu_latency.idle_driver(str(tmp_path / "absent")) is None
+
+
 def test_a_request_holds_while_its_process_lives_and_ends_with_it() -> None:
     before = cpu_latency.current()
     code = ("import sys; from fabric import cpu_latency as c; ok = c.hold(7); "
