@@ -63,6 +63,18 @@ class Batching:
         if self.pending or self.failed is not None:
             self.wakeup.set()
 
+    def linked(self, aw_id: str) -> None:
+        """A new data link of `aw_id`'s: it pads until a call of its says otherwise."""
+        self.not_padding.discard(aw_id)
+
+    def activity(self, aw_id: str, active: bool) -> None:
+        """Whether `aw_id` has a batch running: gather policies wait only for those that do."""
+        if active:
+            self.active_aws.add(aw_id)
+        else:
+            self.active_aws.discard(aw_id)
+        self.wakeup.set()
+
     def drop(self, conn: Connection) -> None:
         """Drops the calls that came on `conn`, which ended: nobody reads their results."""
         self.pending = [p for p in self.pending if p.conn is not conn]

@@ -98,7 +98,7 @@ class ExpertWorker(Service):
             raise AuthError(f"{conn.peer} claims {hello.aw_id}'s {hello.channel} channel, which is connected")
         channels[hello.channel] = conn
         if hello.channel == "data":
-            self.batching.not_padding.discard(hello.aw_id)  # a new link pads until it says otherwise
+            self.batching.linked(hello.aw_id)
             # Calls and results land as the GPU's memory where UCX can.
             conn.land_frames_on(self.executor.device)
         try:
@@ -127,12 +127,9 @@ class ExpertWorker(Service):
             raise ProtocolError(f"unexpected {msg.kind} on the control channel")
 
     def _activity(self, aw_id: str, active: bool) -> None:
-        """Gather policies wait only for the AWs that have a batch running (and a control channel)."""
-        if active and aw_id not in self.fenced:
-            self.batching.active_aws.add(aw_id)
-        else:
-            self.batching.active_aws.discard(aw_id)
-        self.batching.wakeup.set()
+        """Gather policies wait only for the AWs that have a batch running (and a control channel), never for a
+        fenced one."""
+        self.batching.activity(aw_id, active and aw_id not in self.fenced)
 
     # -- the role runtime's side ---------------------------------------------------------------
     async def start(self, runtime: Runtime) -> int:
@@ -205,9 +202,8 @@ class ExpertWorker(Service):
         (attention_worker/ew_link.py). Calls still unread on its data connection count as one: a
         batch that began just before they could be read holds them too. On a loaded host this loop
         may start a batch before reading calls that arrived earlier. So do results not yet out of this
-        process: a batch's calls are held until their results are sent (`_turn`).
+        process: a batch's calls are held until their results are sent (`Batching.turn`).
         """
-        # (lists copied under the GIL)
         held = self.batching.held(peer)
         data = self.conns.get(peer, {}).get("data")
         if data is not None and (data.unread() > 0 or data.unsent() > 0):
