@@ -18,7 +18,8 @@ import torch
 from attention_worker.collapse import CollapsePolicy, layer_targets
 from attention_worker.ew_link import EwLink
 from attention_worker.forwarding import ForwardingEngine
-from attention_worker.layer_plan import plan_layer
+from attention_worker.expert_calls import Call
+from attention_worker.layer_plan import LayerPlan, plan_layer
 from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.routing import EwAddress, RoutingTable, placement_tensor
 from fabric.transport.tcp import TcpTransport
@@ -29,6 +30,12 @@ from tests.helpers import wait_for
 from tests.load import kill_mid_decode, run_streams
 
 LAYERS, EXPERTS = [0, 1, 2, 3], 8
+
+
+def usual_calls(refe: ForwardingEngine, plan: LayerPlan) -> list[Call] | None:
+    """The REFE's calls of `plan`'s layer the usual way, under its table and the EWs it routes around now."""
+    assert refe.table is not None
+    return refe.calls.usual(refe.table, plan, refe.links.excluded)
 
 
 def planned(ews: list[str], shadows: int = 1) -> RoutingTable:
@@ -190,11 +197,11 @@ async def _collapsed_calls() -> None:
     def plan(layer: int) -> Any:
         return plan_layer(layer, x, experts, torch.full((tokens, 2), 0.5), EXPERTS)
 
-    spread = {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []}
+    spread = {c.ew for c in usual_calls(refe, plan(0)) or []}
     assert spread == set(ews)  # the placement's runs: rows for both
     refe.collapse.on = True
     for layer, ew in layer_targets(refe.table, set()).items():
-        calls = refe.calls.usual(refe.table, plan(layer), refe.links.excluded)
+        calls = usual_calls(refe, plan(layer))
         assert calls is not None and [c.ew for c in calls] == [ew]
         assert calls[0].rows == slice(0, 2 * tokens) and sum(calls[0].counts) == 2 * tokens  # every row, one run
         refe.post(ew, plan(layer), calls[0].experts, calls[0].counts, calls[0].rows)
@@ -208,7 +215,7 @@ async def _collapsed_calls() -> None:
     assert [(m.counts, m.pads) for m in conns["ew-1"].sent] == [([], False)]
     # The target routed around (dead): the layer goes where its experts' next copies are.
     refe.links.dead = {"ew-0"}
-    assert {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []} == {"ew-1"}
+    assert {c.ew for c in usual_calls(refe, plan(0)) or []} == {"ew-1"}
     refe.links.dead = set()
     # An expert the table spreads over its replicas (expert load balancing) stays spread; the others collapse.
     t = refe.table
@@ -218,7 +225,7 @@ async def _collapsed_calls() -> None:
     assert refe.calls.ews_of(refe.table, 0, set()) == [None if e == 3 else "ew-0" for e in range(EXPERTS)]
     refe.table = t
     refe.collapse.on = False  # and spread again: the placement's runs
-    assert {c.ew for c in refe.calls.usual(refe.table, plan(0), refe.links.excluded) or []} == set(ews)
+    assert {c.ew for c in usual_calls(refe, plan(0)) or []} == set(ews)
     for link in refe.links.links.values():
         link.pending.clear()
 

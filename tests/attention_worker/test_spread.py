@@ -19,7 +19,7 @@ from attention_worker.layer_plan import plan_layer
 from attention_worker.spread import spread
 from fabric.routing import EwAddress, RoutingTable, placement_tensor
 from fabric.transport.tcp import TcpTransport
-from tests.attention_worker.test_collapse import EXPERTS, LAYERS, _Conn, planned
+from tests.attention_worker.test_collapse import EXPERTS, LAYERS, _Conn, planned, usual_calls
 from tests.conftest import running_fabric
 from tests.helpers import iter_stream, post_json, wait_for
 from tests.system.test_parity import assert_matches, reference, second_cores
@@ -80,14 +80,14 @@ async def _alone() -> None:
     plan = plan_layer(0, x, torch.tensor([first] * 3), torch.full((3, 2), 0.5), EXPERTS)
 
     def calls() -> list[tuple[str, list[int]]]:
-        return [(c.ew, c.experts) for c in refe.calls.usual(refe.table, plan, refe.links.excluded) or []]
+        return [(c.ew, c.experts) for c in usual_calls(refe, plan) or []]
 
     assert calls() == [("ew-0", first)]  # a new link pads (another AW may be there) until a result says otherwise
     for link in refe.links.links.values():
         link.pads = False
     spread_calls = calls()
     assert sorted(w for w, _ in spread_calls) == ews and sorted(e for _, es in spread_calls for e in es) == first
-    for c in refe.calls.usual(refe.table, plan, refe.links.excluded) or []:  # each call holds its experts' rows
+    for c in usual_calls(refe, plan) or []:  # each call holds its experts' rows
         assert torch.equal(plan.xs[c.rows], torch.cat([plan.xs[s:s + n] for s, n in zip(c.starts, c.counts)]))
         assert c.counts == [3]
     assert refe.calls.spread_layers == 2
