@@ -17,8 +17,8 @@ import torch
 
 from attention_worker.collapse import CollapsePolicy, layer_targets
 from attention_worker.ew_link import EwLink
-from attention_worker.forwarding import ForwardingEngine
 from attention_worker.expert_calls import Call
+from attention_worker.forwarding import ForwardingEngine
 from attention_worker.layer_plan import LayerPlan, plan_layer
 from fabric.messages.expert import ExpertCall, ExpertResult
 from fabric.routing import EwAddress, RoutingTable, placement_tensor
