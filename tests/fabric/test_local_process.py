@@ -17,13 +17,13 @@ from fabric.local_process import LocalProcess, Sample, Thread, identity, waited_
 from tests.starve import pinned_to_cpu0, spinner_on_cpu0
 
 SPIN = "while True:\n    pass\n"
-SLEEP = "import time\ntime.sleep(600)\n"
+SLEEP = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n"  # (says when its start-up is over)
 TICK = "import time\nwhile True:\n    time.sleep(0.01)\n"
 
 
 @contextmanager
 def child(code: str) -> Iterator[subprocess.Popen[bytes]]:
-    p = subprocess.Popen([sys.executable, "-c", code])
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
         yield p
     finally:
@@ -46,8 +46,10 @@ def test_a_process_is_found_by_its_identity_and_only_by_it() -> None:
     assert LocalProcess.find(p.pid, theirs) is None
 
 
-def asleep(proc: LocalProcess) -> Sample:
-    """A sample of `proc` once its one thread sleeps (past its start-up), looked at every 10 ms for up to 30 s."""
+def asleep(p: subprocess.Popen[bytes], proc: LocalProcess) -> Sample:
+    """A sample of `proc` once its one thread sleeps past its start-up, looked at every 10 ms for up to 30 s. (Its
+    start-up blocks too, on its files: a look then took it for asleep, and it ran and waited for a CPU after.)"""
+    assert p.stdout is not None and p.stdout.readline() == b"sleeping\n"
     for _ in range(3000):
         s = proc.sample()
         if s is not None and not any(t.runnable for t in s.threads.values()):
@@ -59,7 +61,7 @@ def asleep(proc: LocalProcess) -> Sample:
 def test_a_sleeping_process_waits_for_nothing_and_a_stopped_one_is_said_to_be() -> None:
     with child(SLEEP) as p:
         proc = LocalProcess(p.pid)
-        a = asleep(proc)
+        a = asleep(p, proc)
         time.sleep(0.2)
         b = proc.sample()
         assert a is not None and b is not None and not b.stopped
